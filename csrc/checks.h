@@ -1,0 +1,107 @@
+// Argument checks shared by the CPU and CUDA launchers, so both backends reject bad input with the same message.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <limits>
+#include <string>
+
+namespace peagle {
+
+inline std::string shape_str(const at::Tensor& t) { return c10::str(t.sizes()); }
+
+inline void check_rank(const char* op, const char* name, const at::Tensor& t, int64_t rank, const char* layout) {
+  TORCH_CHECK(t.dim() == rank, "peagle.", op, ": ", name, " must be ", rank, "-D ", layout, ", got shape ",
+              shape_str(t));
+}
+
+inline void check_integer(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, "peagle.", op, ": ", name,
+              " must be int32 or int64, got ", t.scalar_type());
+}
+
+inline void check_same_device(const char* op, const char* name, const at::Tensor& t, const at::Tensor& ref,
+                              const char* ref_name) {
+  TORCH_CHECK(t.device() == ref.device(), "peagle.", op, ": ", name, " must be on the same device as ", ref_name,
+              " (", ref.device(), "), got ", t.device());
+}
+
+inline void check_cod_sample_args(const at::Tensor& loss_mask, const at::Tensor& document_ids, int64_t num_depths,
+                                  double ratio, double ratio_min, const c10::optional<int64_t>& max_anchors) {
+  const char* op = "cod_sample";
+  check_rank(op, "loss_mask", loss_mask, 1, "[T]");
+  check_rank(op, "document_ids", document_ids, 1, "[T]");
+  TORCH_CHECK(loss_mask.scalar_type() == at::kBool || c10::isIntegralType(loss_mask.scalar_type(), false) ||
+                  c10::isFloatingType(loss_mask.scalar_type()),
+              "peagle.cod_sample: loss_mask must be bool, integer or floating (nonzero = trained), got ",
+              loss_mask.scalar_type());
+  check_integer(op, "document_ids", document_ids);
+  TORCH_CHECK(loss_mask.size(0) == document_ids.size(0), "peagle.cod_sample: loss_mask and document_ids must have ",
+              "the same length T, got ", loss_mask.size(0), " and ", document_ids.size(0));
+  check_same_device(op, "document_ids", document_ids, loss_mask, "loss_mask");
+  TORCH_CHECK(num_depths >= 1, "peagle.cod_sample: num_depths must be >= 1, got ", num_depths);
+  TORCH_CHECK(ratio > 0.0 && ratio <= 1.0, "peagle.cod_sample: ratio must be in (0, 1], got ", ratio);
+  TORCH_CHECK(ratio_min >= 0.0 && ratio_min <= ratio, "peagle.cod_sample: ratio_min must be in [0, ratio] = [0, ",
+              ratio, "], got ", ratio_min);
+  TORCH_CHECK(!max_anchors.has_value() || *max_anchors >= 1, "peagle.cod_sample: max_anchors must be None or >= 1, ",
+              "got ", max_anchors.value_or(0));
+}
+
+// Returns the number of positions T.
+inline int64_t check_cod_gather_args(const at::Tensor& input_ids, const at::Tensor& hidden,
+                                     const at::Tensor& mask_hidden, const at::Tensor& anchors,
+                                     const at::Tensor& depths, int64_t mask_token_id,
+                                     const c10::optional<int64_t>& vocab_size) {
+  const char* op = "cod_gather";
+  check_rank(op, "input_ids", input_ids, 1, "[T]");
+  check_rank(op, "hidden", hidden, 2, "[T, D]");
+  check_rank(op, "mask_hidden", mask_hidden, 1, "[D]");
+  check_rank(op, "anchors", anchors, 1, "[N]");
+  check_rank(op, "depths", depths, 1, "[N]");
+  check_integer(op, "input_ids", input_ids);
+  check_integer(op, "anchors", anchors);
+  check_integer(op, "depths", depths);
+  const auto dtype = hidden.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kDouble,
+              "peagle.cod_gather: hidden must be float32, bfloat16, float16 or float64, got ", dtype);
+  TORCH_CHECK(mask_hidden.scalar_type() == dtype, "peagle.cod_gather: mask_hidden must have hidden's dtype ", dtype,
+              ", got ", mask_hidden.scalar_type());
+  TORCH_CHECK(input_ids.size(0) == hidden.size(0), "peagle.cod_gather: input_ids [T] and hidden [T, D] must agree on ",
+              "T, got ", input_ids.size(0), " and ", hidden.size(0));
+  TORCH_CHECK(mask_hidden.size(0) == hidden.size(1), "peagle.cod_gather: mask_hidden must be [D] with D = ",
+              hidden.size(1), ", got shape ", shape_str(mask_hidden));
+  TORCH_CHECK(anchors.size(0) == depths.size(0), "peagle.cod_gather: anchors and depths must have the same length N, ",
+              "got ", anchors.size(0), " and ", depths.size(0));
+  check_same_device(op, "hidden", hidden, input_ids, "input_ids");
+  check_same_device(op, "mask_hidden", mask_hidden, input_ids, "input_ids");
+  check_same_device(op, "anchors", anchors, input_ids, "input_ids");
+  check_same_device(op, "depths", depths, input_ids, "input_ids");
+  const int64_t id_max = input_ids.scalar_type() == at::kInt ? std::numeric_limits<int32_t>::max()
+                                                             : std::numeric_limits<int64_t>::max();
+  TORCH_CHECK(mask_token_id >= 0 && mask_token_id <= id_max, "peagle.cod_gather: mask_token_id must be in [0, ",
+              id_max, "] for ", input_ids.scalar_type(), " input_ids, got ", mask_token_id);
+  if (vocab_size.has_value()) {
+    TORCH_CHECK(mask_token_id < *vocab_size, "peagle.cod_gather: mask_token_id must be < vocab_size = ", *vocab_size,
+                ", got ", mask_token_id);
+  }
+  return hidden.size(0);
+}
+
+inline void check_cod_gather_backward_args(const at::Tensor& grad_feats, const at::Tensor& anchors,
+                                           const at::Tensor& depths, int64_t num_positions) {
+  const char* op = "cod_gather_backward";
+  check_rank(op, "grad_feats", grad_feats, 2, "[N, D]");
+  check_rank(op, "anchors", anchors, 1, "[N]");
+  check_rank(op, "depths", depths, 1, "[N]");
+  check_integer(op, "anchors", anchors);
+  check_integer(op, "depths", depths);
+  TORCH_CHECK(anchors.size(0) == grad_feats.size(0) && depths.size(0) == grad_feats.size(0),
+              "peagle.cod_gather_backward: grad_feats, anchors and depths must agree on N, got ", grad_feats.size(0),
+              ", ", anchors.size(0), " and ", depths.size(0));
+  TORCH_CHECK(num_positions >= 0, "peagle.cod_gather_backward: num_positions must be >= 0, got ", num_positions);
+  check_same_device(op, "anchors", anchors, grad_feats, "grad_feats");
+  check_same_device(op, "depths", depths, grad_feats, "grad_feats");
+}
+
+}  // namespace peagle

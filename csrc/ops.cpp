@@ -1,0 +1,27 @@
+// Every peagle op schema, in one place. Backends register their kernels with TORCH_LIBRARY_IMPL in csrc/cpu and
+// csrc/cuda; fake (meta) kernels and autograd formulas are registered from Python (peagle/ops).
+#include <Python.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(peagle, m) {
+  // COD sampling of training elements (anchor, depth) for a packed row of T positions.
+  m.def(
+      "cod_sample(Tensor loss_mask, Tensor document_ids, int num_depths, float ratio, float ratio_min, "
+      "int? max_anchors, int seed) -> (Tensor anchors, Tensor depths)");
+  // Fused gather of drafter inputs for COD elements: real token/hidden at depth 0, mask token/mask_hidden deeper.
+  // feats comes first so that generic harnesses (opcheck) that sum the outputs start from a floating tensor.
+  m.def(
+      "cod_gather(Tensor input_ids, Tensor hidden, Tensor mask_hidden, Tensor anchors, Tensor depths, "
+      "int mask_token_id, int? vocab_size=None) -> (Tensor feats, Tensor ids, Tensor position_ids, "
+      "Tensor label_index)");
+  m.def(
+      "cod_gather_backward(Tensor grad_feats, Tensor anchors, Tensor depths, int num_positions) -> "
+      "(Tensor grad_hidden, Tensor grad_mask_hidden)");
+}
+
+// `import peagle._C` only needs to run the static registrations above and in the backend files.
+extern "C" PyMODINIT_FUNC PyInit__C(void) {
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "peagle C++/CUDA ops (torch.ops.peagle)", -1,
+                                      nullptr};
+  return PyModule_Create(&module);
+}

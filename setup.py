@@ -1,0 +1,83 @@
+"""Builds peagle._C: a CUDAExtension (CPU + CUDA kernels) when torch has CUDA and nvcc is found, else CPU only.
+
+Environment:
+  PEAGLE_FORCE_CPU=1       build the CPU-only extension even where CUDA is available.
+  TORCH_CUDA_ARCH_LIST     CUDA archs (default "8.0+PTX;9.0a": sm_80, sm_90a, and PTX for newer cards).
+  MAX_JOBS                 parallel compile jobs (torch's BuildExtension honours it).
+  PEAGLE_NO_DLINK=1        skip relocatable device code and the device-link step (needs no ninja; no tail launch).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sysconfig
+
+# torch guesses CUDA_HOME from the nvcc on PATH; on our machines that is a wrapper script in /usr/local/bin.
+if "CUDA_HOME" not in os.environ and os.path.exists("/usr/local/cuda/bin/nvcc"):
+    os.environ["CUDA_HOME"] = "/usr/local/cuda"
+
+import torch  # noqa: E402
+from setuptools import setup  # noqa: E402
+from torch.utils.cpp_extension import (  # noqa: E402
+    CUDA_HOME,
+    BuildExtension,
+    CppExtension,
+    CUDAExtension,
+    is_ninja_available,
+)
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_ARCHS = "8.0+PTX;9.0a"
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0") not in ("", "0", "false", "False")
+
+
+def _with_cuda() -> bool:
+    if _flag("PEAGLE_FORCE_CPU") or torch.version.cuda is None or CUDA_HOME is None:
+        return False
+    return os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc"))
+
+
+def _sources(pattern: str) -> list[str]:
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+
+
+def _extension():
+    include_dirs = [os.path.join(ROOT, "csrc"), os.path.join(ROOT, "csrc", "include")]
+    cxx_flags = ["-O3", "-fvisibility=hidden"]
+    sources = _sources("csrc/ops.cpp") + _sources("csrc/cpu/*.cpp")
+    if not _with_cuda():
+        return CppExtension("peagle._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx_flags})
+
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)
+    # Toolkits with only nvcc + cudart lack the cuBLAS/cuSPARSE headers some torch CUDA headers include; torch's pip
+    # dependencies ship them here.
+    nvidia_include = os.path.join(sysconfig.get_paths()["purelib"], "nvidia", "cu13", "include")
+    if os.path.isdir(nvidia_include):
+        include_dirs.append(nvidia_include)
+    dlink = not _flag("PEAGLE_NO_DLINK")
+    nvcc_flags = ["-O3", "-lineinfo", "--expt-relaxed-constexpr", "-DPEAGLE_WITH_CUDA"]
+    if dlink:
+        nvcc_flags.append("-rdc=true")
+    ext = CUDAExtension(
+        "peagle._C",
+        sources + _sources("csrc/cuda/*.cpp") + _sources("csrc/cuda/*.cu"),
+        include_dirs=include_dirs,
+        extra_compile_args={"cxx": cxx_flags + ["-DPEAGLE_WITH_CUDA"], "nvcc": nvcc_flags},
+        # Device graph tail launch (later kernels) needs relocatable device code and a device-link step with cudadevrt.
+        dlink=dlink,
+        dlink_libraries=["cudadevrt"] if dlink else [],
+    )
+    if dlink:
+        # torch adds -dlto to the device link; nvlink then needs libnvvm, which nvcc-only toolkits lack.
+        dlink_flags = [f for f in ext.extra_compile_args.get("nvcc_dlink", []) if f != "-dlto"]
+        ext.extra_compile_args["nvcc_dlink"] = dlink_flags
+    return ext
+
+
+if _with_cuda() and not _flag("PEAGLE_NO_DLINK") and not is_ninja_available():
+    raise SystemExit("peagle: the CUDA build's device-link step needs ninja on PATH (pip install ninja), or set PEAGLE_NO_DLINK=1")
+setup(ext_modules=[_extension()], cmdclass={"build_ext": BuildExtension})
