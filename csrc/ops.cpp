@@ -3,6 +3,8 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "cpu/large_buffers.h"
+
 TORCH_LIBRARY(peagle, m) {
   // COD sampling of training elements (anchor, depth) for a packed row of T positions.
   m.def(
@@ -17,6 +19,9 @@ TORCH_LIBRARY(peagle, m) {
   m.def(
       "cod_gather_backward(Tensor grad_feats, Tensor anchors, Tensor depths, int num_positions) -> "
       "(Tensor grad_hidden, Tensor grad_mask_hidden)");
+
+  // Returns the CPU output blocks kept for reuse (see csrc/cpu/large_buffers.h) to the OS; bytes released.
+  m.def("release_cpu_buffers() -> int", &peagle::cpu::release_large_buffers);
 }
 
 // `import peagle._C` only needs to run the static registrations above and in the backend files.

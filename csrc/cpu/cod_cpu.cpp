@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "cpu/large_buffers.h"
 #include "peagle/cod.h"
 
 namespace peagle {
@@ -94,8 +95,8 @@ void check_elements_in_range(const char* op, const int64_t* anchors, const int64
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cod_gather_cpu(
     const at::Tensor& input_ids, const at::Tensor& hidden, const at::Tensor& mask_hidden, const at::Tensor& anchors,
     const at::Tensor& depths, int64_t mask_token_id, c10::optional<int64_t> vocab_size) {
-  const int64_t length = check_cod_gather_args(input_ids, hidden, mask_hidden, anchors, depths, mask_token_id,
-                                               vocab_size);
+  const int64_t length =
+      check_cod_gather_args(input_ids, hidden, mask_hidden, anchors, depths, mask_token_id, vocab_size);
   const at::Tensor hidden_c = hidden.contiguous();
   const at::Tensor mask_hidden_c = mask_hidden.contiguous();
   const at::Tensor ids_c = input_ids.contiguous();
@@ -108,7 +109,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cod_gather_cpu(
   check_elements_in_range("cod_gather", anchor_ptr, depth_ptr, count, length);
 
   at::Tensor ids = at::empty({count}, input_ids.options());
-  at::Tensor feats = at::empty({count, width}, hidden.options());
+  at::Tensor feats = cpu::empty_large({count, width}, hidden.options());
   at::Tensor position_ids = at::empty({count}, anchors_c.options());
   at::Tensor label_index = at::empty({count}, anchors_c.options());
   const int64_t row_bytes = width * static_cast<int64_t>(hidden.element_size());
@@ -126,11 +127,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cod_gather_cpu(
     at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t a = anchor_ptr[i];
-        const bool real = depth_ptr[i] == 0;
-        std::memcpy(feat_bytes + i * row_bytes, real ? hidden_bytes + a * row_bytes : mask_bytes, row_bytes);
-        id_out[i] = real ? id_in[a] : mask_id;
+        id_out[i] = depth_ptr[i] == 0 ? id_in[a] : mask_id;
         position_ptr[i] = label_ptr[i] = a + depth_ptr[i];
       }
+      // Depth-0 rows with consecutive anchors (all of depth 0 for cod_sample output) are one contiguous copy.
+      for (int64_t i = begin; i < end;) {
+        int64_t run = 1;
+        if (depth_ptr[i] == 0) {
+          while (i + run < end && depth_ptr[i + run] == 0 && anchor_ptr[i + run] == anchor_ptr[i] + run) ++run;
+        }
+        const char* src = depth_ptr[i] == 0 ? hidden_bytes + anchor_ptr[i] * row_bytes : mask_bytes;
+        cpu::copy_streaming(feat_bytes + i * row_bytes, src, static_cast<size_t>(run * row_bytes));
+        i += run;
+      }
+      cpu::streaming_fence();
     });
   });
   return {feats, ids, position_ids, label_index};
@@ -148,7 +158,7 @@ std::tuple<at::Tensor, at::Tensor> cod_gather_backward_cpu(const at::Tensor& gra
   const int64_t* depth_ptr = depths_c.data_ptr<int64_t>();
   check_elements_in_range("cod_gather_backward", anchor_ptr, depth_ptr, count, num_positions);
 
-  at::Tensor grad_hidden = at::empty({num_positions, width}, grad_feats.options());
+  at::Tensor grad_hidden = cpu::empty_large({num_positions, width}, grad_feats.options());
   at::Tensor grad_mask_hidden = at::empty({width}, grad_feats.options());
   // Each task owns a block of columns and accumulates every row's contribution to it in opmath (fp32 for half types),
   // so duplicate anchors need no atomics and the result does not depend on the thread count.
