@@ -23,8 +23,8 @@ inline void check_integer(const char* op, const char* name, const at::Tensor& t)
 
 inline void check_same_device(const char* op, const char* name, const at::Tensor& t, const at::Tensor& ref,
                               const char* ref_name) {
-  TORCH_CHECK(t.device() == ref.device(), "peagle.", op, ": ", name, " must be on the same device as ", ref_name,
-              " (", ref.device(), "), got ", t.device());
+  TORCH_CHECK(t.device() == ref.device(), "peagle.", op, ": ", name, " must be on the same device as ", ref_name, " (",
+              ref.device(), "), got ", t.device());
 }
 
 inline void check_cod_sample_args(const at::Tensor& loss_mask, const at::Tensor& document_ids, int64_t num_depths,
@@ -50,9 +50,8 @@ inline void check_cod_sample_args(const at::Tensor& loss_mask, const at::Tensor&
 
 // Returns the number of positions T.
 inline int64_t check_cod_gather_args(const at::Tensor& input_ids, const at::Tensor& hidden,
-                                     const at::Tensor& mask_hidden, const at::Tensor& anchors,
-                                     const at::Tensor& depths, int64_t mask_token_id,
-                                     const c10::optional<int64_t>& vocab_size) {
+                                     const at::Tensor& mask_hidden, const at::Tensor& anchors, const at::Tensor& depths,
+                                     int64_t mask_token_id, const c10::optional<int64_t>& vocab_size) {
   const char* op = "cod_gather";
   check_rank(op, "input_ids", input_ids, 1, "[T]");
   check_rank(op, "hidden", hidden, 2, "[T, D]");
@@ -69,18 +68,19 @@ inline int64_t check_cod_gather_args(const at::Tensor& input_ids, const at::Tens
               ", got ", mask_hidden.scalar_type());
   TORCH_CHECK(input_ids.size(0) == hidden.size(0), "peagle.cod_gather: input_ids [T] and hidden [T, D] must agree on ",
               "T, got ", input_ids.size(0), " and ", hidden.size(0));
-  TORCH_CHECK(mask_hidden.size(0) == hidden.size(1), "peagle.cod_gather: mask_hidden must be [D] with D = ",
-              hidden.size(1), ", got shape ", shape_str(mask_hidden));
+  TORCH_CHECK(mask_hidden.size(0) == hidden.size(1),
+              "peagle.cod_gather: mask_hidden must be [D] with D = ", hidden.size(1), ", got shape ",
+              shape_str(mask_hidden));
   TORCH_CHECK(anchors.size(0) == depths.size(0), "peagle.cod_gather: anchors and depths must have the same length N, ",
               "got ", anchors.size(0), " and ", depths.size(0));
   check_same_device(op, "hidden", hidden, input_ids, "input_ids");
   check_same_device(op, "mask_hidden", mask_hidden, input_ids, "input_ids");
   check_same_device(op, "anchors", anchors, input_ids, "input_ids");
   check_same_device(op, "depths", depths, input_ids, "input_ids");
-  const int64_t id_max = input_ids.scalar_type() == at::kInt ? std::numeric_limits<int32_t>::max()
-                                                             : std::numeric_limits<int64_t>::max();
-  TORCH_CHECK(mask_token_id >= 0 && mask_token_id <= id_max, "peagle.cod_gather: mask_token_id must be in [0, ",
-              id_max, "] for ", input_ids.scalar_type(), " input_ids, got ", mask_token_id);
+  const int64_t id_max =
+      input_ids.scalar_type() == at::kInt ? std::numeric_limits<int32_t>::max() : std::numeric_limits<int64_t>::max();
+  TORCH_CHECK(mask_token_id >= 0 && mask_token_id <= id_max, "peagle.cod_gather: mask_token_id must be in [0, ", id_max,
+              "] for ", input_ids.scalar_type(), " input_ids, got ", mask_token_id);
   if (vocab_size.has_value()) {
     TORCH_CHECK(mask_token_id < *vocab_size, "peagle.cod_gather: mask_token_id must be < vocab_size = ", *vocab_size,
                 ", got ", mask_token_id);

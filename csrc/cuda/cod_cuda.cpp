@@ -25,8 +25,8 @@ std::tuple<at::Tensor, at::Tensor> cod_sample_cuda(const at::Tensor& loss_mask, 
   const at::Tensor docs = document_ids.to(at::kLong).contiguous();
   const int64_t length = loss_mask.size(0);
   TORCH_CHECK(length < (int64_t{1} << 31) / std::max<int64_t>(num_depths, 1),
-              "peagle.cod_sample: T * num_depths must be < 2^31 on CUDA, got T = ", length, ", num_depths = ",
-              num_depths);
+              "peagle.cod_sample: T * num_depths must be < 2^31 on CUDA, got T = ", length,
+              ", num_depths = ", num_depths);
 
   at::Tensor buffer = at::empty({static_cast<int64_t>(cuda::cod_sample_scratch_bytes(length, num_depths))},
                                 loss_mask.options().dtype(at::kByte));
@@ -43,8 +43,8 @@ std::tuple<at::Tensor, at::Tensor> cod_sample_cuda(const at::Tensor& loss_mask, 
   const auto long_opts = loss_mask.options().dtype(at::kLong);
   at::Tensor anchors = at::empty({total}, long_opts);
   at::Tensor depths = at::empty({total}, long_opts);
-  check_cuda(cuda::cod_sample_emit(scratch, length, num_depths, anchors.data_ptr<int64_t>(),
-                                   depths.data_ptr<int64_t>(), stream),
+  check_cuda(cuda::cod_sample_emit(scratch, length, num_depths, anchors.data_ptr<int64_t>(), depths.data_ptr<int64_t>(),
+                                   stream),
              "cod_sample");
   return {anchors, depths};
 }
@@ -52,8 +52,8 @@ std::tuple<at::Tensor, at::Tensor> cod_sample_cuda(const at::Tensor& loss_mask, 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cod_gather_cuda(
     const at::Tensor& input_ids, const at::Tensor& hidden, const at::Tensor& mask_hidden, const at::Tensor& anchors,
     const at::Tensor& depths, int64_t mask_token_id, c10::optional<int64_t> vocab_size) {
-  const int64_t length = check_cod_gather_args(input_ids, hidden, mask_hidden, anchors, depths, mask_token_id,
-                                               vocab_size);
+  const int64_t length =
+      check_cod_gather_args(input_ids, hidden, mask_hidden, anchors, depths, mask_token_id, vocab_size);
   const c10::cuda::CUDAGuard guard(hidden.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor hidden_c = hidden.contiguous();
@@ -120,11 +120,11 @@ std::tuple<at::Tensor, at::Tensor> cod_gather_backward_cuda(const at::Tensor& gr
   at::Tensor mask_acc = at::zeros({width}, acc_opts);
   at::Tensor grad_hidden = direct ? hidden_acc : at::empty({num_positions, width}, grad_feats.options());
   at::Tensor grad_mask_hidden = direct ? mask_acc : at::empty({width}, grad_feats.options());
-  check_cuda(cuda::cod_gather_backward(type, grad_c.data_ptr(), anchors_c.data_ptr<int64_t>(),
-                                       depths_c.data_ptr<int64_t>(), count, width, num_positions, hidden_acc.data_ptr(),
-                                       mask_acc.data_ptr(), grad_hidden.data_ptr(), grad_mask_hidden.data_ptr(),
-                                       stream),
-             "cod_gather_backward");
+  check_cuda(
+      cuda::cod_gather_backward(type, grad_c.data_ptr(), anchors_c.data_ptr<int64_t>(), depths_c.data_ptr<int64_t>(),
+                                count, width, num_positions, hidden_acc.data_ptr(), mask_acc.data_ptr(),
+                                grad_hidden.data_ptr(), grad_mask_hidden.data_ptr(), stream),
+      "cod_gather_backward");
   return {grad_hidden, grad_mask_hidden};
 }
 

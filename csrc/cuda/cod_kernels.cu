@@ -45,8 +45,8 @@ __global__ void candidate_keys_kernel(const bool* loss_mask, const int64_t* docu
                                       const uint8_t* previous_kept, int64_t depth, int64_t key_depth, int64_t seed,
                                       uint64_t* keys, int64_t* anchors, int64_t* pool_size) {
   for (int64_t a = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; a < length; a += int64_t{gridDim.x} * blockDim.x) {
-    const bool in_pool = (previous_kept == nullptr || previous_kept[a]) &&
-                         cod::extends(document_ids, loss_mask, length, a, depth);
+    const bool in_pool =
+        (previous_kept == nullptr || previous_kept[a]) && cod::extends(document_ids, loss_mask, length, a, depth);
     keys[a] = in_pool ? static_cast<uint64_t>(cod::key(seed, key_depth, a)) : kNotCandidate;
     anchors[a] = a;
     if (in_pool) atomicAdd(reinterpret_cast<unsigned long long*>(pool_size), 1ull);
@@ -55,9 +55,9 @@ __global__ void candidate_keys_kernel(const bool* loss_mask, const int64_t* docu
 
 // Marks the `limit` candidates with the smallest keys as kept. limit = pool size capped by max_anchors (seeds) or by
 // the depth's count; computed here so that the host never waits.
-__global__ void keep_smallest_kernel(const int64_t* sorted_anchors, int64_t length, int64_t* pool_size,
-                                     int64_t* counts, int64_t depth, int64_t max_anchors, double ratio,
-                                     double ratio_min, uint8_t* kept) {
+__global__ void keep_smallest_kernel(const int64_t* sorted_anchors, int64_t length, int64_t* pool_size, int64_t* counts,
+                                     int64_t depth, int64_t max_anchors, double ratio, double ratio_min,
+                                     uint8_t* kept) {
   const int64_t pool = *pool_size;
   int64_t limit;
   if (depth == 0) {
@@ -137,15 +137,14 @@ cudaError_t launch_gather(const void* input_ids, const void* hidden, const void*
 template <typename Id>
 cudaError_t gather_by_alignment(const void* input_ids, const void* hidden, const void* mask_hidden,
                                 const int64_t* anchors, const int64_t* depths, int64_t count, int64_t length,
-                                int64_t row_bytes, int64_t mask_token_id, void* ids, void* feats,
-                                int64_t* position_ids, int64_t* label_index, int32_t* bad_element,
-                                cudaStream_t stream) {
+                                int64_t row_bytes, int64_t mask_token_id, void* ids, void* feats, int64_t* position_ids,
+                                int64_t* label_index, int32_t* bad_element, cudaStream_t stream) {
   const auto aligned = [&](uintptr_t alignment) {
     return row_bytes % alignment == 0 && reinterpret_cast<uintptr_t>(hidden) % alignment == 0 &&
            reinterpret_cast<uintptr_t>(mask_hidden) % alignment == 0 &&
            reinterpret_cast<uintptr_t>(feats) % alignment == 0;
   };
-#define PEAGLE_GATHER(UNIT)                                                                                          \
+#define PEAGLE_GATHER(UNIT)                                                                                         \
   launch_gather<UNIT, Id>(input_ids, hidden, mask_hidden, anchors, depths, count, length, row_bytes, mask_token_id, \
                           ids, feats, position_ids, label_index, bad_element, stream)
   if (aligned(16)) return PEAGLE_GATHER(uint4);
@@ -171,22 +170,31 @@ __device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
 template <typename T>
 __device__ __forceinline__ T from_acc(typename AccOf<T>::type v);
 template <>
-__device__ __forceinline__ float from_acc<float>(float v) { return v; }
+__device__ __forceinline__ float from_acc<float>(float v) {
+  return v;
+}
 template <>
-__device__ __forceinline__ double from_acc<double>(double v) { return v; }
+__device__ __forceinline__ double from_acc<double>(double v) {
+  return v;
+}
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
+__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) {
+  return __float2bfloat16(v);
+}
 template <>
-__device__ __forceinline__ __half from_acc<__half>(float v) { return __float2half(v); }
+__device__ __forceinline__ __half from_acc<__half>(float v) {
+  return __float2half(v);
+}
 
 constexpr int kBackwardRows = 64;  // rows per block of the backward kernel
 
-// grid.x: column tiles of blockDim.x, grid.y: chunks of kBackwardRows rows (grid-stride). Depth-0 rows are scattered into
-// hidden_acc with atomics (one per element unless anchors repeat); deeper rows are summed per thread, then added once.
+// grid.x: column tiles of blockDim.x, grid.y: chunks of kBackwardRows rows (grid-stride). Depth-0 rows are scattered
+// into hidden_acc with atomics (one per element unless anchors repeat); deeper rows are summed per thread, then added
+// once.
 template <typename T>
 __global__ void gather_backward_kernel(const T* grad_feats, const int64_t* anchors, const int64_t* depths,
-                                       int64_t count, int64_t width, int64_t length, typename AccOf<T>::type* hidden_acc,
-                                       typename AccOf<T>::type* mask_acc) {
+                                       int64_t count, int64_t width, int64_t length,
+                                       typename AccOf<T>::type* hidden_acc, typename AccOf<T>::type* mask_acc) {
   using Acc = typename AccOf<T>::type;
   const int64_t col = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (col >= width) return;
@@ -226,16 +234,16 @@ cudaError_t launch_backward(const void* grad_feats, const int64_t* anchors, cons
     const dim3 grid(static_cast<unsigned>((width + 127) / 128),
                     static_cast<unsigned>(row_chunks < 65535 ? row_chunks : 65535));
     gather_backward_kernel<T><<<grid, 128, 0, stream>>>(static_cast<const T*>(grad_feats), anchors, depths, count,
-                                                         width, length, static_cast<Acc*>(hidden_acc),
-                                                         static_cast<Acc*>(mask_acc));
+                                                        width, length, static_cast<Acc*>(hidden_acc),
+                                                        static_cast<Acc*>(mask_acc));
   }
   if (hidden_acc != grad_hidden && length * width > 0) {
-    convert_kernel<T><<<blocks_for(length * width), kThreads, 0, stream>>>(static_cast<const Acc*>(hidden_acc),
-                                                                          length * width, static_cast<T*>(grad_hidden));
+    convert_kernel<T><<<blocks_for(length * width), kThreads, 0, stream>>>(
+        static_cast<const Acc*>(hidden_acc), length * width, static_cast<T*>(grad_hidden));
   }
   if (mask_acc != grad_mask_hidden && width > 0) {
     convert_kernel<T><<<blocks_for(width), kThreads, 0, stream>>>(static_cast<const Acc*>(mask_acc), width,
-                                                                 static_cast<T*>(grad_mask_hidden));
+                                                                  static_cast<T*>(grad_mask_hidden));
   }
   return cudaGetLastError();
 }
@@ -286,9 +294,8 @@ cudaError_t cod_sample_select(const bool* loss_mask, const int64_t* document_ids
     const uint8_t* previous = depth == 0 ? nullptr : s.kept + (depth - 1) * length;
     const int64_t extend_to = depth == 0 ? 1 : depth;
     reset_kernel<<<1, 1, 0, stream>>>(pool_size);
-    candidate_keys_kernel<<<blocks_for(length), kThreads, 0, stream>>>(loss_mask, document_ids, length, previous,
-                                                                       extend_to, depth, seed, s.keys_in,
-                                                                       s.anchors_in, pool_size);
+    candidate_keys_kernel<<<blocks_for(length), kThreads, 0, stream>>>(
+        loss_mask, document_ids, length, previous, extend_to, depth, seed, s.keys_in, s.anchors_in, pool_size);
     size_t temp_bytes = s.cub_temp_bytes;
     // Stable: equal keys keep anchor order, the tie-break of the CPU kernel and the reference.
     err = cub::DeviceRadixSort::SortPairs(s.cub_temp, temp_bytes, s.keys_in, s.keys_out, s.anchors_in, s.anchors_out,
@@ -316,9 +323,9 @@ cudaError_t cod_sample_emit(const CodSampleScratch& s, int64_t length, int64_t n
 }
 
 cudaError_t cod_gather(const void* input_ids, int id_bytes, const void* hidden, const void* mask_hidden,
-                       const int64_t* anchors, const int64_t* depths, int64_t count, int64_t length,
-                       int64_t row_bytes, int64_t mask_token_id, void* ids, void* feats, int64_t* position_ids,
-                       int64_t* label_index, int32_t* bad_element, cudaStream_t stream) {
+                       const int64_t* anchors, const int64_t* depths, int64_t count, int64_t length, int64_t row_bytes,
+                       int64_t mask_token_id, void* ids, void* feats, int64_t* position_ids, int64_t* label_index,
+                       int32_t* bad_element, cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
   if (id_bytes == 4) {
     return gather_by_alignment<int32_t>(input_ids, hidden, mask_hidden, anchors, depths, count, length, row_bytes,

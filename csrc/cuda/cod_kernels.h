@@ -12,13 +12,13 @@ namespace cuda {
 
 // Scratch of cod_sample for a row of `length` positions and `num_depths` depths, carved from one byte buffer.
 struct CodSampleScratch {
-  uint64_t* keys_in;      // [length]
-  uint64_t* keys_out;     // [length]
-  int64_t* anchors_in;    // [length]
-  int64_t* anchors_out;   // [length]
-  uint8_t* kept;          // [num_depths, length]: row 0 = seeds, row d = kept at depth d
-  int64_t* scan;          // [(num_depths - 1) * length] output slot of each kept element
-  int64_t* counts;        // [num_depths + 1]: counts[0] = n_seeds, counts[d] = kept at depth d, counts[K] = pool size
+  uint64_t* keys_in;     // [length]
+  uint64_t* keys_out;    // [length]
+  int64_t* anchors_in;   // [length]
+  int64_t* anchors_out;  // [length]
+  uint8_t* kept;         // [num_depths, length]: row 0 = seeds, row d = kept at depth d
+  int64_t* scan;         // [(num_depths - 1) * length] output slot of each kept element
+  int64_t* counts;       // [num_depths + 1]: counts[0] = n_seeds, counts[d] = kept at depth d, counts[K] = pool size
   void* cub_temp;
   size_t cub_temp_bytes;
 };
@@ -40,9 +40,9 @@ cudaError_t cod_sample_emit(const CodSampleScratch& scratch, int64_t length, int
 // Row copy of the fused gather (dtype-agnostic: rows are `row_bytes` bytes). ids are int32 (id_bytes 4) or int64 (8).
 // Sets *bad_element to 1 if any element is out of range (its outputs are then zero).
 cudaError_t cod_gather(const void* input_ids, int id_bytes, const void* hidden, const void* mask_hidden,
-                       const int64_t* anchors, const int64_t* depths, int64_t count, int64_t length,
-                       int64_t row_bytes, int64_t mask_token_id, void* ids, void* feats, int64_t* position_ids,
-                       int64_t* label_index, int32_t* bad_element, cudaStream_t stream);
+                       const int64_t* anchors, const int64_t* depths, int64_t count, int64_t length, int64_t row_bytes,
+                       int64_t mask_token_id, void* ids, void* feats, int64_t* position_ids, int64_t* label_index,
+                       int32_t* bad_element, cudaStream_t stream);
 
 enum class FloatType { kFloat32, kFloat64, kBFloat16, kFloat16 };
 

@@ -1,0 +1,60 @@
+"""Shared helpers of the microbenchmarks (pytest-benchmark).
+
+PEAGLE_BENCH_SMOKE=1 shrinks every size so that CI runs each benchmark once in seconds; the real figures come from a
+plain run (see README). Each benchmark tags itself with extra_info {"impl": ..., "case": ...}; benchmarks/report.py
+turns a --benchmark-json file into the ratio table against the named baselines.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+from collections.abc import Callable
+from types import ModuleType
+
+import pytest
+
+SMOKE = os.environ.get("PEAGLE_BENCH_SMOKE", "0") not in ("", "0")
+
+
+def sizes(full: list, smoke: list) -> list:
+    return smoke if SMOKE else full
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def peak_extra_bytes(fn: Callable[[], object]) -> tuple[int, object]:
+    """Peak resident memory fn() adds above the current level (Linux: resets VmHWM through clear_refs)."""
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
+    before = _rss_kib("VmRSS")
+    result = fn()
+    return (_rss_kib("VmHWM") - before) * 1024, result
+
+
+def load_module_file(package: str, relative_path: str) -> ModuleType | None:
+    """Loads one file of an installed package without running the package's __init__ (peer packages installed with
+    --no-deps cannot import their whole tree). None if the package is not installed."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(next(iter(spec.submodule_search_locations)), relative_path)
+    module_spec = importlib.util.spec_from_file_location(f"_peer_{package}_{os.path.basename(path)[:-3]}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def devices() -> list:
+    """cpu always; cuda where a device exists (the GPU script runs `-k cuda`)."""
+    import torch
+
+    return ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]

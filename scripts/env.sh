@@ -1,0 +1,51 @@
+# Sourced by scripts/test.sh and scripts/demo.sh: idempotent set-up of the environments peagle needs.
+# Environments live in the checkout (.venv-cpu, .venv-cuda, ignored by git) and are rebuilt when their requirements
+# file changes.
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PYTHON=${PYTHON:-python3}
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}  # /usr/local/bin/nvcc is a wrapper: torch would guess /usr/local
+export MAX_JOBS=${MAX_JOBS:-2}
+
+step() { printf '\n==== %s [%s]\n' "$*" "$(date +%H:%M:%S)"; }
+
+# Runs a pip command, dropping the machine's notes about unreachable local index folders.
+pip_quiet() {
+  local log
+  log=$(mktemp)
+  if ! "$@" >"$log" 2>&1; then
+    grep -v '^WARNING: Location' "$log" >&2 || true
+    rm -f "$log"
+    return 1
+  fi
+  grep -v '^WARNING: Location' "$log" || true
+  rm -f "$log"
+}
+
+# ensure_venv DIR REQUIREMENTS [NO_DEPS_REQUIREMENTS]
+ensure_venv() {
+  local dir="$ROOT/$1" req="$ROOT/$2" extra="${3:+$ROOT/$3}"
+  local want
+  want=$(cat "$req" ${extra:+"$extra"} | sha256sum | cut -d' ' -f1)
+  if [ -f "$dir/.peagle-requirements" ] && [ "$(cat "$dir/.peagle-requirements")" = "$want" ]; then
+    return 0
+  fi
+  step "creating $1 from $2${3:+ and $3}"
+  [ -x "$dir/bin/python" ] || "$PYTHON" -m venv "$dir"
+  pip_quiet "$dir/bin/python" -m pip install -q --disable-pip-version-check -r "$req"
+  if [ -n "$extra" ]; then
+    pip_quiet "$dir/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r "$extra"
+  fi
+  echo "$want" >"$dir/.peagle-requirements"
+}
+
+ensure_cpu_env() { ensure_venv .venv-cpu requirements/cpu.txt requirements/peers.txt; }
+ensure_cuda_env() { ensure_venv .venv-cuda requirements/cuda-build.txt; }
+
+# The CPU-only extension, installed editable into .venv-cpu (torch 2.13.0+cpu has no CUDA, so setup.py picks the
+# CppExtension). ninja must be on PATH for torch's BuildExtension.
+build_cpu() {
+  step "building peagle (CPU) into .venv-cpu"
+  (cd "$ROOT" && PATH="$ROOT/.venv-cpu/bin:$PATH" pip_quiet "$ROOT/.venv-cpu/bin/python" -m pip install -q \
+    --disable-pip-version-check --no-build-isolation --no-deps -e .)
+}
