@@ -17,6 +17,18 @@ TORCH_LIBRARY(peagle, m) {
   m.def(
       "cod_gather_backward(Tensor grad_feats, Tensor anchors, Tensor depths, int num_positions) -> "
       "(Tensor grad_hidden, Tensor grad_mask_hidden)");
+  // Gated DeltaNet: tree verification of GDN layers (closed form over the tree, no per-node states), commit of the
+  // last accepted node's state into the pool, and the causal conv1d in front of GDN over a tree and its commit.
+  m.def(
+      "gdn_tree_verify(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor parent, Tensor state_pool, "
+      "Tensor slots, float? scale=None, bool use_qk_l2norm=False) -> (Tensor o, Tensor u)");
+  m.def(
+      "gdn_commit(Tensor k, Tensor g, Tensor u, Tensor parent, Tensor last_accepted, Tensor(a!) state_pool, "
+      "Tensor slots, bool use_qk_l2norm=False) -> ()");
+  m.def(
+      "causal_conv1d_tree(Tensor x, Tensor parent, Tensor conv_state, Tensor weight, Tensor? bias=None, "
+      "str? activation=None) -> Tensor");
+  m.def("causal_conv1d_commit(Tensor x, Tensor parent, Tensor last_accepted, Tensor(a!) conv_state) -> ()");
 }
 
 // `import peagle._C` only needs to run the static registrations above and in the backend files.
