@@ -154,6 +154,8 @@ inline ConvDims check_causal_conv1d_tree_args(const at::Tensor& x, const at::Ten
   ConvDims d{x.size(0), x.size(1), x.size(2), weight.size(1)};
   TORCH_CHECK(weight.size(0) == d.channels && d.width >= 2, "peagle.", op,
               ": weight must be [C, W] with C = ", d.channels, " and W >= 2, got shape ", shape_str(weight));
+  TORCH_CHECK(d.width <= gdn::kMaxConvWidth, "peagle.", op, ": the conv width W must be <= ", gdn::kMaxConvWidth,
+              ", got ", d.width);
   check_dims(op, "conv_state", conv_state, {d.batch, d.channels, d.width - 1}, "[B, C, W - 1]");
   check_parent(op, parent, d.batch, d.nodes, x, "x");
   check_same_device(op, "weight", weight, x, "x");
@@ -180,6 +182,8 @@ inline ConvDims check_causal_conv1d_commit_args(const at::Tensor& x, const at::T
   TORCH_CHECK(conv_state.size(0) == d.batch && conv_state.size(1) == d.channels && d.width >= 2, "peagle.", op,
               ": conv_state must be [B, C, W - 1] with B = ", d.batch, ", C = ", d.channels, " and W >= 2, got shape ",
               shape_str(conv_state));
+  TORCH_CHECK(d.width <= gdn::kMaxConvWidth, "peagle.", op, ": the conv width W must be <= ", gdn::kMaxConvWidth,
+              ", got ", d.width);
   TORCH_CHECK(conv_state.is_contiguous(), "peagle.", op, ": conv_state must be contiguous (it is updated in place)");
   check_parent(op, parent, d.batch, d.nodes, x, "x");
   check_rank(op, "last_accepted", last_accepted, 1, "[B]");

@@ -25,6 +25,7 @@ namespace peagle {
 namespace gdn {
 
 constexpr int kMaxNodes = 64;        // ancestor sets are 64-bit masks
+constexpr int kMaxConvWidth = 64;    // conv windows live in a fixed-size array on the GPU
 constexpr float kL2NormEps = 1e-6f;  // as FLA / transformers: x * rsqrt(sum(x^2) + eps)
 
 // Validates a tree's parent array and derives, per node, its ancestor-or-self bitmask, its depth and the cumulative
