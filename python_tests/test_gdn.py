@@ -311,3 +311,23 @@ def test_conv_errors(generator):
         causal_conv1d_commit(x, parent, torch.tensor([5]), state)
     with pytest.raises(RuntimeError, match=r"causal_conv1d_commit: conv_state must be contiguous"):
         causal_conv1d_commit(x, parent, torch.tensor([1]), torch.randn(1, 2, 4).transpose(1, 2))
+
+
+def test_empty_batch(generator):
+    x = random_gdn_inputs(generator, 0, 5, 1, 2, 8, 8)
+    o, u = gdn_tree_verify(*x)
+    assert o.shape == u.shape == (0, 5, 2, 8)
+    gdn_commit(x.k, x.g, u, x.parent, torch.empty(0, dtype=torch.long), x.state_pool, x.slots)
+    assert causal_conv1d_tree(torch.randn(0, 5, 3), x.parent, torch.randn(0, 3, 2), torch.randn(3, 3)).shape == (
+        0,
+        5,
+        3,
+    )
+
+
+def test_conv_width_limit(generator):
+    parent = random_tree(generator, 5, "chain").unsqueeze(0)
+    with pytest.raises(RuntimeError, match=r"causal_conv1d_tree: the conv width W must be <= 64, got 65"):
+        causal_conv1d_tree(torch.randn(1, 5, 3), parent, torch.randn(1, 3, 64), torch.randn(3, 65))
+    with pytest.raises(RuntimeError, match=r"causal_conv1d_commit: the conv width W must be <= 64, got 65"):
+        causal_conv1d_commit(torch.randn(1, 5, 3), parent, torch.tensor([1]), torch.randn(1, 3, 64))

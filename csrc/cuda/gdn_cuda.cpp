@@ -46,8 +46,8 @@ std::tuple<at::Tensor, at::Tensor> gdn_tree_verify_cuda(const at::Tensor& q, con
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   const at::Tensor gc = g.to(at::kFloat).contiguous(), bc = beta.to(at::kFloat).contiguous();
   const at::Tensor pc = parent.to(at::kLong).contiguous(), sc = slots.to(at::kLong).contiguous();
-  at::Tensor o = at::empty(v.sizes(), v.options().memory_format(at::MemoryFormat::Contiguous));
-  at::Tensor u = at::empty(v.sizes(), v.options().dtype(at::kFloat).memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor o = at::empty({d.batch, d.nodes, d.value_heads, d.value_dim}, v.options());
+  at::Tensor u = at::empty({d.batch, d.nodes, d.value_heads, d.value_dim}, v.options().dtype(at::kFloat));
   check_cuda(cuda::gdn_tree_verify(gdn_type(q.scalar_type()), qc.data_ptr(), kc.data_ptr(), vc.data_ptr(),
                                    gc.data_ptr<float>(), bc.data_ptr<float>(), pc.data_ptr<int64_t>(),
                                    state_pool.data_ptr<float>(), sc.data_ptr<int64_t>(), gdn_shape(d), q_scale,
