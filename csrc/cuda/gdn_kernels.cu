@@ -1,11 +1,14 @@
 // CUDA kernels of the Gated DeltaNet family. No torch headers here (compile time); see gdn_kernels.h for the
 // contracts and peagle/gdn.h for the closed form over the tree that both backends share.
 //
-// Verification: one block per (value-column tile, value head, request). The block derives the tree (ancestor masks,
-// cumulative gates), the q/k norms and the ancestor Gram entries q_i.k_j, k_i.k_j in shared memory; then each thread
-// owns one value column: it projects the committed state column onto every k_i and q_i (S0 is read once per block,
-// coalesced along the row) and runs the shared forward substitution gdn::tree_delta_columns for its column.
-// No per-node state is ever formed. The work is n K V + n^2 (K + V) per head: small, and memory-bound on reading S0.
+// Verification: one block per (tile of 64 value columns, value head, request), one thread per value column. The block
+// derives the tree (ancestor masks, cumulative gates) and then walks K in chunks of 32 rows: the chunk's q/k rows of
+// all nodes are staged in shared memory (coalesced), from which the block accumulates the q/k norms, the ancestor Gram
+// entries q_i.k_j, k_i.k_j, and each thread the projections of its committed-state column onto every k_i and q_i
+// (S0 is read exactly once per block, coalesced along its rows). Then each thread runs the shared forward
+// substitution gdn::tree_delta_columns for its column. No per-node state is ever formed. The work is
+// 2 n K V + n^2 (K + V) multiply-adds per head, on CUDA cores (tensor-core tiles are a later step, once GPU profiles
+// show where the time goes).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -36,9 +39,12 @@ __device__ __forceinline__ __half from_f<__half>(float x) {
   return __float2half(x);
 }
 
+constexpr int kChunk = 32;           // K rows of q/k/S0 staged per step
+constexpr int kStride = kChunk + 1;  // padded rows: Gram reads of different nodes hit different banks
+
 size_t verify_smem_bytes(int64_t n) {
-  // anc (u64) | gate_sum, beta, inv_q, inv_k | kk, qk | v, u, o tiles
-  return sizeof(uint64_t) * n + sizeof(float) * (4 * n + 2 * n * n + 3 * n * kColumns);
+  // anc (u64) | gate_sum, beta, inv_q, inv_k | kk, qk | v, u, o column tiles | q, k chunks
+  return sizeof(uint64_t) * n + sizeof(float) * (4 * n + 2 * n * n + 3 * n * kColumns + 2 * n * kStride);
 }
 
 template <typename T>
@@ -59,65 +65,92 @@ __global__ void __launch_bounds__(kColumns)
   uint64_t* anc = reinterpret_cast<uint64_t*>(smem);
   float* gate_sum = reinterpret_cast<float*>(anc + n);
   float* beta_s = gate_sum + n;
-  float* inv_q = beta_s + n;
+  float* inv_q = beta_s + n;  // sums of squares until the norms are final
   float* inv_k = inv_q + n;
   float* kk = inv_k + n;
   float* qk = kk + n * n;
   float* v_s = qk + n * n;
   float* u_s = v_s + n * kColumns;
   float* o_s = u_s + n * kColumns;
+  float* q_c = o_s + n * kColumns;
+  float* k_c = q_c + n * kStride;
   __shared__ int bad;
 
-  if (tid == 0) {
-    bad = gdn::build_tree(parent + b * n, n, g + b * n * HV + hv, HV, anc, nullptr, gate_sum) >= 0;
-  }
+  if (tid == 0) bad = gdn::build_tree(parent + b * n, n, g + b * n * HV + hv, HV, anc, nullptr, gate_sum) >= 0;
   for (int i = tid; i < n; i += blockDim.x) {
     beta_s[i] = beta[(b * n + i) * HV + hv];
-    const T* qi = q + ((b * n + i) * H + h) * K;
-    const T* ki = k + ((b * n + i) * H + h) * K;
-    float sq = 0.0f, sk = 0.0f;
-    for (int64_t r = 0; r < K; ++r) {
-      const float a = to_f(qi[r]), c = to_f(ki[r]);
-      sq += a * a;
-      sk += c * c;
-    }
-    inv_q[i] = gdn::inv_l2(sq, l2norm) * scale;
-    inv_k[i] = gdn::inv_l2(sk, l2norm);
+    inv_q[i] = inv_k[i] = 0.0f;
   }
+  for (int idx = tid; idx < n * n; idx += blockDim.x) kk[idx] = qk[idx] = 0.0f;
+  for (int i = 0; i < n; ++i) u_s[i * kColumns + tid] = o_s[i * kColumns + tid] = 0.0f;
   __syncthreads();
   if (bad) return;  // the launcher validated parent already; never read out of bounds regardless
 
-  // Gram entries of ancestor-or-self pairs.
+  const float* s0 = state_pool + (slots[b] * HV + hv) * K * V + (active ? col : 0);
+  for (int64_t r0 = 0; r0 < K; r0 += kChunk) {
+    const int width = static_cast<int>(K - r0 < kChunk ? K - r0 : kChunk);
+    // Stage raw q/k rows [r0, r0 + kChunk) of every node (zero-padded), coalesced along K.
+    for (int idx = tid; idx < n * kChunk; idx += blockDim.x) {
+      const int i = idx / kChunk, r = idx - (idx / kChunk) * kChunk;
+      const int64_t row = ((b * n + i) * H + h) * K + r0 + r;
+      q_c[i * kStride + r] = r < width ? to_f(q[row]) : 0.0f;
+      k_c[i * kStride + r] = r < width ? to_f(k[row]) : 0.0f;
+    }
+    __syncthreads();
+    for (int i = tid; i < n; i += blockDim.x) {
+      float sq = 0.0f, sk = 0.0f;
+      for (int r = 0; r < kChunk; ++r) {
+        sq += q_c[i * kStride + r] * q_c[i * kStride + r];
+        sk += k_c[i * kStride + r] * k_c[i * kStride + r];
+      }
+      inv_q[i] += sq;
+      inv_k[i] += sk;
+    }
+    // Raw Gram entries of ancestor-or-self pairs.
+    for (int idx = tid; idx < n * n; idx += blockDim.x) {
+      const int i = idx / n, j = idx - (idx / n) * n;
+      if (((anc[i] >> j) & 1ull) == 0) continue;
+      float dq = 0.0f, dk = 0.0f;
+      for (int r = 0; r < kChunk; ++r) {
+        const float x = k_c[j * kStride + r];
+        dq += q_c[i * kStride + r] * x;
+        dk += k_c[i * kStride + r] * x;
+      }
+      qk[idx] += dq;
+      kk[idx] += dk;
+    }
+    // Raw projections of this thread's committed-state column: S0 is read exactly once per block.
+    if (active) {
+      float sv[kChunk];
+#pragma unroll
+      for (int r = 0; r < kChunk; ++r) sv[r] = r < width ? s0[(r0 + r) * V] : 0.0f;
+      for (int i = 0; i < n; ++i) {
+        float pk = 0.0f, pq = 0.0f;
+#pragma unroll
+        for (int r = 0; r < kChunk; ++r) {
+          pk += k_c[i * kStride + r] * sv[r];
+          pq += q_c[i * kStride + r] * sv[r];
+        }
+        u_s[i * kColumns + tid] += pk;
+        o_s[i * kColumns + tid] += pq;
+      }
+    }
+    __syncthreads();  // before the next chunk overwrites q_c / k_c
+  }
+  for (int i = tid; i < n; i += blockDim.x) {
+    inv_q[i] = gdn::inv_l2(inv_q[i], l2norm) * scale;
+    inv_k[i] = gdn::inv_l2(inv_k[i], l2norm);
+  }
+  __syncthreads();
   for (int idx = tid; idx < n * n; idx += blockDim.x) {
     const int i = idx / n, j = idx - (idx / n) * n;
-    if (((anc[i] >> j) & 1ull) == 0) continue;
-    const T* qi = q + ((b * n + i) * H + h) * K;
-    const T* ki = k + ((b * n + i) * H + h) * K;
-    const T* kj = k + ((b * n + j) * H + h) * K;
-    float dq = 0.0f, dk = 0.0f;
-    for (int64_t r = 0; r < K; ++r) {
-      const float x = to_f(kj[r]);
-      dq += to_f(qi[r]) * x;
-      dk += to_f(ki[r]) * x;
-    }
-    qk[i * n + j] = dq * inv_q[i] * inv_k[j];
-    kk[i * n + j] = dk * inv_k[i] * inv_k[j];
+    qk[idx] *= inv_q[i] * inv_k[j];
+    kk[idx] *= inv_k[i] * inv_k[j];
   }
-
-  // Projections of this thread's committed-state column onto every k_i and q_i.
   if (active) {
-    const float* s0 = state_pool + (slots[b] * HV + hv) * K * V + col;
     for (int i = 0; i < n; ++i) {
-      const T* qi = q + ((b * n + i) * H + h) * K;
-      const T* ki = k + ((b * n + i) * H + h) * K;
-      float pk = 0.0f, pq = 0.0f;
-      for (int64_t r = 0; r < K; ++r) {
-        const float sv = s0[r * V];
-        pk += to_f(ki[r]) * sv;
-        pq += to_f(qi[r]) * sv;
-      }
-      u_s[i * kColumns + tid] = pk * inv_k[i];
-      o_s[i * kColumns + tid] = pq * inv_q[i];
+      u_s[i * kColumns + tid] *= inv_k[i];
+      o_s[i * kColumns + tid] *= inv_q[i];
       v_s[i * kColumns + tid] = to_f(v[((b * n + i) * HV + hv) * V + col]);
     }
   }
