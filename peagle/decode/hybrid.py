@@ -52,24 +52,16 @@ class HybridTreeCache:
         return cache
 
 
-def _tree_depth(parent: Tensor) -> Tensor:
-    depth = torch.zeros_like(parent)
-    for i in range(1, parent.shape[1]):  # n <= 64 scalars per request: tree bookkeeping, not a hot loop over tokens
-        p = parent[:, i]
-        depth[:, i] = torch.where(p >= 0, depth.gather(1, p.clamp_min(0)[:, None])[:, 0] + 1, 0)
-    return depth
+def ancestor_mask(parent: Tensor) -> Tensor:
+    """[B, n, n] bool: mask[b, i, j] = node j is node i or one of its ancestors (parent[b, i] in [-1, i)).
 
-
-def _ancestor_mask(parent: Tensor) -> Tensor:
-    """[B, n, n] bool: mask[b, i, j] = j is i or an ancestor of i."""
-    batch, nodes = parent.shape
-    mask = torch.eye(nodes, dtype=torch.bool).expand(batch, nodes, nodes).clone()
-    for i in range(1, nodes):
-        p = parent[:, i]
-        has = p >= 0
-        inherited = mask[torch.arange(batch), p.clamp_min(0)] & has[:, None]
-        mask[:, i] |= inherited
-    return mask
+    Transitive closure of the parent relation by repeated squaring (log2 n boolean matmuls, no loop over nodes)."""
+    nodes = parent.shape[1]
+    index = torch.arange(nodes, device=parent.device)
+    reach = (parent[:, :, None] == index) | (index[:, None] == index)  # self or parent
+    for _ in range(max(1, (nodes - 1).bit_length())):
+        reach = reach | (reach.float() @ reach.float() > 0)
+    return reach
 
 
 def _attention(layer, hidden: Tensor, cos: Tensor, sin: Tensor, past_k: Tensor, past_v: Tensor, mask: Tensor):
@@ -124,8 +116,8 @@ def hybrid_tree_forward(model, input_ids: Tensor, parent: Tensor, cache: HybridT
     """
     inner = model.model
     parent = parent.to(torch.long)
-    positions = cache.length + _tree_depth(parent)
-    mask = _ancestor_mask(parent)
+    mask = ancestor_mask(parent)
+    positions = cache.length + mask.sum(-1) - 1  # depth = number of strict ancestors
     hidden = inner.embed_tokens(input_ids)
     cos, sin = inner.rotary_emb(hidden, positions)
     pending = {"parent": parent, "gdn": {}, "attn": {}}
@@ -155,16 +147,12 @@ def hybrid_tree_commit(cache: HybridTreeCache, last_accepted: Tensor) -> None:
     for i, (mixed, key, g, u) in pending["gdn"].items():
         gdn_commit(key, g, u, parent, last_accepted, cache.state_pools[i], slots, True)
         causal_conv1d_commit(mixed, parent, last_accepted, cache.conv_states[i])
-    paths = []
-    for b in range(parent.shape[0]):
-        path, node = [], int(last_accepted[b])
-        while node >= 0:
-            path.append(node)
-            node = int(parent[b, node])
-        paths.append(path[::-1])
-    if len({len(p) for p in paths}) != 1:
+    on_path = ancestor_mask(parent)[slots, last_accepted.clamp_min(0)] & (last_accepted >= 0)[:, None]
+    lengths = on_path.sum(-1)
+    if bool((lengths != lengths[0]).any()):
         raise ValueError("hybrid_tree_commit: every request must accept a path of the same length")
-    index = torch.tensor(paths, dtype=torch.long)  # [B, L]
+    # Ancestors precede their descendants, so each row's node indices in increasing order are the root-to-node path.
+    index = on_path.nonzero()[:, 1].reshape(parent.shape[0], -1)  # [B, L]
     for i, (key, value) in pending["attn"].items():
         gather = index[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
         cache.keys[i] = torch.cat([cache.keys[i], key.gather(2, gather)], dim=2)
