@@ -328,3 +328,22 @@ def test_conv_width_limit(generator):
         causal_conv1d_tree(torch.randn(1, 5, 3), parent, torch.randn(1, 3, 64), torch.randn(3, 65))
     with pytest.raises(RuntimeError, match=r"causal_conv1d_commit: the conv width W must be <= 64, got 65"):
         causal_conv1d_commit(torch.randn(1, 5, 3), parent, torch.tensor([1]), torch.randn(1, 3, 64))
+
+
+@pytest.mark.parametrize("gate", ["zero", "strong", "mixed"])
+def test_verify_gate_and_beta_extremes_int32_indices(generator, gate):
+    x = random_gdn_inputs(generator, 2, 24, 2, 4, 16, 16, kind="random")
+    g = {"zero": torch.zeros_like(x.g), "strong": torch.full_like(x.g, -30.0), "mixed": x.g * 40}[gate]
+    beta = x.beta.clone()
+    beta[:, ::3] = 0.0
+    beta[:, 1::3] = 1.0
+    x = x._replace(g=g, beta=beta, parent=x.parent.int(), slots=x.slots.int())
+    o, u, ref = verify_both(x, l2norm=True)
+    assert torch.isfinite(o).all() and rel_rms(o, ref) <= 1e-5
+    last = torch.tensor([23, 5], dtype=torch.int32)
+    pool = x.state_pool.clone()
+    gdn_commit(x.k, x.g, u, x.parent, last, pool, x.slots, True)
+    expected = gdn_commit_reference(
+        x.k, x.v, x.g, x.beta, x.parent, last, x.state_pool, x.slots, True, compute_dtype=torch.float64
+    )
+    assert rel_rms(pool, expected) <= 1e-5
