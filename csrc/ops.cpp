@@ -19,16 +19,21 @@ TORCH_LIBRARY(peagle, m) {
       "(Tensor grad_hidden, Tensor grad_mask_hidden)");
   // Gated DeltaNet: tree verification of GDN layers (closed form over the tree, no per-node states), commit of the
   // last accepted node's state into the pool, and the causal conv1d in front of GDN over a tree and its commit.
+  // validate=False skips the value checks that need a host synchronisation on CUDA (parent/slot/last_accepted
+  // ranges; CUDA graph capture cannot synchronise): the kernels then guard themselves (NaN outputs / no commit for a
+  // request with bad indices). Shape/dtype/device checks always run; the CPU backend always validates values.
   m.def(
       "gdn_tree_verify(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor parent, Tensor state_pool, "
-      "Tensor slots, float? scale=None, bool use_qk_l2norm=False) -> (Tensor o, Tensor u)");
+      "Tensor slots, float? scale=None, bool use_qk_l2norm=False, bool validate=True) -> (Tensor o, Tensor u)");
   m.def(
       "gdn_commit(Tensor k, Tensor g, Tensor u, Tensor parent, Tensor last_accepted, Tensor(a!) state_pool, "
-      "Tensor slots, bool use_qk_l2norm=False) -> ()");
+      "Tensor slots, bool use_qk_l2norm=False, bool validate=True) -> ()");
   m.def(
       "causal_conv1d_tree(Tensor x, Tensor parent, Tensor conv_state, Tensor weight, Tensor? bias=None, "
-      "str? activation=None) -> Tensor");
-  m.def("causal_conv1d_commit(Tensor x, Tensor parent, Tensor last_accepted, Tensor(a!) conv_state) -> ()");
+      "str? activation=None, bool validate=True) -> Tensor");
+  m.def(
+      "causal_conv1d_commit(Tensor x, Tensor parent, Tensor last_accepted, Tensor(a!) conv_state, "
+      "bool validate=True) -> ()");
 }
 
 // `import peagle._C` only needs to run the static registrations above and in the backend files.

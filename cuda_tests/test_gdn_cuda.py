@@ -156,3 +156,55 @@ def test_cuda_errors(generator):
     _, u = gdn_tree_verify(*x)
     with pytest.raises(RuntimeError, match=r"gdn_commit: last_accepted must be in \[-1, 4\)"):
         gdn_commit(x.k, x.g, u, x.parent, torch.tensor([0, 7], device="cuda"), x.state_pool, x.slots)
+
+
+def test_unvalidated_bad_indices_give_nan_not_crashes(generator):
+    x = to_cuda(random_gdn_inputs(generator, 3, 6, 1, 2, 16, 16))
+    parent = x.parent.clone()
+    parent[1, 4] = 5  # request 1: not a tree
+    slots = x.slots.clone()
+    slots[2] = 1000  # request 2: slot out of range
+    o, u = gdn_tree_verify(x.q, x.k, x.v, x.g, x.beta, parent, x.state_pool, slots, validate=False)
+    torch.cuda.synchronize()
+    assert torch.isfinite(o[0]).all() and torch.isnan(o[1]).all() and torch.isnan(o[2]).all()
+    pool = x.state_pool.clone()
+    gdn_commit(x.k, x.g, u, parent, torch.tensor([3, 3, 3], device="cuda"), pool, slots, validate=False)
+    untouched = [s for s in range(pool.shape[0]) if s != int(slots[0])]
+    assert torch.equal(pool[untouched], x.state_pool[untouched])
+    conv = causal_conv1d_tree(
+        torch.randn(3, 6, 8, device="cuda"),
+        parent,
+        torch.randn(3, 8, 3, device="cuda"),
+        torch.randn(8, 4, device="cuda"),
+        validate=False,
+    )
+    assert torch.isnan(conv[1, 4]).all() and torch.isfinite(conv[0]).all()
+
+
+def test_verify_and_commit_in_a_cuda_graph(generator):
+    """validate=False needs no host synchronisation, so a verify + commit round can be captured and replayed."""
+    batch, nodes, h, hv, kd, vd = 2, 16, 2, 4, 64, 64
+    x = to_cuda(random_gdn_inputs(generator, batch, nodes, h, hv, kd, vd, kind="random"))
+    static = type(x)(*(t.clone() for t in x))
+    last = torch.zeros(batch, dtype=torch.long, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up outside the capture
+        gdn_tree_verify(*static, use_qk_l2norm=True, validate=False)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, u = gdn_tree_verify(*static, use_qk_l2norm=True, validate=False)
+        gdn_commit(static.k, static.g, u, static.parent, last, static.state_pool, static.slots, True, validate=False)
+    for _ in range(2):
+        fresh = to_cuda(random_gdn_inputs(generator, batch, nodes, h, hv, kd, vd, kind="random"))
+        pool_before = static.state_pool.clone()
+        for name in ("q", "k", "v", "g", "beta", "parent"):
+            getattr(static, name).copy_(getattr(fresh, name))
+        last.copy_(torch.randint(0, nodes, (batch,), generator=generator))
+        graph.replay()
+        eager = type(x)(*(getattr(static, f) if f != "state_pool" else pool_before for f in x._fields))
+        o_eager, u_eager = gdn_tree_verify(*eager, use_qk_l2norm=True)
+        assert rel_rms(o, o_eager) <= 1e-6
+        gdn_commit(eager.k, eager.g, u_eager, eager.parent, last, pool_before, eager.slots, True)
+        assert rel_rms(static.state_pool, pool_before) <= 1e-6

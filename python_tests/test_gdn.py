@@ -347,3 +347,13 @@ def test_verify_gate_and_beta_extremes_int32_indices(generator, gate):
         x.k, x.v, x.g, x.beta, x.parent, last, x.state_pool, x.slots, True, compute_dtype=torch.float64
     )
     assert rel_rms(pool, expected) <= 1e-5
+
+
+def test_cpu_validates_even_when_asked_not_to(generator):
+    x = random_gdn_inputs(generator, 1, 4, 1, 1, 4, 4)
+    bad = x.parent.clone()
+    bad[0, 1] = 1
+    with pytest.raises(RuntimeError, match=r"gdn_tree_verify: parent\[0, 1\] must be in \[-1, 1\)"):
+        gdn_tree_verify(x.q, x.k, x.v, x.g, x.beta, bad, x.state_pool, x.slots, validate=False)
+    with pytest.raises(RuntimeError, match=r"causal_conv1d_tree: parent\[0, 1\] must be in \[-1, 1\)"):
+        causal_conv1d_tree(torch.randn(1, 4, 2), bad, torch.randn(1, 2, 2), torch.randn(2, 3), validate=False)

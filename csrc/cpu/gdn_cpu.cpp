@@ -31,7 +31,7 @@ std::tuple<at::Tensor, at::Tensor> gdn_tree_verify_cpu(const at::Tensor& q, cons
                                                        const at::Tensor& g, const at::Tensor& beta,
                                                        const at::Tensor& parent, const at::Tensor& state_pool,
                                                        const at::Tensor& slots, c10::optional<double> scale,
-                                                       bool use_qk_l2norm) {
+                                                       bool use_qk_l2norm, bool /*validate: always on CPU*/) {
   const char* op = "gdn_tree_verify";
   const GdnDims d = check_gdn_tree_verify_args(q, k, v, g, beta, parent, state_pool, slots);
   check_parent_values(op, parent);
@@ -124,7 +124,7 @@ std::tuple<at::Tensor, at::Tensor> gdn_tree_verify_cpu(const at::Tensor& q, cons
 
 void gdn_commit_cpu(const at::Tensor& k, const at::Tensor& g, const at::Tensor& u, const at::Tensor& parent,
                     const at::Tensor& last_accepted, at::Tensor& state_pool, const at::Tensor& slots,
-                    bool use_qk_l2norm) {
+                    bool use_qk_l2norm, bool /*validate: always on CPU*/) {
   const char* op = "gdn_commit";
   const GdnDims d = check_gdn_commit_args(k, g, u, parent, last_accepted, state_pool, slots);
   check_parent_values(op, parent);
@@ -175,7 +175,7 @@ void gdn_commit_cpu(const at::Tensor& k, const at::Tensor& g, const at::Tensor& 
 
 at::Tensor causal_conv1d_tree_cpu(const at::Tensor& x, const at::Tensor& parent, const at::Tensor& conv_state,
                                   const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                                  c10::optional<c10::string_view> activation) {
+                                  c10::optional<c10::string_view> activation, bool /*validate: always on CPU*/) {
   const char* op = "causal_conv1d_tree";
   const ConvDims d = check_causal_conv1d_tree_args(x, parent, conv_state, weight, bias);
   const int act = check_activation(op, activation);
@@ -220,7 +220,7 @@ at::Tensor causal_conv1d_tree_cpu(const at::Tensor& x, const at::Tensor& parent,
 }
 
 void causal_conv1d_commit_cpu(const at::Tensor& x, const at::Tensor& parent, const at::Tensor& last_accepted,
-                              at::Tensor& conv_state) {
+                              at::Tensor& conv_state, bool /*validate: always on CPU*/) {
   const char* op = "causal_conv1d_commit";
   const ConvDims d = check_causal_conv1d_commit_args(x, parent, last_accepted, conv_state);
   check_parent_values(op, parent);

@@ -29,19 +29,21 @@ cuda::GdnType gdn_type(at::ScalarType t) {
 }
 
 cuda::GdnShape gdn_shape(const GdnDims& d) {
-  return {d.batch, d.nodes, d.qk_heads, d.value_heads, d.key_dim, d.value_dim};
+  return {d.batch, d.nodes, d.qk_heads, d.value_heads, d.key_dim, d.value_dim, d.pool};
 }
 
 std::tuple<at::Tensor, at::Tensor> gdn_tree_verify_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                         const at::Tensor& g, const at::Tensor& beta,
                                                         const at::Tensor& parent, const at::Tensor& state_pool,
                                                         const at::Tensor& slots, c10::optional<double> scale,
-                                                        bool use_qk_l2norm) {
+                                                        bool use_qk_l2norm, bool validate) {
   const char* op = "gdn_tree_verify";
   const GdnDims d = check_gdn_tree_verify_args(q, k, v, g, beta, parent, state_pool, slots);
   const c10::cuda::CUDAGuard guard(q.device());
-  check_parent_values(op, parent);
-  check_index_values(op, "slots", slots, 0, d.pool);
+  if (validate) {
+    check_parent_values(op, parent);
+    check_index_values(op, "slots", slots, 0, d.pool);
+  }
   const float q_scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(d.key_dim))));
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   const at::Tensor gc = g.to(at::kFloat).contiguous(), bc = beta.to(at::kFloat).contiguous();
@@ -58,14 +60,16 @@ std::tuple<at::Tensor, at::Tensor> gdn_tree_verify_cuda(const at::Tensor& q, con
 
 void gdn_commit_cuda(const at::Tensor& k, const at::Tensor& g, const at::Tensor& u, const at::Tensor& parent,
                      const at::Tensor& last_accepted, at::Tensor& state_pool, const at::Tensor& slots,
-                     bool use_qk_l2norm) {
+                     bool use_qk_l2norm, bool validate) {
   const char* op = "gdn_commit";
   const GdnDims d = check_gdn_commit_args(k, g, u, parent, last_accepted, state_pool, slots);
   const c10::cuda::CUDAGuard guard(k.device());
-  check_parent_values(op, parent);
-  check_index_values(op, "last_accepted", last_accepted, -1, d.nodes);
-  check_index_values(op, "slots", slots.to(at::kLong).masked_select(last_accepted.to(at::kLong) >= 0), 0, d.pool);
-  check_distinct_active_slots(op, slots, last_accepted);
+  if (validate) {
+    check_parent_values(op, parent);
+    check_index_values(op, "last_accepted", last_accepted, -1, d.nodes);
+    check_index_values(op, "slots", slots.to(at::kLong).masked_select(last_accepted.to(at::kLong) >= 0), 0, d.pool);
+    check_distinct_active_slots(op, slots, last_accepted);
+  }
   const at::Tensor kc = k.contiguous(), uc = u.contiguous(), gc = g.to(at::kFloat).contiguous();
   const at::Tensor pc = parent.to(at::kLong).contiguous(), sc = slots.to(at::kLong).contiguous();
   const at::Tensor ac = last_accepted.to(at::kLong).contiguous();
@@ -77,12 +81,12 @@ void gdn_commit_cuda(const at::Tensor& k, const at::Tensor& g, const at::Tensor&
 
 at::Tensor causal_conv1d_tree_cuda(const at::Tensor& x, const at::Tensor& parent, const at::Tensor& conv_state,
                                    const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                                   c10::optional<c10::string_view> activation) {
+                                   c10::optional<c10::string_view> activation, bool validate) {
   const char* op = "causal_conv1d_tree";
   const ConvDims d = check_causal_conv1d_tree_args(x, parent, conv_state, weight, bias);
   const int act = check_activation(op, activation);
   const c10::cuda::CUDAGuard guard(x.device());
-  check_parent_values(op, parent);
+  if (validate) check_parent_values(op, parent);
   const at::Tensor xc = x.contiguous(), stc = conv_state.contiguous();
   const at::Tensor wc = weight.to(at::kFloat).contiguous();
   const at::Tensor biasc = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
@@ -97,12 +101,14 @@ at::Tensor causal_conv1d_tree_cuda(const at::Tensor& x, const at::Tensor& parent
 }
 
 void causal_conv1d_commit_cuda(const at::Tensor& x, const at::Tensor& parent, const at::Tensor& last_accepted,
-                               at::Tensor& conv_state) {
+                               at::Tensor& conv_state, bool validate) {
   const char* op = "causal_conv1d_commit";
   const ConvDims d = check_causal_conv1d_commit_args(x, parent, last_accepted, conv_state);
   const c10::cuda::CUDAGuard guard(x.device());
-  check_parent_values(op, parent);
-  check_index_values(op, "last_accepted", last_accepted, -1, d.nodes);
+  if (validate) {
+    check_parent_values(op, parent);
+    check_index_values(op, "last_accepted", last_accepted, -1, d.nodes);
+  }
   const at::Tensor xc = x.contiguous();
   const at::Tensor pc = parent.to(at::kLong).contiguous(), ac = last_accepted.to(at::kLong).contiguous();
   check_cuda(cuda::causal_conv1d_commit(gdn_type(x.scalar_type()), xc.data_ptr(), pc.data_ptr<int64_t>(),

@@ -76,7 +76,10 @@ __global__ void __launch_bounds__(kColumns)
   float* k_c = q_c + n * kStride;
   __shared__ int bad;
 
-  if (tid == 0) bad = gdn::build_tree(parent + b * n, n, g + b * n * HV + hv, HV, anc, nullptr, gate_sum) >= 0;
+  if (tid == 0) {
+    bad = slots[b] < 0 || slots[b] >= s.pool ||
+          gdn::build_tree(parent + b * n, n, g + b * n * HV + hv, HV, anc, nullptr, gate_sum) >= 0;
+  }
   for (int i = tid; i < n; i += blockDim.x) {
     beta_s[i] = beta[(b * n + i) * HV + hv];
     inv_q[i] = inv_k[i] = 0.0f;
@@ -84,7 +87,16 @@ __global__ void __launch_bounds__(kColumns)
   for (int idx = tid; idx < n * n; idx += blockDim.x) kk[idx] = qk[idx] = 0.0f;
   for (int i = 0; i < n; ++i) u_s[i * kColumns + tid] = o_s[i * kColumns + tid] = 0.0f;
   __syncthreads();
-  if (bad) return;  // the launcher validated parent already; never read out of bounds regardless
+  if (bad) {  // bad indices: NaN outputs, nothing read out of bounds
+    if (active) {
+      for (int i = 0; i < n; ++i) {
+        const int64_t out = ((b * n + i) * HV + hv) * V + col;
+        u[out] = __int_as_float(0x7fc00000);
+        o[out] = from_f<T>(__int_as_float(0x7fc00000));
+      }
+    }
+    return;
+  }
 
   const float* s0 = state_pool + (slots[b] * HV + hv) * K * V + (active ? col : 0);
   for (int64_t r0 = 0; r0 < K; r0 += kChunk) {
@@ -181,7 +193,10 @@ __global__ void __launch_bounds__(kCommitThreads)
   const int64_t b = blockIdx.z, hv = blockIdx.y, h = hv / (HV / H);
   const int64_t a = last_accepted[b];
   if (a < 0) return;  // uniform across the block
-  if (threadIdx.x == 0) bad = gdn::build_tree(parent + b * n, n, g + b * n * HV + hv, HV, anc, nullptr, gate_sum) >= 0;
+  if (threadIdx.x == 0) {
+    bad = slots[b] < 0 || slots[b] >= s.pool ||
+          gdn::build_tree(parent + b * n, n, g + b * n * HV + hv, HV, anc, nullptr, gate_sum) >= 0;
+  }
   __syncthreads();
   if (bad || a >= n) return;
   const uint64_t path = anc[a];
@@ -219,7 +234,10 @@ __global__ void __launch_bounds__(kConvThreads)
   const int64_t c = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   if (c >= channels) return;
   int src[gdn::kMaxConvWidth];
-  gdn::conv_window(parent + b * nodes, static_cast<int>(i), width, src);
+  if (!gdn::conv_window(parent + b * nodes, static_cast<int>(i), width, src)) {
+    out[(b * nodes + i) * channels + c] = from_f<T>(__int_as_float(0x7fc00000));
+    return;
+  }
   float acc = bias == nullptr ? 0.0f : bias[c];
   for (int w = 0; w < width; ++w) {
     const float value = src[w] >= 0 ? to_f(x[(b * nodes + src[w]) * channels + c])
@@ -239,7 +257,7 @@ __global__ void __launch_bounds__(kConvThreads)
   const int64_t a = last_accepted[b];
   if (c >= channels || a < 0 || a >= nodes) return;
   int src[gdn::kMaxConvWidth];
-  gdn::conv_window(parent + b * nodes, static_cast<int>(a), width, src);
+  if (!gdn::conv_window(parent + b * nodes, static_cast<int>(a), width, src)) return;
   T* row = conv_state + (b * channels + c) * (width - 1);
   // Column s reads an older column s' > s of the old state: increasing s is safe in place (see the CPU kernel).
   for (int s = 0; s < width - 1; ++s) {
@@ -261,6 +279,8 @@ cudaError_t dispatch(GdnType type, F&& f) {
   return cudaErrorInvalidValue;
 }
 
+constexpr int kMaxDevices = 64;
+
 unsigned grid_dim(int64_t x) { return static_cast<unsigned>(x < 1 ? 1 : x); }
 
 }  // namespace
@@ -275,8 +295,17 @@ cudaError_t gdn_tree_verify(GdnType type, const void* q, const void* k, const vo
   return dispatch(type, [&](auto tag) {
     using T = decltype(tag);
     auto kernel = gdn_tree_verify_kernel<T>;
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    // Opt in to the largest tree's shared memory once per device (not per call: keeps CUDA graph capture clean).
+    static bool configured[kMaxDevices] = {};
+    int device = 0;
+    cudaError_t err = cudaGetDevice(&device);
     if (err != cudaSuccess) return err;
+    if (device >= kMaxDevices || !configured[device]) {
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(verify_smem_bytes(gdn::kMaxNodes)));
+      if (err != cudaSuccess) return err;
+      if (device < kMaxDevices) configured[device] = true;
+    }
     kernel<<<grid, kColumns, smem, stream>>>(static_cast<const T*>(q), static_cast<const T*>(k),
                                              static_cast<const T*>(v), g, beta, parent, state_pool, slots, shape, scale,
                                              use_qk_l2norm, static_cast<T*>(o), u);

@@ -13,8 +13,11 @@ namespace cuda {
 enum class GdnType { kFloat32, kBFloat16, kFloat16 };
 
 struct GdnShape {
-  int64_t batch, nodes, qk_heads, value_heads, key_dim, value_dim;
+  int64_t batch, nodes, qk_heads, value_heads, key_dim, value_dim, pool;
 };
+
+// Every kernel guards its own indices (the launcher may skip the synchronising host checks, validate=False): a
+// request whose parent array or slot is out of range gets NaN outputs (verify, conv) or is left uncommitted (commits).
 
 // o [B, n, HV, V] (type), u [B, n, HV, V] fp32 from q, k [B, n, H, K], v [B, n, HV, V] (type), g, beta [B, n, HV]
 // fp32, parent [B, n], the committed states state_pool[slots[b]] [HV, K, V] fp32 (read only).

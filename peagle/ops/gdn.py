@@ -60,6 +60,7 @@ def gdn_tree_verify(
     slots: Tensor,
     scale: float | None = None,
     use_qk_l2norm: bool = False,
+    validate: bool = True,
 ) -> GdnVerifyOutput:
     """GDN outputs of every node of a draft tree per request; the committed states are only read.
 
@@ -71,11 +72,13 @@ def gdn_tree_verify(
             1 <= n <= 64.
         state_pool: [P, HV, K, V] float32 committed states; slots: [B] the pool row of each request.
         scale: multiplies q (default K^-0.5). use_qk_l2norm: L2-normalise q and k first (eps 1e-6).
+        validate: check parent/slot values (on CUDA this synchronises with the host). Pass False inside CUDA graphs:
+            the kernels then guard themselves and a request with bad indices gets NaN outputs. The CPU always checks.
 
     Returns:
         (o, u): o [B, n, HV, V] in v's dtype; u [B, n, HV, V] float32 for :func:`gdn_commit`.
     """
-    o, u = torch.ops.peagle.gdn_tree_verify(q, k, v, g, beta, parent, state_pool, slots, scale, use_qk_l2norm)
+    o, u = torch.ops.peagle.gdn_tree_verify(q, k, v, g, beta, parent, state_pool, slots, scale, use_qk_l2norm, validate)
     return GdnVerifyOutput(o, u)
 
 
@@ -88,14 +91,16 @@ def gdn_commit(
     state_pool: Tensor,
     slots: Tensor,
     use_qk_l2norm: bool = False,
+    validate: bool = True,
 ) -> None:
     """Commits, in place, the state after each request's last accepted node into ``state_pool[slots[b]]``.
 
     Equal to running the sequential recurrence over the accepted path root..last_accepted[b] from the committed state.
     ``k, g, parent, slots, use_qk_l2norm`` are those given to :func:`gdn_tree_verify`, ``u`` its second output.
     last_accepted[b] = -1 leaves request b's state unchanged. Active requests must use distinct slots.
+    validate=False skips the host-synchronising value checks (CUDA graphs); a request with bad indices is then skipped.
     """
-    torch.ops.peagle.gdn_commit(k, g, u, parent, last_accepted, state_pool, slots, use_qk_l2norm)
+    torch.ops.peagle.gdn_commit(k, g, u, parent, last_accepted, state_pool, slots, use_qk_l2norm, validate)
 
 
 def causal_conv1d_tree(
@@ -105,6 +110,7 @@ def causal_conv1d_tree(
     weight: Tensor,
     bias: Tensor | None = None,
     activation: str | None = None,
+    validate: bool = True,
 ) -> Tensor:
     """Depthwise causal conv1d over a draft tree: node i's window is (committed state, ancestors of i, i).
 
@@ -113,17 +119,21 @@ def causal_conv1d_tree(
         conv_state: [B, C, W - 1] x's dtype, the last W - 1 committed inputs (column W - 2 is the newest).
         weight: [C, W] (tap W - 1 multiplies the newest input); bias: [C] or None.
         activation: None / "none" / "identity", or "silu" / "swish".
+        validate: as in :func:`gdn_tree_verify` (bad trees give NaN outputs when False on CUDA).
 
     Returns:
         [B, n, C] in x's dtype (accumulated in fp32).
     """
-    return torch.ops.peagle.causal_conv1d_tree(x, parent, conv_state, weight, bias, activation)
+    return torch.ops.peagle.causal_conv1d_tree(x, parent, conv_state, weight, bias, activation, validate)
 
 
-def causal_conv1d_commit(x: Tensor, parent: Tensor, last_accepted: Tensor, conv_state: Tensor) -> None:
+def causal_conv1d_commit(
+    x: Tensor, parent: Tensor, last_accepted: Tensor, conv_state: Tensor, validate: bool = True
+) -> None:
     """Commits, in place, the conv state after each request's last accepted node (the last W - 1 inputs of
-    committed state + accepted path). last_accepted[b] = -1 leaves request b unchanged."""
-    torch.ops.peagle.causal_conv1d_commit(x, parent, last_accepted, conv_state)
+    committed state + accepted path). last_accepted[b] = -1 leaves request b unchanged. validate: as in
+    :func:`gdn_commit`."""
+    torch.ops.peagle.causal_conv1d_commit(x, parent, last_accepted, conv_state, validate)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -131,22 +141,22 @@ def causal_conv1d_commit(x: Tensor, parent: Tensor, last_accepted: Tensor, conv_
 
 
 @torch.library.register_fake("peagle::gdn_tree_verify")
-def _gdn_tree_verify_fake(q, k, v, g, beta, parent, state_pool, slots, scale=None, use_qk_l2norm=False):
+def _gdn_tree_verify_fake(q, k, v, g, beta, parent, state_pool, slots, scale=None, use_qk_l2norm=False, validate=True):
     return v.new_empty(v.shape), v.new_empty(v.shape, dtype=torch.float32)
 
 
 @torch.library.register_fake("peagle::gdn_commit")
-def _gdn_commit_fake(k, g, u, parent, last_accepted, state_pool, slots, use_qk_l2norm=False):
+def _gdn_commit_fake(k, g, u, parent, last_accepted, state_pool, slots, use_qk_l2norm=False, validate=True):
     return None
 
 
 @torch.library.register_fake("peagle::causal_conv1d_tree")
-def _causal_conv1d_tree_fake(x, parent, conv_state, weight, bias=None, activation=None):
+def _causal_conv1d_tree_fake(x, parent, conv_state, weight, bias=None, activation=None, validate=True):
     return x.new_empty(x.shape)
 
 
 @torch.library.register_fake("peagle::causal_conv1d_commit")
-def _causal_conv1d_commit_fake(x, parent, last_accepted, conv_state):
+def _causal_conv1d_commit_fake(x, parent, last_accepted, conv_state, validate=True):
     return None
 
 

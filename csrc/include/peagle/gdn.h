@@ -96,16 +96,21 @@ PEAGLE_HD void tree_delta_columns(int n, const uint64_t* anc, const float* gate_
 
 // Window of a causal conv1d of width W at `node` of a tree: src[w] for w in [0, W) (oldest first) is the node whose
 // input sits there (>= 0), or -(s + 1) for column s of the committed conv state [.., W - 1] (s = W - 2 is the newest).
+// Returns false (src incomplete) when a parent on the way breaks parent[i] in [-1, i): callers that skipped the host
+// validation never read out of bounds.
 template <typename Index>
-PEAGLE_HD void conv_window(const Index* parent, int node, int width, int* src) {
+PEAGLE_HD bool conv_window(const Index* parent, int node, int width, int* src) {
   int cur = node;
   int w = width - 1;
   for (; w >= 0 && cur >= 0; --w) {
     src[w] = cur;
-    cur = static_cast<int>(parent[cur]);
+    const int64_t p = static_cast<int64_t>(parent[cur]);
+    if (p < -1 || p >= cur) return false;
+    cur = static_cast<int>(p);
   }
   // The remaining (older) taps read the committed state from its newest column backwards.
   for (int s = width - 2; w >= 0; --w, --s) src[w] = -(s + 1);
+  return true;
 }
 
 PEAGLE_HD float silu(float x) { return x / (1.0f + expf(-x)); }
