@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peagle.decode import HybridTreeCache, hybrid_tree_commit, hybrid_tree_forward
+from peagle.decode import HybridTreeCache, hybrid_prefill, hybrid_tree_commit, hybrid_tree_forward
 from peagle.decode.hybrid import ancestor_mask
 from peagle.ops.gdn import tree_path
 from peagle.testing import fresh_seed, random_tree
@@ -95,3 +95,20 @@ def test_ancestor_mask_matches_paths(kind):
         for b in range(3):
             for i in range(nodes):
                 assert mask[b, i].nonzero()[:, 0].tolist() == tree_path(parent[b], i)
+
+
+def test_long_prompt_prefill_then_tree(model):
+    seed = fresh_seed()
+    print(f"input seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    prompt = torch.randint(0, vocab, (1, 150), generator=gen)
+    cache = HybridTreeCache.empty(model, 1)
+    last_logits = hybrid_prefill(model, prompt, cache, chunk=64)
+    torch.testing.assert_close(last_logits[0], full_sequence_logits(model, prompt[0].tolist()), rtol=1e-4, atol=1e-4)
+    parent = random_tree(gen, 9, "random").unsqueeze(0)
+    ids = torch.randint(0, vocab, (1, 9), generator=gen)
+    logits = hybrid_tree_forward(model, ids, parent, cache)
+    for i in range(9):
+        tokens = prompt[0].tolist() + ids[0, tree_path(parent[0], i)].tolist()
+        torch.testing.assert_close(logits[0, i], full_sequence_logits(model, tokens), rtol=1e-4, atol=1e-4)

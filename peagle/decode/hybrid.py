@@ -20,7 +20,7 @@ from torch import Tensor
 
 from peagle.ops.gdn import causal_conv1d_commit, causal_conv1d_tree, gdn_commit, gdn_tree_verify
 
-__all__ = ["HybridTreeCache", "hybrid_tree_commit", "hybrid_tree_forward"]
+__all__ = ["HybridTreeCache", "hybrid_prefill", "hybrid_tree_commit", "hybrid_tree_forward"]
 
 
 @dataclass
@@ -159,3 +159,17 @@ def hybrid_tree_commit(cache: HybridTreeCache, last_accepted: Tensor) -> None:
         cache.values[i] = torch.cat([cache.values[i], value.gather(2, gather)], dim=2)
     cache.length += index.shape[1]
     cache.pending = {}
+
+
+@torch.no_grad()
+def hybrid_prefill(model, input_ids: Tensor, cache: HybridTreeCache, chunk: int = 64) -> Tensor:
+    """Commits a prompt [B, T] (any T) as chains of at most ``chunk`` <= 64 tokens; returns the last token's logits."""
+    batch, length = input_ids.shape
+    logits = None
+    for start in range(0, length, chunk):  # a loop over chunks of up to 64 tokens, not over tokens
+        ids = input_ids[:, start : start + chunk]
+        nodes = ids.shape[1]
+        chain = (torch.arange(nodes, device=ids.device) - 1).expand(batch, -1)
+        logits = hybrid_tree_forward(model, ids, chain, cache)[:, -1]
+        hybrid_tree_commit(cache, torch.full((batch,), nodes - 1, device=ids.device))
+    return logits
