@@ -20,6 +20,24 @@ TORCH_LIBRARY(peagle, m) {
       "cod_gather_backward(Tensor grad_feats, Tensor anchors, Tensor depths, int num_positions) -> "
       "(Tensor grad_hidden, Tensor grad_mask_hidden)");
 
+  // Gated DeltaNet: tree verification of GDN layers (closed form over the tree, no per-node states), commit of the
+  // last accepted node's state into the pool, and the causal conv1d in front of GDN over a tree and its commit.
+  // validate=False skips the value checks that need a host synchronisation on CUDA (parent/slot/last_accepted
+  // ranges; CUDA graph capture cannot synchronise): the kernels then guard themselves (NaN outputs / no commit for a
+  // request with bad indices). Shape/dtype/device checks always run; the CPU backend always validates values.
+  m.def(
+      "gdn_tree_verify(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor parent, Tensor state_pool, "
+      "Tensor slots, float? scale=None, bool use_qk_l2norm=False, bool validate=True) -> (Tensor o, Tensor u)");
+  m.def(
+      "gdn_commit(Tensor k, Tensor g, Tensor u, Tensor parent, Tensor last_accepted, Tensor(a!) state_pool, "
+      "Tensor slots, bool use_qk_l2norm=False, bool validate=True) -> ()");
+  m.def(
+      "causal_conv1d_tree(Tensor x, Tensor parent, Tensor conv_state, Tensor weight, Tensor? bias=None, "
+      "str? activation=None, bool validate=True) -> Tensor");
+  m.def(
+      "causal_conv1d_commit(Tensor x, Tensor parent, Tensor last_accepted, Tensor(a!) conv_state, "
+      "bool validate=True) -> ()");
+
   // Returns the CPU output blocks kept for reuse (see csrc/cpu/large_buffers.h) to the OS; bytes released.
   m.def("release_cpu_buffers() -> int", &peagle::cpu::release_large_buffers);
 }

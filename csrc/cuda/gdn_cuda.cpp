@@ -1,0 +1,128 @@
+// Torch-facing launcher of the Gated DeltaNet CUDA kernels: checks (shared with the CPU backend), dtype/index
+// normalisation, allocation and the current stream; the kernels live in gdn_kernels.cu (no torch headers there).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "gdn_checks.h"
+#include "gdn_kernels.h"
+
+namespace peagle {
+namespace {
+
+void check_cuda(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, "peagle.", op, ": CUDA error: ", cudaGetErrorString(err));
+}
+
+cuda::GdnType gdn_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return cuda::GdnType::kFloat32;
+    case at::kBFloat16:
+      return cuda::GdnType::kBFloat16;
+    default:
+      return cuda::GdnType::kFloat16;  // the checks admit float32, bfloat16 and float16 only
+  }
+}
+
+cuda::GdnShape gdn_shape(const GdnDims& d) {
+  return {d.batch, d.nodes, d.qk_heads, d.value_heads, d.key_dim, d.value_dim, d.pool};
+}
+
+std::tuple<at::Tensor, at::Tensor> gdn_tree_verify_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                        const at::Tensor& g, const at::Tensor& beta,
+                                                        const at::Tensor& parent, const at::Tensor& state_pool,
+                                                        const at::Tensor& slots, c10::optional<double> scale,
+                                                        bool use_qk_l2norm, bool validate) {
+  const char* op = "gdn_tree_verify";
+  const GdnDims d = check_gdn_tree_verify_args(q, k, v, g, beta, parent, state_pool, slots);
+  const c10::cuda::CUDAGuard guard(q.device());
+  if (validate) {
+    check_parent_values(op, parent);
+    check_index_values(op, "slots", slots, 0, d.pool);
+  }
+  const float q_scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(d.key_dim))));
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  const at::Tensor gc = g.to(at::kFloat).contiguous(), bc = beta.to(at::kFloat).contiguous();
+  const at::Tensor pc = parent.to(at::kLong).contiguous(), sc = slots.to(at::kLong).contiguous();
+  at::Tensor o = at::empty({d.batch, d.nodes, d.value_heads, d.value_dim}, v.options());
+  at::Tensor u = at::empty({d.batch, d.nodes, d.value_heads, d.value_dim}, v.options().dtype(at::kFloat));
+  check_cuda(cuda::gdn_tree_verify(gdn_type(q.scalar_type()), qc.data_ptr(), kc.data_ptr(), vc.data_ptr(),
+                                   gc.data_ptr<float>(), bc.data_ptr<float>(), pc.data_ptr<int64_t>(),
+                                   state_pool.data_ptr<float>(), sc.data_ptr<int64_t>(), gdn_shape(d), q_scale,
+                                   use_qk_l2norm, o.data_ptr(), u.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()),
+             op);
+  return {o, u};
+}
+
+void gdn_commit_cuda(const at::Tensor& k, const at::Tensor& g, const at::Tensor& u, const at::Tensor& parent,
+                     const at::Tensor& last_accepted, at::Tensor& state_pool, const at::Tensor& slots,
+                     bool use_qk_l2norm, bool validate) {
+  const char* op = "gdn_commit";
+  const GdnDims d = check_gdn_commit_args(k, g, u, parent, last_accepted, state_pool, slots);
+  const c10::cuda::CUDAGuard guard(k.device());
+  if (validate) {
+    check_parent_values(op, parent);
+    check_index_values(op, "last_accepted", last_accepted, -1, d.nodes);
+    check_index_values(op, "slots", slots.to(at::kLong).masked_select(last_accepted.to(at::kLong) >= 0), 0, d.pool);
+    check_distinct_active_slots(op, slots, last_accepted);
+  }
+  const at::Tensor kc = k.contiguous(), uc = u.contiguous(), gc = g.to(at::kFloat).contiguous();
+  const at::Tensor pc = parent.to(at::kLong).contiguous(), sc = slots.to(at::kLong).contiguous();
+  const at::Tensor ac = last_accepted.to(at::kLong).contiguous();
+  check_cuda(cuda::gdn_commit(gdn_type(k.scalar_type()), kc.data_ptr(), gc.data_ptr<float>(), uc.data_ptr<float>(),
+                              pc.data_ptr<int64_t>(), ac.data_ptr<int64_t>(), state_pool.data_ptr<float>(),
+                              sc.data_ptr<int64_t>(), gdn_shape(d), use_qk_l2norm, c10::cuda::getCurrentCUDAStream()),
+             op);
+}
+
+at::Tensor causal_conv1d_tree_cuda(const at::Tensor& x, const at::Tensor& parent, const at::Tensor& conv_state,
+                                   const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                                   c10::optional<c10::string_view> activation, bool validate) {
+  const char* op = "causal_conv1d_tree";
+  const ConvDims d = check_causal_conv1d_tree_args(x, parent, conv_state, weight, bias);
+  const int act = check_activation(op, activation);
+  const c10::cuda::CUDAGuard guard(x.device());
+  if (validate) check_parent_values(op, parent);
+  const at::Tensor xc = x.contiguous(), stc = conv_state.contiguous();
+  const at::Tensor wc = weight.to(at::kFloat).contiguous();
+  const at::Tensor biasc = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const at::Tensor pc = parent.to(at::kLong).contiguous();
+  at::Tensor out = at::empty({d.batch, d.nodes, d.channels}, x.options());
+  check_cuda(
+      cuda::causal_conv1d_tree(gdn_type(x.scalar_type()), xc.data_ptr(), pc.data_ptr<int64_t>(), stc.data_ptr(),
+                               wc.data_ptr<float>(), biasc.defined() ? biasc.data_ptr<float>() : nullptr, d.batch,
+                               d.nodes, d.channels, d.width, act, out.data_ptr(), c10::cuda::getCurrentCUDAStream()),
+      op);
+  return out;
+}
+
+void causal_conv1d_commit_cuda(const at::Tensor& x, const at::Tensor& parent, const at::Tensor& last_accepted,
+                               at::Tensor& conv_state, bool validate) {
+  const char* op = "causal_conv1d_commit";
+  const ConvDims d = check_causal_conv1d_commit_args(x, parent, last_accepted, conv_state);
+  const c10::cuda::CUDAGuard guard(x.device());
+  if (validate) {
+    check_parent_values(op, parent);
+    check_index_values(op, "last_accepted", last_accepted, -1, d.nodes);
+  }
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor pc = parent.to(at::kLong).contiguous(), ac = last_accepted.to(at::kLong).contiguous();
+  check_cuda(cuda::causal_conv1d_commit(gdn_type(x.scalar_type()), xc.data_ptr(), pc.data_ptr<int64_t>(),
+                                        ac.data_ptr<int64_t>(), conv_state.data_ptr(), d.batch, d.nodes, d.channels,
+                                        d.width, c10::cuda::getCurrentCUDAStream()),
+             op);
+}
+
+}  // namespace
+}  // namespace peagle
+
+TORCH_LIBRARY_IMPL(peagle, CUDA, m) {
+  m.impl("gdn_tree_verify", &peagle::gdn_tree_verify_cuda);
+  m.impl("gdn_commit", &peagle::gdn_commit_cuda);
+  m.impl("causal_conv1d_tree", &peagle::causal_conv1d_tree_cuda);
+  m.impl("causal_conv1d_commit", &peagle::causal_conv1d_commit_cuda);
+}

@@ -1,0 +1,361 @@
+// CUDA kernels of the Gated DeltaNet family. No torch headers here (compile time); see gdn_kernels.h for the
+// contracts and peagle/gdn.h for the closed form over the tree that both backends share.
+//
+// Verification: one block per (tile of 64 value columns, value head, request), one thread per value column. The block
+// derives the tree (ancestor masks, cumulative gates) and then walks K in chunks of 32 rows: the chunk's q/k rows of
+// all nodes are staged in shared memory (coalesced), from which the block accumulates the q/k norms, the ancestor Gram
+// entries q_i.k_j, k_i.k_j, and each thread the projections of its committed-state column onto every k_i and q_i
+// (S0 is read exactly once per block, coalesced along its rows). Then each thread runs the shared forward
+// substitution gdn::tree_delta_columns for its column. No per-node state is ever formed. The work is
+// 2 n K V + n^2 (K + V) multiply-adds per head, on CUDA cores (tensor-core tiles are a later step, once GPU profiles
+// show where the time goes).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "gdn_kernels.h"
+#include "peagle/gdn.h"
+
+namespace peagle {
+namespace cuda {
+namespace {
+
+constexpr int kColumns = 64;  // value columns per verification block (one per thread)
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+template <typename T>
+__device__ __forceinline__ T from_f(float x);
+template <>
+__device__ __forceinline__ float from_f<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
+  return __float2bfloat16(x);
+}
+template <>
+__device__ __forceinline__ __half from_f<__half>(float x) {
+  return __float2half(x);
+}
+
+constexpr int kChunk = 32;           // K rows of q/k/S0 staged per step
+constexpr int kStride = kChunk + 1;  // padded rows: Gram reads of different nodes hit different banks
+
+size_t verify_smem_bytes(int64_t n) {
+  // anc (u64) | gate_sum, beta, inv_q, inv_k | kk, qk | v, u, o column tiles | q, k chunks
+  return sizeof(uint64_t) * n + sizeof(float) * (4 * n + 2 * n * n + 3 * n * kColumns + 2 * n * kStride);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kColumns)
+    gdn_tree_verify_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                           const float* __restrict__ g, const float* __restrict__ beta,
+                           const int64_t* __restrict__ parent, const float* __restrict__ state_pool,
+                           const int64_t* __restrict__ slots, GdnShape s, float scale, bool l2norm, T* __restrict__ o,
+                           float* __restrict__ u) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int n = static_cast<int>(s.nodes);
+  const int64_t K = s.key_dim, V = s.value_dim, H = s.qk_heads, HV = s.value_heads;
+  const int64_t b = blockIdx.z, hv = blockIdx.y, h = hv / (HV / H);
+  const int tid = threadIdx.x;
+  const int64_t col = int64_t{blockIdx.x} * kColumns + tid;
+  const bool active = col < V;
+
+  uint64_t* anc = reinterpret_cast<uint64_t*>(smem);
+  float* gate_sum = reinterpret_cast<float*>(anc + n);
+  float* beta_s = gate_sum + n;
+  float* inv_q = beta_s + n;  // sums of squares until the norms are final
+  float* inv_k = inv_q + n;
+  float* kk = inv_k + n;
+  float* qk = kk + n * n;
+  float* v_s = qk + n * n;
+  float* u_s = v_s + n * kColumns;
+  float* o_s = u_s + n * kColumns;
+  float* q_c = o_s + n * kColumns;
+  float* k_c = q_c + n * kStride;
+  __shared__ int bad;
+
+  if (tid == 0) {
+    bad = slots[b] < 0 || slots[b] >= s.pool ||
+          gdn::build_tree(parent + b * n, n, g + b * n * HV + hv, HV, anc, nullptr, gate_sum) >= 0;
+  }
+  for (int i = tid; i < n; i += blockDim.x) {
+    beta_s[i] = beta[(b * n + i) * HV + hv];
+    inv_q[i] = inv_k[i] = 0.0f;
+  }
+  for (int idx = tid; idx < n * n; idx += blockDim.x) kk[idx] = qk[idx] = 0.0f;
+  for (int i = 0; i < n; ++i) u_s[i * kColumns + tid] = o_s[i * kColumns + tid] = 0.0f;
+  __syncthreads();
+  if (bad) {  // bad indices: NaN outputs, nothing read out of bounds
+    if (active) {
+      for (int i = 0; i < n; ++i) {
+        const int64_t out = ((b * n + i) * HV + hv) * V + col;
+        u[out] = __int_as_float(0x7fc00000);
+        o[out] = from_f<T>(__int_as_float(0x7fc00000));
+      }
+    }
+    return;
+  }
+
+  const float* s0 = state_pool + (slots[b] * HV + hv) * K * V + (active ? col : 0);
+  for (int64_t r0 = 0; r0 < K; r0 += kChunk) {
+    const int width = static_cast<int>(K - r0 < kChunk ? K - r0 : kChunk);
+    // Stage raw q/k rows [r0, r0 + kChunk) of every node (zero-padded), coalesced along K.
+    for (int idx = tid; idx < n * kChunk; idx += blockDim.x) {
+      const int i = idx / kChunk, r = idx - (idx / kChunk) * kChunk;
+      const int64_t row = ((b * n + i) * H + h) * K + r0 + r;
+      q_c[i * kStride + r] = r < width ? to_f(q[row]) : 0.0f;
+      k_c[i * kStride + r] = r < width ? to_f(k[row]) : 0.0f;
+    }
+    __syncthreads();
+    for (int i = tid; i < n; i += blockDim.x) {
+      float sq = 0.0f, sk = 0.0f;
+      for (int r = 0; r < kChunk; ++r) {
+        sq += q_c[i * kStride + r] * q_c[i * kStride + r];
+        sk += k_c[i * kStride + r] * k_c[i * kStride + r];
+      }
+      inv_q[i] += sq;
+      inv_k[i] += sk;
+    }
+    // Raw Gram entries of ancestor-or-self pairs.
+    for (int idx = tid; idx < n * n; idx += blockDim.x) {
+      const int i = idx / n, j = idx - (idx / n) * n;
+      if (((anc[i] >> j) & 1ull) == 0) continue;
+      float dq = 0.0f, dk = 0.0f;
+      for (int r = 0; r < kChunk; ++r) {
+        const float x = k_c[j * kStride + r];
+        dq += q_c[i * kStride + r] * x;
+        dk += k_c[i * kStride + r] * x;
+      }
+      qk[idx] += dq;
+      kk[idx] += dk;
+    }
+    // Raw projections of this thread's committed-state column: S0 is read exactly once per block.
+    if (active) {
+      float sv[kChunk];
+#pragma unroll
+      for (int r = 0; r < kChunk; ++r) sv[r] = r < width ? s0[(r0 + r) * V] : 0.0f;
+      for (int i = 0; i < n; ++i) {
+        float pk = 0.0f, pq = 0.0f;
+#pragma unroll
+        for (int r = 0; r < kChunk; ++r) {
+          pk += k_c[i * kStride + r] * sv[r];
+          pq += q_c[i * kStride + r] * sv[r];
+        }
+        u_s[i * kColumns + tid] += pk;
+        o_s[i * kColumns + tid] += pq;
+      }
+    }
+    __syncthreads();  // before the next chunk overwrites q_c / k_c
+  }
+  for (int i = tid; i < n; i += blockDim.x) {
+    inv_q[i] = gdn::inv_l2(inv_q[i], l2norm) * scale;
+    inv_k[i] = gdn::inv_l2(inv_k[i], l2norm);
+  }
+  __syncthreads();
+  for (int idx = tid; idx < n * n; idx += blockDim.x) {
+    const int i = idx / n, j = idx - (idx / n) * n;
+    qk[idx] *= inv_q[i] * inv_k[j];
+    kk[idx] *= inv_k[i] * inv_k[j];
+  }
+  if (active) {
+    for (int i = 0; i < n; ++i) {
+      u_s[i * kColumns + tid] *= inv_k[i];
+      o_s[i * kColumns + tid] *= inv_q[i];
+      v_s[i * kColumns + tid] = to_f(v[((b * n + i) * HV + hv) * V + col]);
+    }
+  }
+  __syncthreads();
+  if (!active) return;
+  gdn::tree_delta_columns(n, anc, gate_sum, beta_s, kk, qk, v_s, kColumns, u_s, kColumns, o_s, kColumns, tid, tid + 1);
+  for (int i = 0; i < n; ++i) {
+    const int64_t out = ((b * n + i) * HV + hv) * V + col;
+    u[out] = u_s[i * kColumns + tid];
+    o[out] = from_f<T>(o_s[i * kColumns + tid]);
+  }
+}
+
+constexpr int kCommitThreads = 256;
+
+// One block per (tile of K x V state elements, value head, request); each thread rebuilds its state elements.
+template <typename T>
+__global__ void __launch_bounds__(kCommitThreads)
+    gdn_commit_kernel(const T* __restrict__ k, const float* __restrict__ g, const float* __restrict__ u,
+                      const int64_t* __restrict__ parent, const int64_t* __restrict__ last_accepted,
+                      float* __restrict__ state_pool, const int64_t* __restrict__ slots, GdnShape s, bool l2norm) {
+  __shared__ uint64_t anc[gdn::kMaxNodes];
+  __shared__ float gate_sum[gdn::kMaxNodes];
+  __shared__ float coef[gdn::kMaxNodes];  // exp(G_a - G_j) / |k_j| for path nodes j
+  __shared__ int bad;
+  const int n = static_cast<int>(s.nodes);
+  const int64_t K = s.key_dim, V = s.value_dim, H = s.qk_heads, HV = s.value_heads;
+  const int64_t b = blockIdx.z, hv = blockIdx.y, h = hv / (HV / H);
+  const int64_t a = last_accepted[b];
+  if (a < 0) return;  // uniform across the block
+  if (threadIdx.x == 0) {
+    bad = slots[b] < 0 || slots[b] >= s.pool ||
+          gdn::build_tree(parent + b * n, n, g + b * n * HV + hv, HV, anc, nullptr, gate_sum) >= 0;
+  }
+  __syncthreads();
+  if (bad || a >= n) return;
+  const uint64_t path = anc[a];
+  for (int j = threadIdx.x; j < n; j += blockDim.x) {
+    if (((path >> j) & 1ull) == 0) continue;
+    const T* kj = k + ((b * n + j) * H + h) * K;
+    float sk = 0.0f;
+    for (int64_t r = 0; r < K; ++r) sk += to_f(kj[r]) * to_f(kj[r]);
+    coef[j] = expf(gate_sum[a] - gate_sum[j]) * gdn::inv_l2(sk, l2norm);
+  }
+  __syncthreads();
+  const float root = expf(gate_sum[a]);
+  float* state = state_pool + (slots[b] * HV + hv) * K * V;
+  for (int64_t e = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < K * V; e += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = e / V, c = e - r * V;
+    float value = root * state[e];
+    uint64_t bits = path;
+    while (bits != 0) {
+      const int j = __ffsll(static_cast<long long>(bits)) - 1;
+      bits &= bits - 1;
+      value += coef[j] * to_f(k[((b * n + j) * H + h) * K + r]) * u[((b * n + j) * HV + hv) * V + c];
+    }
+    state[e] = value;
+  }
+}
+
+constexpr int kConvThreads = 128;
+
+template <typename T>
+__global__ void __launch_bounds__(kConvThreads)
+    conv_tree_kernel(const T* __restrict__ x, const int64_t* __restrict__ parent, const T* __restrict__ conv_state,
+                     const float* __restrict__ weight, const float* __restrict__ bias, int64_t nodes, int64_t channels,
+                     int width, int activation, T* __restrict__ out) {
+  const int64_t b = blockIdx.z, i = blockIdx.y;
+  const int64_t c = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (c >= channels) return;
+  int src[gdn::kMaxConvWidth];
+  if (!gdn::conv_window(parent + b * nodes, static_cast<int>(i), width, src)) {
+    out[(b * nodes + i) * channels + c] = from_f<T>(__int_as_float(0x7fc00000));
+    return;
+  }
+  float acc = bias == nullptr ? 0.0f : bias[c];
+  for (int w = 0; w < width; ++w) {
+    const float value = src[w] >= 0 ? to_f(x[(b * nodes + src[w]) * channels + c])
+                                    : to_f(conv_state[(b * channels + c) * (width - 1) + (-src[w] - 1)]);
+    acc += weight[c * width + w] * value;
+  }
+  out[(b * nodes + i) * channels + c] = from_f<T>(activation == 1 ? gdn::silu(acc) : acc);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kConvThreads)
+    conv_commit_kernel(const T* __restrict__ x, const int64_t* __restrict__ parent,
+                       const int64_t* __restrict__ last_accepted, T* __restrict__ conv_state, int64_t nodes,
+                       int64_t channels, int width) {
+  const int64_t b = blockIdx.y;
+  const int64_t c = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  const int64_t a = last_accepted[b];
+  if (c >= channels || a < 0 || a >= nodes) return;
+  int src[gdn::kMaxConvWidth];
+  if (!gdn::conv_window(parent + b * nodes, static_cast<int>(a), width, src)) return;
+  T* row = conv_state + (b * channels + c) * (width - 1);
+  // Column s reads an older column s' > s of the old state: increasing s is safe in place (see the CPU kernel).
+  for (int s = 0; s < width - 1; ++s) {
+    const int t = src[s + 1];
+    row[s] = t >= 0 ? x[(b * nodes + t) * channels + c] : row[-t - 1];
+  }
+}
+
+template <typename F>
+cudaError_t dispatch(GdnType type, F&& f) {
+  switch (type) {
+    case GdnType::kFloat32:
+      return f(float{});
+    case GdnType::kBFloat16:
+      return f(__nv_bfloat16{});
+    case GdnType::kFloat16:
+      return f(__half{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+constexpr int kMaxDevices = 64;
+
+unsigned grid_dim(int64_t x) { return static_cast<unsigned>(x < 1 ? 1 : x); }
+
+}  // namespace
+
+cudaError_t gdn_tree_verify(GdnType type, const void* q, const void* k, const void* v, const float* g,
+                            const float* beta, const int64_t* parent, const float* state_pool, const int64_t* slots,
+                            GdnShape shape, float scale, bool use_qk_l2norm, void* o, float* u, cudaStream_t stream) {
+  if (shape.batch == 0) return cudaSuccess;
+  const size_t smem = verify_smem_bytes(shape.nodes);
+  const dim3 grid(grid_dim((shape.value_dim + kColumns - 1) / kColumns), grid_dim(shape.value_heads),
+                  grid_dim(shape.batch));
+  return dispatch(type, [&](auto tag) {
+    using T = decltype(tag);
+    auto kernel = gdn_tree_verify_kernel<T>;
+    // Opt in to the largest tree's shared memory once per device (not per call: keeps CUDA graph capture clean).
+    static bool configured[kMaxDevices] = {};
+    int device = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err != cudaSuccess) return err;
+    if (device >= kMaxDevices || !configured[device]) {
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(verify_smem_bytes(gdn::kMaxNodes)));
+      if (err != cudaSuccess) return err;
+      if (device < kMaxDevices) configured[device] = true;
+    }
+    kernel<<<grid, kColumns, smem, stream>>>(static_cast<const T*>(q), static_cast<const T*>(k),
+                                             static_cast<const T*>(v), g, beta, parent, state_pool, slots, shape, scale,
+                                             use_qk_l2norm, static_cast<T*>(o), u);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t gdn_commit(GdnType type, const void* k, const float* g, const float* u, const int64_t* parent,
+                       const int64_t* last_accepted, float* state_pool, const int64_t* slots, GdnShape shape,
+                       bool use_qk_l2norm, cudaStream_t stream) {
+  if (shape.batch == 0) return cudaSuccess;
+  const int64_t elements = shape.key_dim * shape.value_dim;
+  int64_t tiles = (elements + kCommitThreads - 1) / kCommitThreads;
+  if (tiles > 65535) tiles = 65535;
+  const dim3 grid(grid_dim(tiles), grid_dim(shape.value_heads), grid_dim(shape.batch));
+  return dispatch(type, [&](auto tag) {
+    using T = decltype(tag);
+    gdn_commit_kernel<T><<<grid, kCommitThreads, 0, stream>>>(static_cast<const T*>(k), g, u, parent, last_accepted,
+                                                              state_pool, slots, shape, use_qk_l2norm);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t causal_conv1d_tree(GdnType type, const void* x, const int64_t* parent, const void* conv_state,
+                               const float* weight, const float* bias, int64_t batch, int64_t nodes, int64_t channels,
+                               int64_t width, int activation, void* out, cudaStream_t stream) {
+  if (batch == 0 || channels == 0) return cudaSuccess;
+  const dim3 grid(grid_dim((channels + kConvThreads - 1) / kConvThreads), grid_dim(nodes), grid_dim(batch));
+  return dispatch(type, [&](auto tag) {
+    using T = decltype(tag);
+    conv_tree_kernel<T><<<grid, kConvThreads, 0, stream>>>(
+        static_cast<const T*>(x), parent, static_cast<const T*>(conv_state), weight, bias, nodes, channels,
+        static_cast<int>(width), activation, static_cast<T*>(out));
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t causal_conv1d_commit(GdnType type, const void* x, const int64_t* parent, const int64_t* last_accepted,
+                                 void* conv_state, int64_t batch, int64_t nodes, int64_t channels, int64_t width,
+                                 cudaStream_t stream) {
+  if (batch == 0 || channels == 0) return cudaSuccess;
+  const dim3 grid(grid_dim((channels + kConvThreads - 1) / kConvThreads), grid_dim(batch));
+  return dispatch(type, [&](auto tag) {
+    using T = decltype(tag);
+    conv_commit_kernel<T><<<grid, kConvThreads, 0, stream>>>(static_cast<const T*>(x), parent, last_accepted,
+                                                             static_cast<T*>(conv_state), nodes, channels,
+                                                             static_cast<int>(width));
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace cuda
+}  // namespace peagle

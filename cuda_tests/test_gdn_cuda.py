@@ -1,0 +1,210 @@
+"""Gated DeltaNet tree ops on CUDA: CUDA op == CPU op (which the CPU tests hold to the fp64 per-path reference)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peagle.ops import (
+    causal_conv1d_commit,
+    causal_conv1d_tree,
+    gdn_commit,
+    gdn_recurrence_reference,
+    gdn_tree_verify,
+    gdn_tree_verify_reference,
+)
+from peagle.ops.gdn import tree_path
+from peagle.testing import fresh_seed, random_gdn_inputs, random_tree
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+KINDS = ["chain", "star", "deep", "random", "forest"]
+SHAPES = [(1, 1, 16, 8), (2, 4, 16, 24), (4, 8, 128, 128), (2, 4, 64, 200), (1, 2, 256, 64)]  # H, HV, K, V
+
+
+@pytest.fixture
+def generator() -> torch.Generator:
+    seed = fresh_seed()
+    print(f"input seed {seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+def rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = expected.double().cpu()
+    diff = actual.double().cpu() - expected
+    return float(diff.pow(2).mean().sqrt() / expected.pow(2).mean().sqrt().clamp_min(1e-30))
+
+
+def to_cuda(inputs):
+    return type(inputs)(*(t.cuda() for t in inputs))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("l2norm", [False, True])
+@pytest.mark.parametrize("nodes", [1, 17, 64])
+def test_verify_cuda_equals_cpu(generator, kind, shape, l2norm, nodes):
+    h, hv, kd, vd = shape
+    x = random_gdn_inputs(generator, 3, nodes, h, hv, kd, vd, kind=kind)
+    o, u = gdn_tree_verify(*x, use_qk_l2norm=l2norm)
+    o_cuda, u_cuda = gdn_tree_verify(*to_cuda(x), use_qk_l2norm=l2norm)
+    assert o_cuda.device.type == "cuda" and o_cuda.dtype == torch.float32
+    assert rel_rms(o_cuda, o) <= 1e-5 and rel_rms(u_cuda, u) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_verify_cuda_half_against_fp64(generator, dtype):
+    x = random_gdn_inputs(generator, 2, 32, 4, 8, 128, 128, kind="random", dtype=dtype)
+    o_cuda, _ = gdn_tree_verify(*to_cuda(x), use_qk_l2norm=True)
+    ref = gdn_tree_verify_reference(*x, use_qk_l2norm=True, compute_dtype=torch.float64)
+    assert o_cuda.dtype == dtype and rel_rms(o_cuda, ref) <= 2e-3
+
+
+def test_cuda_chain_equals_sequential(generator):
+    x = random_gdn_inputs(generator, 1, 64, 2, 4, 128, 128, kind="chain")
+    o_cuda, _ = gdn_tree_verify(*to_cuda(x), use_qk_l2norm=True)
+    s0 = x.state_pool[int(x.slots[0])].double()
+    expected, _ = gdn_recurrence_reference(x.q[0], x.k[0], x.v[0], x.g[0], x.beta[0], s0, None, True)
+    assert rel_rms(o_cuda[0], expected) <= 1e-5
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_commit_cuda_equals_cpu(generator, kind, dtype):
+    batch, nodes = 5, 40
+    x = random_gdn_inputs(generator, batch, nodes, 2, 4, 128, 96, kind=kind, dtype=dtype)
+    _, u = gdn_tree_verify(*x, use_qk_l2norm=True)
+    last = torch.randint(-1, nodes, (batch,), generator=generator)
+    pool = x.state_pool.clone()
+    gdn_commit(x.k, x.g, u, x.parent, last, pool, x.slots, True)
+    pool_cuda = x.state_pool.cuda()
+    gdn_commit(x.k.cuda(), x.g.cuda(), u.cuda(), x.parent.cuda(), last.cuda(), pool_cuda, x.slots.cuda(), True)
+    assert rel_rms(pool_cuda, pool) <= 1e-6
+
+
+def test_repeated_rounds_cuda_equal_one_long_run(generator):
+    batch, h, hv, kd, vd = 2, 2, 4, 64, 64
+    base = random_gdn_inputs(generator, batch, 1, h, hv, kd, vd)
+    pool, slots = base.state_pool.cuda(), base.slots.cuda()
+    initial = base.state_pool.clone()
+    accepted = [[] for _ in range(batch)]
+    for nodes, kind in zip([1, 5, 16, 33, 64], ["random", "chain", "deep", "star", "forest"], strict=True):
+        x = random_gdn_inputs(generator, batch, nodes, h, hv, kd, vd, kind=kind)
+        xc = to_cuda(x)
+        o, u = gdn_tree_verify(xc.q, xc.k, xc.v, xc.g, xc.beta, xc.parent, pool, slots, use_qk_l2norm=True)
+        last = torch.randint(0, nodes, (batch,), generator=generator)
+        gdn_commit(xc.k, xc.g, u, xc.parent, last.cuda(), pool, slots, True)
+        for b in range(batch):
+            for i in tree_path(x.parent[b], int(last[b])):
+                accepted[b].append((x.q[b, i], x.k[b, i], x.v[b, i], x.g[b, i], x.beta[b, i], o[b, i].cpu()))
+    for b in range(batch):
+        q, k, v, g, beta, o = (torch.stack(t) for t in zip(*accepted[b], strict=True))
+        slot = int(base.slots[b])
+        expected_o, expected_s = gdn_recurrence_reference(q, k, v, g, beta, initial[slot].double(), None, True)
+        assert rel_rms(o, expected_o) <= 1e-5
+        assert rel_rms(pool[slot], expected_s) <= 1e-5
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [2, 4, 9])
+def test_conv_cuda_equals_cpu(generator, kind, dtype, width):
+    batch, nodes, channels = 3, 21, 300
+    parent = torch.stack([random_tree(generator, nodes, kind) for _ in range(batch)])
+    x = torch.randn(batch, nodes, channels, generator=generator).to(dtype)
+    state = torch.randn(batch, channels, width - 1, generator=generator).to(dtype)
+    weight = torch.randn(channels, width, generator=generator)
+    bias = torch.randn(channels, generator=generator)
+    for b_arg, act in ((bias, "silu"), (None, None)):
+        out = causal_conv1d_tree(x, parent, state, weight, b_arg, act)
+        out_cuda = causal_conv1d_tree(
+            x.cuda(), parent.cuda(), state.cuda(), weight.cuda(), None if b_arg is None else b_arg.cuda(), act
+        )
+        assert rel_rms(out_cuda, out) <= (1e-6 if dtype == torch.float32 else 4e-3)
+    last = torch.randint(-1, nodes, (batch,), generator=generator)
+    state_cpu, state_cuda = state.clone(), state.cuda()
+    causal_conv1d_commit(x, parent, last, state_cpu)
+    causal_conv1d_commit(x.cuda(), parent.cuda(), last.cuda(), state_cuda)
+    assert torch.equal(state_cuda.cpu(), state_cpu)
+
+
+def test_opcheck_cuda(generator):
+    x = to_cuda(random_gdn_inputs(generator, 2, 6, 1, 2, 8, 4, kind="random"))
+    torch.library.opcheck(torch.ops.peagle.gdn_tree_verify.default, (*x, None, True))
+    _, u = gdn_tree_verify(*x, use_qk_l2norm=True)
+    last = torch.tensor([3, -1], device="cuda")
+    torch.library.opcheck(
+        torch.ops.peagle.gdn_commit.default, (x.k, x.g, u, x.parent, last, x.state_pool.clone(), x.slots, True)
+    )
+    cx = torch.randn(2, 6, 5, device="cuda")
+    state = torch.randn(2, 5, 3, device="cuda")
+    weight = torch.randn(5, 4, device="cuda")
+    torch.library.opcheck(torch.ops.peagle.causal_conv1d_tree.default, (cx, x.parent, state, weight, None, "silu"))
+    torch.library.opcheck(torch.ops.peagle.causal_conv1d_commit.default, (cx, x.parent, last, state.clone()))
+
+
+def test_cuda_errors(generator):
+    x = to_cuda(random_gdn_inputs(generator, 2, 4, 1, 2, 8, 8))
+    bad = x.parent.clone()
+    bad[1, 2] = 3
+    with pytest.raises(RuntimeError, match=r"gdn_tree_verify: parent\[1, 2\] must be in \[-1, 2\)"):
+        gdn_tree_verify(x.q, x.k, x.v, x.g, x.beta, bad, x.state_pool, x.slots)
+    with pytest.raises(RuntimeError, match=r"gdn_tree_verify: slots must be in \[0, 4\)"):
+        gdn_tree_verify(x.q, x.k, x.v, x.g, x.beta, x.parent, x.state_pool, torch.tensor([0, 9], device="cuda"))
+    with pytest.raises(RuntimeError, match=r"gdn_tree_verify: parent must be on the same device as q"):
+        gdn_tree_verify(x.q, x.k, x.v, x.g, x.beta, x.parent.cpu(), x.state_pool, x.slots)
+    _, u = gdn_tree_verify(*x)
+    with pytest.raises(RuntimeError, match=r"gdn_commit: last_accepted must be in \[-1, 4\)"):
+        gdn_commit(x.k, x.g, u, x.parent, torch.tensor([0, 7], device="cuda"), x.state_pool, x.slots)
+
+
+def test_unvalidated_bad_indices_give_nan_not_crashes(generator):
+    x = to_cuda(random_gdn_inputs(generator, 3, 6, 1, 2, 16, 16))
+    parent = x.parent.clone()
+    parent[1, 4] = 5  # request 1: not a tree
+    slots = x.slots.clone()
+    slots[2] = 1000  # request 2: slot out of range
+    o, u = gdn_tree_verify(x.q, x.k, x.v, x.g, x.beta, parent, x.state_pool, slots, validate=False)
+    torch.cuda.synchronize()
+    assert torch.isfinite(o[0]).all() and torch.isnan(o[1]).all() and torch.isnan(o[2]).all()
+    pool = x.state_pool.clone()
+    gdn_commit(x.k, x.g, u, parent, torch.tensor([3, 3, 3], device="cuda"), pool, slots, validate=False)
+    untouched = [s for s in range(pool.shape[0]) if s != int(slots[0])]
+    assert torch.equal(pool[untouched], x.state_pool[untouched])
+    conv = causal_conv1d_tree(
+        torch.randn(3, 6, 8, device="cuda"),
+        parent,
+        torch.randn(3, 8, 3, device="cuda"),
+        torch.randn(8, 4, device="cuda"),
+        validate=False,
+    )
+    assert torch.isnan(conv[1, 4]).all() and torch.isfinite(conv[0]).all()
+
+
+def test_verify_and_commit_in_a_cuda_graph(generator):
+    """validate=False needs no host synchronisation, so a verify + commit round can be captured and replayed."""
+    batch, nodes, h, hv, kd, vd = 2, 16, 2, 4, 64, 64
+    x = to_cuda(random_gdn_inputs(generator, batch, nodes, h, hv, kd, vd, kind="random"))
+    static = type(x)(*(t.clone() for t in x))
+    last = torch.zeros(batch, dtype=torch.long, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up outside the capture
+        gdn_tree_verify(*static, use_qk_l2norm=True, validate=False)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, u = gdn_tree_verify(*static, use_qk_l2norm=True, validate=False)
+        gdn_commit(static.k, static.g, u, static.parent, last, static.state_pool, static.slots, True, validate=False)
+    for _ in range(2):
+        fresh = to_cuda(random_gdn_inputs(generator, batch, nodes, h, hv, kd, vd, kind="random"))
+        pool_before = static.state_pool.clone()
+        for name in ("q", "k", "v", "g", "beta", "parent"):
+            getattr(static, name).copy_(getattr(fresh, name))
+        last.copy_(torch.randint(0, nodes, (batch,), generator=generator))
+        graph.replay()
+        eager = type(x)(*(getattr(static, f) if f != "state_pool" else pool_before for f in x._fields))
+        o_eager, u_eager = gdn_tree_verify(*eager, use_qk_l2norm=True)
+        assert rel_rms(o, o_eager) <= 1e-6
+        gdn_commit(eager.k, eager.g, u_eager, eager.parent, last, pool_before, eager.slots, True)
+        assert rel_rms(static.state_pool, pool_before) <= 1e-6

@@ -1,0 +1,311 @@
+"""Gated DeltaNet (GDN) layers over a draft tree: verification, state commit, and the causal conv1d in front of GDN.
+
+Hybrid targets (Qwen3-Next style) interleave GDN linear-attention layers with attention layers. To verify a draft tree
+in one forward pass, every node's recurrent state must derive from its parent's; after acceptance, the state after the
+last accepted node becomes the committed state. Per value head, with state S [K, V] (fp32):
+
+    S <- exp(g_t) S;  u_t = beta_t (v_t - S^T k_t);  S <- S + k_t u_t^T;  o_t = S^T (scale q_t)
+
+(q/k optionally L2-normalised; value head hv uses q/k head hv // (HV / H)). Node 0, and any node whose parent is -1,
+starts from the committed state ``state_pool[slots[b]]``.
+
+How commit gets the accepted state. Keeping every node's state would cost n x HV x K x V x 4 bytes per layer and
+request (2 MiB per node at HV = 32, K = V = 128). Instead, the kernels use the closed form of the delta rule over the
+tree (see csrc/include/peagle/gdn.h): S_i = exp(G_i) S0 + sum_{j on the path to i} exp(G_i - G_j) k_j u_j^T, where G is
+the cumulative gate along the path and u_j the "delta values" the verification solves for anyway. Verification
+returns u [B, n, HV, V] fp32 (V x 4 bytes per node and head: K times smaller than a state, 16 KiB per node at HV = 32,
+V = 128), and :func:`gdn_commit` rebuilds the accepted node's state in place from S0, the path's k, g and u in one pass
+(path length x K x V multiply-adds per head; no replay of the triangular solve, no per-node state at any n).
+
+The references below (sequential recurrence along each root-to-node path) are the executable specification.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "GdnVerifyOutput",
+    "causal_conv1d_commit",
+    "causal_conv1d_commit_reference",
+    "causal_conv1d_tree",
+    "causal_conv1d_tree_reference",
+    "gdn_commit",
+    "gdn_commit_reference",
+    "gdn_recurrence_reference",
+    "gdn_tree_verify",
+    "gdn_tree_verify_reference",
+    "tree_path",
+]
+
+L2NORM_EPS = 1e-6
+
+
+class GdnVerifyOutput(NamedTuple):
+    o: Tensor  # [B, n, HV, V] in v's dtype: the GDN output of every node
+    u: Tensor  # [B, n, HV, V] fp32: delta values, what gdn_commit needs to rebuild the accepted state
+
+
+def gdn_tree_verify(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    parent: Tensor,
+    state_pool: Tensor,
+    slots: Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    validate: bool = True,
+) -> GdnVerifyOutput:
+    """GDN outputs of every node of a draft tree per request; the committed states are only read.
+
+    Args:
+        q, k: [B, n, H, K] float32/bfloat16/float16.
+        v: [B, n, HV, V], q's dtype; HV a multiple of H (value heads share q/k heads).
+        g: [B, n, HV] log decay (g <= 0 keeps the state bounded); beta: [B, n, HV] write strength.
+        parent: [B, n] int, parent[b, i] in [-1, i); -1 starts from the committed state (node 0, or padding).
+            1 <= n <= 64.
+        state_pool: [P, HV, K, V] float32 committed states; slots: [B] the pool row of each request.
+        scale: multiplies q (default K^-0.5). use_qk_l2norm: L2-normalise q and k first (eps 1e-6).
+        validate: check parent/slot values (on CUDA this synchronises with the host). Pass False inside CUDA graphs:
+            the kernels then guard themselves and a request with bad indices gets NaN outputs. The CPU always checks.
+
+    Returns:
+        (o, u): o [B, n, HV, V] in v's dtype; u [B, n, HV, V] float32 for :func:`gdn_commit`.
+    """
+    o, u = torch.ops.peagle.gdn_tree_verify(q, k, v, g, beta, parent, state_pool, slots, scale, use_qk_l2norm, validate)
+    return GdnVerifyOutput(o, u)
+
+
+def gdn_commit(
+    k: Tensor,
+    g: Tensor,
+    u: Tensor,
+    parent: Tensor,
+    last_accepted: Tensor,
+    state_pool: Tensor,
+    slots: Tensor,
+    use_qk_l2norm: bool = False,
+    validate: bool = True,
+) -> None:
+    """Commits, in place, the state after each request's last accepted node into ``state_pool[slots[b]]``.
+
+    Equal to running the sequential recurrence over the accepted path root..last_accepted[b] from the committed state.
+    ``k, g, parent, slots, use_qk_l2norm`` are those given to :func:`gdn_tree_verify`, ``u`` its second output.
+    last_accepted[b] = -1 leaves request b's state unchanged. Active requests must use distinct slots.
+    validate=False skips the host-synchronising value checks (CUDA graphs); a request with bad indices is then skipped.
+    """
+    torch.ops.peagle.gdn_commit(k, g, u, parent, last_accepted, state_pool, slots, use_qk_l2norm, validate)
+
+
+def causal_conv1d_tree(
+    x: Tensor,
+    parent: Tensor,
+    conv_state: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    activation: str | None = None,
+    validate: bool = True,
+) -> Tensor:
+    """Depthwise causal conv1d over a draft tree: node i's window is (committed state, ancestors of i, i).
+
+    Args:
+        x: [B, n, C] inputs of the tree nodes; parent: [B, n] as in :func:`gdn_tree_verify`.
+        conv_state: [B, C, W - 1] x's dtype, the last W - 1 committed inputs (column W - 2 is the newest).
+        weight: [C, W] (tap W - 1 multiplies the newest input); bias: [C] or None.
+        activation: None / "none" / "identity", or "silu" / "swish".
+        validate: as in :func:`gdn_tree_verify` (bad trees give NaN outputs when False on CUDA).
+
+    Returns:
+        [B, n, C] in x's dtype (accumulated in fp32).
+    """
+    return torch.ops.peagle.causal_conv1d_tree(x, parent, conv_state, weight, bias, activation, validate)
+
+
+def causal_conv1d_commit(
+    x: Tensor, parent: Tensor, last_accepted: Tensor, conv_state: Tensor, validate: bool = True
+) -> None:
+    """Commits, in place, the conv state after each request's last accepted node (the last W - 1 inputs of
+    committed state + accepted path). last_accepted[b] = -1 leaves request b unchanged. validate: as in
+    :func:`gdn_commit`."""
+    torch.ops.peagle.causal_conv1d_commit(x, parent, last_accepted, conv_state, validate)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Fake kernels (shapes only) for torch.compile / FakeTensor.
+
+
+@torch.library.register_fake("peagle::gdn_tree_verify")
+def _gdn_tree_verify_fake(q, k, v, g, beta, parent, state_pool, slots, scale=None, use_qk_l2norm=False, validate=True):
+    return v.new_empty(v.shape), v.new_empty(v.shape, dtype=torch.float32)
+
+
+@torch.library.register_fake("peagle::gdn_commit")
+def _gdn_commit_fake(k, g, u, parent, last_accepted, state_pool, slots, use_qk_l2norm=False, validate=True):
+    return None
+
+
+@torch.library.register_fake("peagle::causal_conv1d_tree")
+def _causal_conv1d_tree_fake(x, parent, conv_state, weight, bias=None, activation=None, validate=True):
+    return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("peagle::causal_conv1d_commit")
+def _causal_conv1d_commit_fake(x, parent, last_accepted, conv_state, validate=True):
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Pure-PyTorch references: the sequential recurrence along each root-to-node path.
+
+
+def tree_path(parent: Tensor | list[int], node: int) -> list[int]:
+    """Node indices from the path's root (a node whose parent is -1) to ``node``."""
+    parents = parent.tolist() if isinstance(parent, Tensor) else parent
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def _l2norm(x: Tensor) -> Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+
+
+def gdn_recurrence_reference(
+    q: Tensor | None,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+) -> tuple[Tensor | None, Tensor]:
+    """Plain sequential GDN recurrence over T tokens, computed in ``state``'s dtype.
+
+    q, k [T, H, K] (q may be None), v [T, HV, V], g, beta [T, HV], state [HV, K, V] (not modified).
+    Returns (o [T, HV, V] or None, final state [HV, K, V]).
+    """
+    dtype = state.dtype
+    hv, key_dim = state.shape[0], state.shape[1]
+    group = hv // k.shape[1]
+    scale = key_dim**-0.5 if scale is None else scale
+    k = k.to(dtype).repeat_interleave(group, dim=1)
+    if use_qk_l2norm:
+        k = _l2norm(k)
+    if q is not None:
+        q = q.to(dtype).repeat_interleave(group, dim=1)
+        q = (_l2norm(q) if use_qk_l2norm else q) * scale
+    v, g, beta = v.to(dtype), g.to(dtype), beta.to(dtype)
+    s = state.clone()
+    outputs = []
+    for t in range(k.shape[0]):
+        s = s * g[t].exp()[:, None, None]
+        u = beta[t][:, None] * (v[t] - torch.einsum("hkv,hk->hv", s, k[t]))
+        s = s + k[t][:, :, None] * u[:, None, :]
+        if q is not None:
+            outputs.append(torch.einsum("hkv,hk->hv", s, q[t]))
+    o = torch.stack(outputs) if q is not None and outputs else None
+    return o, s
+
+
+def gdn_tree_verify_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    parent: Tensor,
+    state_pool: Tensor,
+    slots: Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    compute_dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """Every node's output by the sequential recurrence along its root-to-node path; o [B, n, HV, V] in
+    ``compute_dtype``."""
+    batch, nodes = q.shape[:2]
+    o = torch.empty(batch, nodes, v.shape[2], v.shape[3], dtype=compute_dtype, device=v.device)
+    for b in range(batch):
+        s0 = state_pool[int(slots[b])].to(compute_dtype)
+        for i in range(nodes):
+            p = tree_path(parent[b], i)
+            out, _ = gdn_recurrence_reference(q[b, p], k[b, p], v[b, p], g[b, p], beta[b, p], s0, scale, use_qk_l2norm)
+            o[b, i] = out[-1]
+    return o
+
+
+def gdn_commit_reference(
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    parent: Tensor,
+    last_accepted: Tensor,
+    state_pool: Tensor,
+    slots: Tensor,
+    use_qk_l2norm: bool = False,
+    compute_dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """New state pool (a copy, in ``compute_dtype``): the recurrence over each accepted path from the committed
+    state."""
+    pool = state_pool.to(compute_dtype).clone()
+    for b in range(k.shape[0]):
+        a = int(last_accepted[b])
+        if a < 0:
+            continue
+        p = tree_path(parent[b], a)
+        slot = int(slots[b])
+        _, pool[slot] = gdn_recurrence_reference(
+            None, k[b, p], v[b, p], g[b, p], beta[b, p], pool[slot], None, use_qk_l2norm
+        )
+    return pool
+
+
+def _conv_window(x_b: Tensor, state_b: Tensor, path: list[int], width: int) -> Tensor:
+    sequence = torch.cat([state_b, x_b[path].transpose(0, 1)], dim=1)  # [C, W - 1 + L], oldest first
+    return sequence[:, -width:]
+
+
+def causal_conv1d_tree_reference(
+    x: Tensor,
+    parent: Tensor,
+    conv_state: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    activation: str | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """Per node: the causal conv over (committed state, root-to-node path inputs); [B, n, C] in ``compute_dtype``."""
+    batch, nodes, channels = x.shape
+    width = weight.shape[1]
+    w = weight.to(compute_dtype)
+    out = torch.empty(batch, nodes, channels, dtype=compute_dtype, device=x.device)
+    for b in range(batch):
+        for i in range(nodes):
+            window = _conv_window(
+                x[b].to(compute_dtype), conv_state[b].to(compute_dtype), tree_path(parent[b], i), width
+            )
+            y = (window * w).sum(-1)
+            if bias is not None:
+                y = y + bias.to(compute_dtype)
+            out[b, i] = torch.nn.functional.silu(y) if activation in ("silu", "swish") else y
+    return out
+
+
+def causal_conv1d_commit_reference(x: Tensor, parent: Tensor, last_accepted: Tensor, conv_state: Tensor) -> Tensor:
+    """New conv state (a copy): the last W - 1 inputs of (committed state, accepted path)."""
+    new_state = conv_state.clone()
+    width = conv_state.shape[2] + 1
+    for b in range(x.shape[0]):
+        a = int(last_accepted[b])
+        if a >= 0:
+            new_state[b] = _conv_window(x[b], conv_state[b], tree_path(parent[b], a), width - 1)
+    return new_state

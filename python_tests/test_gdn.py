@@ -1,0 +1,359 @@
+"""Gated DeltaNet tree verification / commit and the tree causal conv1d on the CPU, against per-path sequential
+references computed in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peagle.ops import (
+    causal_conv1d_commit,
+    causal_conv1d_commit_reference,
+    causal_conv1d_tree,
+    causal_conv1d_tree_reference,
+    gdn_commit,
+    gdn_commit_reference,
+    gdn_recurrence_reference,
+    gdn_tree_verify,
+    gdn_tree_verify_reference,
+)
+from peagle.ops.gdn import tree_path
+from peagle.testing import fresh_seed, random_gdn_inputs, random_tree
+
+KINDS = ["chain", "star", "deep", "random", "forest"]
+HEADS = [(1, 1, 16, 8), (2, 4, 16, 24), (2, 2, 32, 16), (1, 3, 8, 33)]  # H, HV, K, V
+
+
+@pytest.fixture
+def generator() -> torch.Generator:
+    seed = fresh_seed()
+    print(f"input seed {seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+def rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = expected.double()
+    diff = actual.double() - expected
+    return float(diff.pow(2).mean().sqrt() / expected.pow(2).mean().sqrt().clamp_min(1e-30))
+
+
+def verify_both(inputs, scale=None, l2norm=False):
+    o, u = gdn_tree_verify(*inputs, scale=scale, use_qk_l2norm=l2norm)
+    ref = gdn_tree_verify_reference(*inputs, scale=scale, use_qk_l2norm=l2norm, compute_dtype=torch.float64)
+    return o, u, ref
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_verify_fp32_matches_per_path_reference(generator, kind, heads, l2norm):
+    h, hv, kd, vd = heads
+    for nodes in (1, 7, 33):
+        inputs = random_gdn_inputs(generator, 2, nodes, h, hv, kd, vd, kind=kind)
+        o, u, ref = verify_both(inputs, l2norm=l2norm)
+        assert o.dtype == torch.float32 and u.dtype == torch.float32 and o.shape == (2, nodes, hv, vd)
+        assert rel_rms(o, ref) <= 1e-5, (nodes, rel_rms(o, ref))
+
+
+@pytest.mark.parametrize("kind", ["deep", "random", "chain"])
+def test_verify_64_nodes_and_custom_scale(generator, kind):
+    inputs = random_gdn_inputs(generator, 1, 64, 2, 4, 16, 16, kind=kind)
+    o, _, ref = verify_both(inputs, scale=0.3, l2norm=True)
+    assert rel_rms(o, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_verify_half_inputs_against_fp64(generator, dtype, l2norm):
+    inputs = random_gdn_inputs(generator, 3, 24, 2, 4, 32, 32, kind="random", dtype=dtype)
+    o, u, ref = verify_both(inputs, l2norm=l2norm)
+    assert o.dtype == dtype and u.dtype == torch.float32
+    assert rel_rms(o, ref) <= 2e-3
+
+
+def test_chain_equals_sequential_recurrence(generator):
+    inputs = random_gdn_inputs(generator, 2, 40, 2, 4, 16, 8, kind="chain")
+    o, _ = gdn_tree_verify(*inputs, use_qk_l2norm=True)
+    for b in range(2):
+        s0 = inputs.state_pool[int(inputs.slots[b])].double()
+        expected, _ = gdn_recurrence_reference(
+            inputs.q[b], inputs.k[b], inputs.v[b], inputs.g[b], inputs.beta[b], s0, None, True
+        )
+        assert rel_rms(o[b], expected) <= 1e-5
+
+
+def test_verify_reads_the_pool_only(generator):
+    inputs = random_gdn_inputs(generator, 2, 9, 1, 2, 8, 8)
+    before = inputs.state_pool.clone()
+    gdn_tree_verify(*inputs)
+    assert torch.equal(before, inputs.state_pool)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_commit_matches_sequential_over_accepted_path(generator, kind, l2norm):
+    batch, nodes = 4, 20
+    inputs = random_gdn_inputs(generator, batch, nodes, 2, 4, 16, 12, kind=kind)
+    _, u = gdn_tree_verify(*inputs, use_qk_l2norm=l2norm)
+    last = torch.randint(0, nodes, (batch,), generator=generator)
+    last[1] = -1  # an inactive request keeps its state
+    last[2] = 0  # only the root accepted
+    expected = gdn_commit_reference(
+        inputs.k,
+        inputs.v,
+        inputs.g,
+        inputs.beta,
+        inputs.parent,
+        last,
+        inputs.state_pool,
+        inputs.slots,
+        l2norm,
+        compute_dtype=torch.float64,
+    )
+    pool = inputs.state_pool.clone()
+    gdn_commit(inputs.k, inputs.g, u, inputs.parent, last, pool, inputs.slots, l2norm)
+    for b in range(batch):
+        slot = int(inputs.slots[b])
+        if last[b] < 0:
+            assert torch.equal(pool[slot], inputs.state_pool[slot])
+        else:
+            assert rel_rms(pool[slot], expected[slot]) <= 1e-5
+    untouched = sorted(set(range(pool.shape[0])) - set(inputs.slots.tolist()))
+    assert torch.equal(pool[untouched], inputs.state_pool[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_repeated_rounds_equal_one_long_sequential_run(generator, dtype):
+    """verify -> commit -> verify ... equals the sequential recurrence over all accepted tokens, outputs included."""
+    batch, h, hv, kd, vd = 2, 2, 4, 16, 16
+    base = random_gdn_inputs(generator, batch, 1, h, hv, kd, vd, dtype=dtype)
+    pool, slots = base.state_pool.clone(), base.slots
+    initial = pool.clone()
+    accepted = [[] for _ in range(batch)]  # per request: (q, k, v, g, beta, o) of accepted nodes
+    for round_index in range(6):
+        nodes = [1, 5, 16, 33, 9, 64][round_index]
+        kind = ["random", "chain", "deep", "star", "forest", "random"][round_index]
+        x = random_gdn_inputs(generator, batch, nodes, h, hv, kd, vd, kind=kind, dtype=dtype)
+        o, u = gdn_tree_verify(x.q, x.k, x.v, x.g, x.beta, x.parent, pool, slots, use_qk_l2norm=True)
+        last = torch.randint(0, nodes, (batch,), generator=generator)
+        gdn_commit(x.k, x.g, u, x.parent, last, pool, slots, True)
+        for b in range(batch):
+            for i in tree_path(x.parent[b], int(last[b])):
+                accepted[b].append((x.q[b, i], x.k[b, i], x.v[b, i], x.g[b, i], x.beta[b, i], o[b, i]))
+    for b in range(batch):
+        q, k, v, g, beta, o = (torch.stack(t) for t in zip(*accepted[b], strict=True))
+        slot = int(slots[b])
+        expected_o, expected_s = gdn_recurrence_reference(q, k, v, g, beta, initial[slot].double(), None, True)
+        tol = 1e-5 if dtype == torch.float32 else 2e-3
+        assert rel_rms(o, expected_o) <= tol
+        assert rel_rms(pool[slot], expected_s) <= 1e-5
+
+
+def test_verify_under_torch_compile_fake(generator):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    inputs = random_gdn_inputs(generator, 2, 5, 1, 2, 8, 4, dtype=torch.bfloat16)
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in inputs]
+        o, u = gdn_tree_verify(*fake)
+        assert o.shape == (2, 5, 2, 4) and o.dtype == torch.bfloat16 and u.dtype == torch.float32
+
+
+def test_opcheck(generator):
+    x = random_gdn_inputs(generator, 2, 6, 1, 2, 8, 4, kind="random")
+    torch.library.opcheck(torch.ops.peagle.gdn_tree_verify.default, (*x, None, True))
+    _, u = gdn_tree_verify(*x, use_qk_l2norm=True)
+    last = torch.tensor([3, -1])
+    torch.library.opcheck(
+        torch.ops.peagle.gdn_commit.default, (x.k, x.g, u, x.parent, last, x.state_pool.clone(), x.slots, True)
+    )
+    cx, state, weight, bias = random_conv(generator, 2, 6, 5, 4)
+    torch.library.opcheck(torch.ops.peagle.causal_conv1d_tree.default, (cx, x.parent, state, weight, bias, "silu"))
+    torch.library.opcheck(torch.ops.peagle.causal_conv1d_commit.default, (cx, x.parent, last, state.clone()))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Causal conv1d over the tree.
+
+
+def random_conv(generator, batch, nodes, channels, width, dtype=torch.float32):
+    x = torch.randn(batch, nodes, channels, generator=generator).to(dtype)
+    state = torch.randn(batch, channels, width - 1, generator=generator).to(dtype)
+    weight = torch.randn(channels, width, generator=generator) * 0.5
+    bias = torch.randn(channels, generator=generator) * 0.1
+    return x, state, weight, bias
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("width", [2, 4, 7])
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_conv_tree_matches_reference(generator, kind, width, activation):
+    batch, nodes, channels = 3, 13, 10
+    parent = torch.stack([random_tree(generator, nodes, kind) for _ in range(batch)])
+    x, state, weight, bias = random_conv(generator, batch, nodes, channels, width)
+    for b_arg in (bias, None):
+        out = causal_conv1d_tree(x, parent, state, weight, b_arg, activation)
+        ref = causal_conv1d_tree_reference(x, parent, state, weight, b_arg, activation, compute_dtype=torch.float64)
+        assert rel_rms(out, ref) <= 1e-6
+
+
+def test_conv_tree_bf16_and_int32_parent(generator):
+    parent = random_tree(generator, 17, "deep").unsqueeze(0).int()
+    x, state, weight, bias = random_conv(generator, 1, 17, 40, 4, dtype=torch.bfloat16)
+    out = causal_conv1d_tree(x, parent, state, weight.bfloat16(), bias, "silu")
+    ref = causal_conv1d_tree_reference(x, parent, state, weight.bfloat16(), bias, "silu", compute_dtype=torch.float64)
+    assert out.dtype == torch.bfloat16 and rel_rms(out, ref) <= 4e-3
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_conv_commit_and_rounds_equal_plain_causal_conv(generator, kind):
+    batch, channels, width = 3, 6, 4
+    state = torch.randn(batch, channels, width - 1, generator=generator)
+    initial = state.clone()
+    weight = torch.randn(channels, width, generator=generator)
+    accepted_x = [[] for _ in range(batch)]
+    accepted_y = [[] for _ in range(batch)]
+    for nodes in (1, 2, 9, 5):
+        parent = torch.stack([random_tree(generator, nodes, kind) for _ in range(batch)])
+        x = torch.randn(batch, nodes, channels, generator=generator)
+        y = causal_conv1d_tree(x, parent, state, weight)
+        last = torch.randint(-1, nodes, (batch,), generator=generator)
+        expected_state = causal_conv1d_commit_reference(x, parent, last, state)
+        causal_conv1d_commit(x, parent, last, state)
+        assert torch.equal(state, expected_state)
+        for b in range(batch):
+            if last[b] >= 0:
+                for i in tree_path(parent[b], int(last[b])):
+                    accepted_x[b].append(x[b, i])
+                    accepted_y[b].append(y[b, i])
+    for b in range(batch):
+        if not accepted_x[b]:
+            continue
+        seq = torch.cat([initial[b], torch.stack(accepted_x[b]).T], dim=1)  # [C, W - 1 + T]
+        plain = torch.nn.functional.conv1d(seq[None].double(), weight[:, None].double(), groups=channels)[0].T
+        assert rel_rms(torch.stack(accepted_y[b]), plain) <= 1e-6
+        assert torch.equal(state[b], seq[:, -(width - 1) :])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Bad input.
+
+
+def test_verify_errors(generator):
+    x = random_gdn_inputs(generator, 2, 4, 2, 4, 8, 8)
+    q, k, v, g, beta, parent, pool, slots = x
+    with pytest.raises(RuntimeError, match=r"gdn_tree_verify: q must be 4-D"):
+        gdn_tree_verify(q[0], k, v, g, beta, parent, pool, slots)
+    with pytest.raises(RuntimeError, match=r"gdn_tree_verify: q, k and v must have the same dtype"):
+        gdn_tree_verify(q, k.double(), v, g, beta, parent, pool, slots)
+    with pytest.raises(RuntimeError, match=r"gdn_tree_verify: q must be float32, bfloat16 or float16"):
+        gdn_tree_verify(q.double(), k.double(), v.double(), g, beta, parent, pool, slots)
+    with pytest.raises(RuntimeError, match=r"value heads HV must be a positive multiple of the q/k heads H"):
+        gdn_tree_verify(q, k, v[:, :, :3], g[:, :, :3], beta[:, :, :3], parent, pool[:, :3], slots)
+    with pytest.raises(RuntimeError, match=r"gdn_tree_verify: g must have shape \[B, n, HV\]"):
+        gdn_tree_verify(q, k, v, g[:, :3], beta, parent, pool, slots)
+    with pytest.raises(RuntimeError, match=r"gdn_tree_verify: state_pool must be float32"):
+        gdn_tree_verify(q, k, v, g, beta, parent, pool.double(), slots)
+    with pytest.raises(RuntimeError, match=r"gdn_tree_verify: state_pool must be \[P, HV, K, V\]"):
+        gdn_tree_verify(q, k, v, g, beta, parent, pool[:, :, :4], slots)
+    with pytest.raises(RuntimeError, match=r"gdn_tree_verify: parent must be int32 or int64"):
+        gdn_tree_verify(q, k, v, g, beta, parent.float(), pool, slots)
+    with pytest.raises(RuntimeError, match=r"gdn_tree_verify: parent\[1, 2\] must be in \[-1, 2\).*got 2"):
+        bad = parent.clone()
+        bad[1, 2] = 2
+        gdn_tree_verify(q, k, v, g, beta, bad, pool, slots)
+    with pytest.raises(RuntimeError, match=r"gdn_tree_verify: slots must be in \[0, 4\), got 4 for request 1"):
+        gdn_tree_verify(q, k, v, g, beta, parent, pool, torch.tensor([0, 4]))
+    with pytest.raises(RuntimeError, match=r"gdn_tree_verify: slots must be \[B\]"):
+        gdn_tree_verify(q, k, v, g, beta, parent, pool, slots[:1])
+    big = random_gdn_inputs(generator, 1, 65, 1, 1, 4, 4)
+    with pytest.raises(RuntimeError, match=r"number of tree nodes n must be in \[1, 64\], got 65"):
+        gdn_tree_verify(*big)
+
+
+def test_commit_errors(generator):
+    x = random_gdn_inputs(generator, 2, 4, 1, 2, 8, 8)
+    _, u = gdn_tree_verify(*x)
+    pool = x.state_pool.clone()
+    with pytest.raises(RuntimeError, match=r"gdn_commit: u must be float32"):
+        gdn_commit(x.k, x.g, u.double(), x.parent, torch.tensor([0, 1]), pool, x.slots)
+    with pytest.raises(RuntimeError, match=r"gdn_commit: last_accepted must be in \[-1, 4\), got 4 for request 0"):
+        gdn_commit(x.k, x.g, u, x.parent, torch.tensor([4, 1]), pool, x.slots)
+    with pytest.raises(RuntimeError, match=r"gdn_commit: last_accepted must be \[B\]"):
+        gdn_commit(x.k, x.g, u, x.parent, torch.tensor([1]), pool, x.slots)
+    with pytest.raises(RuntimeError, match=r"gdn_commit: slots of requests with last_accepted >= 0 must be distinct"):
+        gdn_commit(x.k, x.g, u, x.parent, torch.tensor([1, 2]), pool, torch.tensor([3, 3]))
+    gdn_commit(x.k, x.g, u, x.parent, torch.tensor([1, -1]), pool, torch.tensor([3, 3]))  # inactive may share
+    with pytest.raises(RuntimeError, match=r"gdn_commit: state_pool must be contiguous"):
+        gdn_commit(x.k, x.g, u, x.parent, torch.tensor([1, 2]), pool.transpose(2, 3), x.slots)
+    with pytest.raises(RuntimeError, match=r"gdn_commit: u must be \[B, n, HV, V\]"):
+        gdn_commit(x.k, x.g, u[:, :3], x.parent, torch.tensor([1, 2]), pool, x.slots)
+
+
+def test_conv_errors(generator):
+    parent = random_tree(generator, 5, "random").unsqueeze(0)
+    x, state, weight, bias = random_conv(generator, 1, 5, 4, 3)
+    with pytest.raises(RuntimeError, match=r"causal_conv1d_tree: conv_state must have shape \[B, C, W - 1\]"):
+        causal_conv1d_tree(x, parent, state[:, :, :1], weight, bias)
+    with pytest.raises(RuntimeError, match=r"causal_conv1d_tree: conv_state must have x's dtype"):
+        causal_conv1d_tree(x, parent, state.bfloat16(), weight, bias)
+    with pytest.raises(RuntimeError, match=r"causal_conv1d_tree: weight must be \[C, W\] with C = 4 and W >= 2"):
+        causal_conv1d_tree(x, parent, state, weight[:3], bias)
+    with pytest.raises(RuntimeError, match=r"causal_conv1d_tree: bias must be \[C\]"):
+        causal_conv1d_tree(x, parent, state, weight, bias[:2])
+    with pytest.raises(RuntimeError, match=r"causal_conv1d_tree: activation must be None, 'silu'"):
+        causal_conv1d_tree(x, parent, state, weight, bias, "relu")
+    with pytest.raises(RuntimeError, match=r"causal_conv1d_tree: parent\[0, 3\] must be in \[-1, 3\)"):
+        bad = parent.clone()
+        bad[0, 3] = 7
+        causal_conv1d_tree(x, bad, state, weight, bias)
+    with pytest.raises(RuntimeError, match=r"causal_conv1d_commit: last_accepted must be in \[-1, 5\)"):
+        causal_conv1d_commit(x, parent, torch.tensor([5]), state)
+    with pytest.raises(RuntimeError, match=r"causal_conv1d_commit: conv_state must be contiguous"):
+        causal_conv1d_commit(x, parent, torch.tensor([1]), torch.randn(1, 2, 4).transpose(1, 2))
+
+
+def test_empty_batch(generator):
+    x = random_gdn_inputs(generator, 0, 5, 1, 2, 8, 8)
+    o, u = gdn_tree_verify(*x)
+    assert o.shape == u.shape == (0, 5, 2, 8)
+    gdn_commit(x.k, x.g, u, x.parent, torch.empty(0, dtype=torch.long), x.state_pool, x.slots)
+    out = causal_conv1d_tree(torch.randn(0, 5, 3), x.parent, torch.randn(0, 3, 2), torch.randn(3, 3))
+    assert out.shape == (0, 5, 3)
+
+
+def test_conv_width_limit(generator):
+    parent = random_tree(generator, 5, "chain").unsqueeze(0)
+    with pytest.raises(RuntimeError, match=r"causal_conv1d_tree: the conv width W must be <= 64, got 65"):
+        causal_conv1d_tree(torch.randn(1, 5, 3), parent, torch.randn(1, 3, 64), torch.randn(3, 65))
+    with pytest.raises(RuntimeError, match=r"causal_conv1d_commit: the conv width W must be <= 64, got 65"):
+        causal_conv1d_commit(torch.randn(1, 5, 3), parent, torch.tensor([1]), torch.randn(1, 3, 64))
+
+
+@pytest.mark.parametrize("gate", ["zero", "strong", "mixed"])
+def test_verify_gate_and_beta_extremes_int32_indices(generator, gate):
+    x = random_gdn_inputs(generator, 2, 24, 2, 4, 16, 16, kind="random")
+    g = {"zero": torch.zeros_like(x.g), "strong": torch.full_like(x.g, -30.0), "mixed": x.g * 40}[gate]
+    beta = x.beta.clone()
+    beta[:, ::3] = 0.0
+    beta[:, 1::3] = 1.0
+    x = x._replace(g=g, beta=beta, parent=x.parent.int(), slots=x.slots.int())
+    o, u, ref = verify_both(x, l2norm=True)
+    assert torch.isfinite(o).all() and rel_rms(o, ref) <= 1e-5
+    last = torch.tensor([23, 5], dtype=torch.int32)
+    pool = x.state_pool.clone()
+    gdn_commit(x.k, x.g, u, x.parent, last, pool, x.slots, True)
+    expected = gdn_commit_reference(
+        x.k, x.v, x.g, x.beta, x.parent, last, x.state_pool, x.slots, True, compute_dtype=torch.float64
+    )
+    assert rel_rms(pool, expected) <= 1e-5
+
+
+def test_cpu_validates_even_when_asked_not_to(generator):
+    x = random_gdn_inputs(generator, 1, 4, 1, 1, 4, 4)
+    bad = x.parent.clone()
+    bad[0, 1] = 1
+    with pytest.raises(RuntimeError, match=r"gdn_tree_verify: parent\[0, 1\] must be in \[-1, 1\)"):
+        gdn_tree_verify(x.q, x.k, x.v, x.g, x.beta, bad, x.state_pool, x.slots, validate=False)
+    with pytest.raises(RuntimeError, match=r"causal_conv1d_tree: parent\[0, 1\] must be in \[-1, 1\)"):
+        causal_conv1d_tree(torch.randn(1, 4, 2), bad, torch.randn(1, 2, 2), torch.randn(2, 3), validate=False)
