@@ -17,9 +17,9 @@ import sysconfig
 if "CUDA_HOME" not in os.environ and os.path.exists("/usr/local/cuda/bin/nvcc"):
     os.environ["CUDA_HOME"] = "/usr/local/cuda"
 
-import torch
-from setuptools import setup
-from torch.utils.cpp_extension import (
+import torch  # noqa: E402
+from setuptools import setup  # noqa: E402
+from torch.utils.cpp_extension import (  # noqa: E402
     CUDA_HOME,
     BuildExtension,
     CppExtension,
@@ -79,7 +79,5 @@ def _extension():
 
 
 if _with_cuda() and not _flag("PEAGLE_NO_DLINK") and not is_ninja_available():
-    raise SystemExit(
-        "peagle: the CUDA build's device-link step needs ninja on PATH (pip install ninja), or set PEAGLE_NO_DLINK=1"
-    )
+    raise SystemExit("peagle: the CUDA build's device-link step needs ninja on PATH (pip install ninja), or set PEAGLE_NO_DLINK=1")
 setup(ext_modules=[_extension()], cmdclass={"build_ext": BuildExtension})

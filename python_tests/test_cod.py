@@ -86,9 +86,7 @@ def test_cod_sample_matches_reference_and_contract(generator, length, num_depths
             row.loss_mask, row.document_ids, num_depths, ratio, ratio_min, max_anchors, seed
         )
         assert torch.equal(anchors, ref_anchors) and torch.equal(depths, ref_depths)
-        check_cod_properties(
-            row.loss_mask, row.document_ids, anchors, depths, num_depths, ratio, ratio_min, max_anchors
-        )
+        check_cod_properties(row.loss_mask, row.document_ids, anchors, depths, num_depths, ratio, ratio_min, max_anchors)
 
 
 @pytest.mark.parametrize(
@@ -301,9 +299,7 @@ def test_cod_gather_backward_accumulates_in_fp32(generator, dtype):
     grad = torch.randn(anchors.numel(), width, generator=generator).to(dtype)
     grad_hidden, grad_mask = torch.ops.peagle.cod_gather_backward(grad, anchors, depths, length)
     exact = grad.double()
-    want_hidden = torch.zeros(length, width, dtype=torch.float64).index_add_(
-        0, anchors[depths == 0], exact[depths == 0]
-    )
+    want_hidden = torch.zeros(length, width, dtype=torch.float64).index_add_(0, anchors[depths == 0], exact[depths == 0])
     want_mask = exact[depths > 0].sum(0)
     assert grad_hidden.dtype == grad_mask.dtype == dtype
     # Hundreds of summed rows: a low-precision accumulator would miss by many ulps; fp32 accumulation rounds once.
@@ -351,13 +347,9 @@ def test_cod_gather_rejects_bad_input(bad, message):
 def test_cod_gather_backward_rejects_bad_input():
     grad = torch.zeros(2, 8)
     with pytest.raises(RuntimeError, match="grad_feats, anchors and depths must agree on N"):
-        torch.ops.peagle.cod_gather_backward(
-            grad, torch.zeros(3, dtype=torch.long), torch.zeros(2, dtype=torch.long), 4
-        )
+        torch.ops.peagle.cod_gather_backward(grad, torch.zeros(3, dtype=torch.long), torch.zeros(2, dtype=torch.long), 4)
     with pytest.raises(RuntimeError, match="num_positions must be >= 0"):
-        torch.ops.peagle.cod_gather_backward(
-            grad, torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long), -1
-        )
+        torch.ops.peagle.cod_gather_backward(grad, torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long), -1)
     with pytest.raises(RuntimeError, match="out of range for T = 4"):
         torch.ops.peagle.cod_gather_backward(grad, torch.tensor([0, 3]), torch.tensor([0, 1]), 4)
 

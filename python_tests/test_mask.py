@@ -327,7 +327,7 @@ def test_bad_inputs(bad, op):
 
 def test_bad_block_size():
     a = torch.tensor([0, 1])
-    with pytest.raises(RuntimeError, match="peagle.mask_block: block_size must be >= 1, got 0"):
+    with pytest.raises(RuntimeError, match=r"peagle\.mask_block: block_size must be >= 1, got 0"):
         torch.ops.peagle.mask_block(a, a, torch.zeros(2, dtype=torch.long), 0, None)
     with pytest.raises(ValueError, match="block_size must be >= 1"):
         BlockMaskBuilder(0)

@@ -7,7 +7,7 @@ Element (a, d) is anchor a at depth d (see :mod:`peagle.ops.cod`). Query q may a
 
 The block builder never evaluates this predicate per element pair: it summarises every block of ``block_size``
 elements once (ranges of anchors, depths, a + d and documents over its valid elements, split into depth-0 and deeper
-elements) and classifies each (q block, kv block) pair from the two summaries, so the per-sample work is O(N + blocks^2).
+elements) and classifies each (q block, kv block) pair from the two summaries: per-sample work is O(N + blocks^2).
 The classification is exact in the only directions that matter for correctness: a block holding an allowed pair is never
 empty and a block holding a disallowed pair is never full; the ``mask_mod`` decides inside partial blocks.
 
