@@ -10,7 +10,7 @@
    address space, reporting its peak resident memory (VmHWM) and time, or that it did not fit.
 
     .venv-cpu/bin/python -m pytest benchmarks/bench_mask.py --benchmark-json=mask.json   # pytest-benchmark
-    .venv-cpu/bin/python benchmarks/bench_mask.py                                         # both tables, markdown
+    .venv-cpu/bin/python benchmarks/bench_mask.py [all|build|step]                        # the tables, markdown
 
 PEAGLE_BENCH_SMOKE=1 shrinks every size (CI smoke run).
 """
@@ -174,10 +174,17 @@ def _time(fn, rounds: int) -> float:
     return best
 
 
-def main() -> None:
+def main(parts: str = "all") -> None:
     import peagle  # noqa: F401
 
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, smoke={SMOKE}\n")
+    if parts in ("all", "build"):
+        construction_table()
+    if parts in ("all", "step"):
+        step_table()
+
+
+def construction_table() -> None:
     print("| T | N | blocks | peagle ms | create_block_mask ms | dense-torch ms | peagle-dense ms | speedup |")
     print("|---|---|---|---|---|---|---|---|")
     for length in BUILD_LENGTHS:
@@ -198,6 +205,9 @@ def main() -> None:
             f"| {length} | {n} | {nb}x{nb} | {times['peagle']:.2f} | {times['create_block_mask']:.0f} | "
             f"{times['dense-torch']:.0f} | {times['peagle-dense']:.0f} | {ratio:.0f} |"
         )
+
+
+def step_table() -> None:
     print("\n| T | S | N | largest segment | peak extra RSS GiB | fwd+bwd s | of which masks s |")
     print("|---|---|---|---|---|---|---|")
     for length in STEP_LENGTHS:
@@ -214,4 +224,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1] if len(sys.argv) > 1 else "all")

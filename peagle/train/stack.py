@@ -25,9 +25,12 @@ class _Block(nn.Module):
 
     def forward(self, x: Tensor, mask: Tensor) -> Tensor:
         n, width = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(n, 3, self.heads, width // self.heads).permute(1, 2, 0, 3).unbind(0)
+        # [1, heads, N, head_dim]: the 4-D layout lets SDPA pick its fused CPU kernel (no N x N score matrix kept).
+        q, k, v = (
+            self.qkv(self.norm1(x)).view(1, n, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        )
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        x = x + self.out(attn.transpose(0, 1).reshape(n, width))
+        x = x + self.out(attn[0].transpose(0, 1).reshape(n, width))
         return x + self.down(F.silu(self.up(self.norm2(x))))
 
 
