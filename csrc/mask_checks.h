@@ -42,4 +42,8 @@ inline void check_mask_block_args(const at::Tensor& anchors, const at::Tensor& d
   TORCH_CHECK(block_size >= 1, "peagle.mask_block: block_size must be >= 1, got ", block_size);
 }
 
+// [nb, block_size]: each block's valid anchors sorted ascending, then padding (defined in csrc/cpu/mask_cpu.cpp with
+// ATen ops, so both backends use it).
+at::Tensor sorted_block_anchors(const at::Tensor& anchors_c, const at::Tensor& edoc, int64_t block_size);
+
 }  // namespace peagle

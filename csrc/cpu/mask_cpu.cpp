@@ -19,6 +19,19 @@ at::Tensor element_documents(const at::Tensor& anchors_c, const at::Tensor& docu
 
 int64_t window_arg(const c10::optional<int64_t>& window) { return window.has_value() ? *window : mask::kNoWindow; }
 
+}  // namespace
+
+// [nb, block_size]: each block's valid anchors sorted ascending, then padding (kBig). ATen ops, shared with CUDA.
+at::Tensor sorted_block_anchors(const at::Tensor& anchors_c, const at::Tensor& edoc, int64_t block_size) {
+  const int64_t n = anchors_c.size(0);
+  const int64_t nb = (n + block_size - 1) / block_size;
+  at::Tensor keyed = at::where(edoc.ne(-1), anchors_c, at::scalar_tensor(mask::kBig, anchors_c.options()));
+  keyed = at::constant_pad_nd(keyed, {0, nb * block_size - n}, mask::kBig).view({nb, block_size});
+  return std::get<0>(keyed.sort(1)).contiguous();
+}
+
+namespace {
+
 at::Tensor mask_dense_cpu(const at::Tensor& anchors, const at::Tensor& depths, const at::Tensor& document_ids,
                           c10::optional<int64_t> window) {
   check_mask_elements("mask_dense", anchors, depths, document_ids, window);
@@ -67,7 +80,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mask_block_cpu(const 
     }
   });
 
-  // O(blocks^2): classify every pair from the summaries, compacting partial and full kv blocks per q block.
+  const at::Tensor q_sorted = sorted_block_anchors(a_c, doc_c, block_size);
+  const int64_t* q_sorted_p = q_sorted.data_ptr<int64_t>();
+
+  // O(blocks^2 log block_size): classify every pair from the summaries, compacting partial and full kv blocks per q
+  // block.
   const auto int_opts = anchors.options().dtype(at::kInt);
   at::Tensor kv_num = at::empty({nb}, int_opts);
   at::Tensor kv_idx = at::zeros({nb, nb}, int_opts);
@@ -84,7 +101,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mask_block_cpu(const 
       int32_t* kv_row = kv_idx_p + qb * nb;
       int32_t* full_row = full_idx_p + qb * nb;
       for (int64_t kb = 0; kb < nb; ++kb) {
-        const int8_t kind = mask::classify(qs, s + kb * mask::kSummaryFields, w);
+        const int8_t kind = mask::classify(qs, s + kb * mask::kSummaryFields, w, q_sorted_p + qb * block_size);
         if (kind == mask::kPartial) kv_row[partial++] = static_cast<int32_t>(kb);
         if (kind == mask::kFull) full_row[full++] = static_cast<int32_t>(kb);
       }

@@ -58,10 +58,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mask_block_cuda(const
   at::Tensor kv_idx = at::zeros({nb, nb}, int_opts);
   at::Tensor full_num = at::empty({nb}, int_opts);
   at::Tensor full_idx = at::zeros({nb, nb}, int_opts);
-  check_cuda_status(cuda::mask_block_classify(summary.data_ptr<int64_t>(), nb, window_value(window),
-                                              kv_num.data_ptr<int32_t>(), kv_idx.data_ptr<int32_t>(),
-                                              full_num.data_ptr<int32_t>(), full_idx.data_ptr<int32_t>(), stream),
-                    "mask_block");
+  const at::Tensor q_sorted = sorted_block_anchors(a_c, doc_c, block_size);
+  check_cuda_status(
+      cuda::mask_block_classify(summary.data_ptr<int64_t>(), q_sorted.data_ptr<int64_t>(), nb, block_size,
+                                window_value(window), kv_num.data_ptr<int32_t>(), kv_idx.data_ptr<int32_t>(),
+                                full_num.data_ptr<int32_t>(), full_idx.data_ptr<int32_t>(), stream),
+      "mask_block");
   return {kv_num, kv_idx, full_num, full_idx};
 }
 

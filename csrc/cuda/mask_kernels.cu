@@ -34,9 +34,10 @@ __global__ void mask_summary_kernel(const int64_t* __restrict__ anchors, const i
 }
 
 // One warp per q block: each round classifies 32 kv blocks and appends the partial / full ones in ascending order.
-__global__ void mask_classify_kernel(const int64_t* __restrict__ summary, int64_t nb, int64_t window,
-                                     int32_t* __restrict__ kv_num, int32_t* __restrict__ kv_idx,
-                                     int32_t* __restrict__ full_num, int32_t* __restrict__ full_idx) {
+__global__ void mask_classify_kernel(const int64_t* __restrict__ summary, const int64_t* __restrict__ sorted_anchors,
+                                     int64_t nb, int64_t block_size, int64_t window, int32_t* __restrict__ kv_num,
+                                     int32_t* __restrict__ kv_idx, int32_t* __restrict__ full_num,
+                                     int32_t* __restrict__ full_idx) {
   const int lane = threadIdx.x & 31;
   const int64_t qb = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   if (qb >= nb) return;  // whole warps exit together: qb is uniform within a warp
@@ -45,7 +46,9 @@ __global__ void mask_classify_kernel(const int64_t* __restrict__ summary, int64_
   int32_t partial = 0, full = 0;
   for (int64_t base = 0; base < nb; base += 32) {
     const int64_t kb = base + lane;
-    const int8_t kind = kb < nb ? mask::classify(qs, summary + kb * mask::kSummaryFields, window) : mask::kEmpty;
+    const int8_t kind =
+        kb < nb ? mask::classify(qs, summary + kb * mask::kSummaryFields, window, sorted_anchors + qb * block_size)
+                : mask::kEmpty;
     const unsigned p = __ballot_sync(0xffffffffu, kind == mask::kPartial);
     const unsigned f = __ballot_sync(0xffffffffu, kind == mask::kFull);
     if (kind == mask::kPartial) kv_idx[qb * nb + partial + __popc(p & lower)] = static_cast<int32_t>(kb);
@@ -82,14 +85,14 @@ cudaError_t mask_block_summaries(const int64_t* anchors, const int64_t* depths, 
   return cudaGetLastError();
 }
 
-cudaError_t mask_block_classify(const int64_t* summary, int64_t nb, int64_t window, int32_t* kv_num_blocks,
-                                int32_t* kv_indices, int32_t* full_kv_num_blocks, int32_t* full_kv_indices,
-                                cudaStream_t stream) {
+cudaError_t mask_block_classify(const int64_t* summary, const int64_t* sorted_anchors, int64_t nb, int64_t block_size,
+                                int64_t window, int32_t* kv_num_blocks, int32_t* kv_indices,
+                                int32_t* full_kv_num_blocks, int32_t* full_kv_indices, cudaStream_t stream) {
   if (nb == 0) return cudaSuccess;
   constexpr int64_t kWarpsPerBlock = kThreads / 32;
   const int blocks = static_cast<int>((nb + kWarpsPerBlock - 1) / kWarpsPerBlock);
-  mask_classify_kernel<<<blocks, kThreads, 0, stream>>>(summary, nb, window, kv_num_blocks, kv_indices,
-                                                        full_kv_num_blocks, full_kv_indices);
+  mask_classify_kernel<<<blocks, kThreads, 0, stream>>>(summary, sorted_anchors, nb, block_size, window, kv_num_blocks,
+                                                        kv_indices, full_kv_num_blocks, full_kv_indices);
   return cudaGetLastError();
 }
 

@@ -19,9 +19,10 @@ cudaError_t mask_block_summaries(const int64_t* anchors, const int64_t* depths, 
 
 // Classifies every (q block, kv block) pair of nb blocks and compacts partial / full kv block indices per q block in
 // ascending order (rows of kv_indices / full_kv_indices must be zeroed beforehand).
-cudaError_t mask_block_classify(const int64_t* summary, int64_t nb, int64_t window, int32_t* kv_num_blocks,
-                                int32_t* kv_indices, int32_t* full_kv_num_blocks, int32_t* full_kv_indices,
-                                cudaStream_t stream);
+// sorted_anchors: [nb, block_size], each q block's valid anchors sorted ascending (sorted_block_anchors).
+cudaError_t mask_block_classify(const int64_t* summary, const int64_t* sorted_anchors, int64_t nb, int64_t block_size,
+                                int64_t window, int32_t* kv_num_blocks, int32_t* kv_indices,
+                                int32_t* full_kv_num_blocks, int32_t* full_kv_indices, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace peagle

@@ -7,7 +7,8 @@ Element (a, d) is anchor a at depth d (see :mod:`peagle.ops.cod`). Query q may a
 
 The block builder never evaluates this predicate per element pair: it summarises every block of ``block_size``
 elements once (ranges of anchors, depths, a + d and documents over its valid elements, split into depth-0 and deeper
-elements) and classifies each (q block, kv block) pair from the two summaries: per-sample work is O(N + blocks^2).
+elements, and its sorted anchors) and classifies each (q block, kv block) pair from them: per-sample work is
+O(N log block_size + blocks^2 log block_size).
 The classification is exact in the only directions that matter for correctness: a block holding an allowed pair is never
 empty and a block holding a disallowed pair is never full; the ``mask_mod`` decides inside partial blocks.
 
@@ -244,10 +245,12 @@ def _block_summaries(anchors: Tensor, depths: Tensor, document_ids: Tensor, bloc
     def hi(x: Tensor, keep: Tensor) -> Tensor:
         return torch.where(keep, x, -big).amax(1)
 
+    sorted_anchors = torch.where(valid, a, big).sort(1).values  # valid anchors ascending, then padding
     count = torch.full((nb,), block_size, dtype=torch.long, device=anchors.device)
     if pad:
         count[-1] = block_size - pad
     return {
+        "sorted": sorted_anchors,
         "count": count,
         "valid": valid.sum(1),
         "amin": lo(a, valid),
@@ -287,13 +290,19 @@ def mask_block_reference(
 ) -> MaskBlocks:
     """Reference of :func:`mask_block`: the summary-based classification, vectorised over block pairs."""
     s = _block_summaries(anchors, depths, document_ids, block_size)
+    sorted_anchors = s.pop("sorted")
     q = {k: v[:, None] for k, v in s.items()}
     k = {k: v[None, :] for k, v in s.items()}
     some = (q["valid"] > 0) & (k["valid"] > 0) & (q["docmax"] >= k["docmin"]) & (k["docmax"] >= q["docmin"])
     causal = (k["root"] > 0) & (k["rmin"] <= q["amax"])
     if window is not None:
         causal = causal & (k["rmax"] > q["smin"] - window)
-    chain = (q["amin"] <= k["amax"]) & (k["amin"] <= q["amax"]) & (k["dmin"] <= q["dmax"])
+    # The own-chain term needs a_q == a_k: some valid q anchor must lie in the kv block's anchor range.
+    nb = sorted_anchors.shape[0]
+    first = torch.searchsorted(sorted_anchors, s["amin"][None, :].expand(nb, nb).contiguous())
+    hit = sorted_anchors.gather(1, first.clamp(max=sorted_anchors.shape[1] - 1))
+    in_range = (first < q["valid"]) & (hit <= k["amax"])
+    chain = in_range & (k["dmin"] <= q["dmax"])
     nonempty = some & (causal | chain)
     one_doc = (
         (q["valid"] == q["count"])

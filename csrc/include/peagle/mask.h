@@ -106,14 +106,30 @@ PEAGLE_HD void summarize(const int64_t* anchors, const int64_t* depths, const in
   out[kDeepDepthMax] = edmax;
 }
 
-// Kind of the pair (q block summary q, kv block summary k).
-PEAGLE_HD int8_t classify(const int64_t* q, const int64_t* k, int64_t window) {
+// Whether sorted[0..count) holds a value in [lo, hi].
+PEAGLE_HD bool any_in_range(const int64_t* sorted, int64_t count, int64_t lo, int64_t hi) {
+  int64_t first = 0, last = count;  // lower bound of lo
+  while (first < last) {
+    const int64_t mid = first + (last - first) / 2;
+    if (sorted[mid] < lo) {
+      first = mid + 1;
+    } else {
+      last = mid;
+    }
+  }
+  return first < count && sorted[first] <= hi;
+}
+
+// Kind of the pair (q block summary q, kv block summary k). q_anchors: the q block's valid anchors sorted ascending
+// (q[kValid] of them), so the own-chain term (which needs a_q == a_k) is ruled out when no q anchor lies in the kv
+// block's anchor range: O(log block_size) per pair instead of a range-overlap guess.
+PEAGLE_HD int8_t classify(const int64_t* q, const int64_t* k, int64_t window, const int64_t* q_anchors) {
   if (q[kValid] == 0 || k[kValid] == 0) return kEmpty;
   if (q[kDocMax] < k[kDocMin] || k[kDocMax] < q[kDocMin]) return kEmpty;
   // Some allowed pair is possible through the causal depth-0 term or through the own-chain term.
   const bool causal = k[kRoot] > 0 && k[kRootAnchorMin] <= q[kAnchorMax] &&
                       (window == kNoWindow || k[kRootAnchorMax] > q[kSpanMin] - window);
-  const bool chain = q[kAnchorMin] <= k[kAnchorMax] && k[kAnchorMin] <= q[kAnchorMax] && k[kDepthMin] <= q[kDepthMax];
+  const bool chain = k[kDepthMin] <= q[kDepthMax] && any_in_range(q_anchors, q[kValid], k[kAnchorMin], k[kAnchorMax]);
   if (!causal && !chain) return kEmpty;
   // Every pair allowed: all elements valid and in one document, every depth-0 key causally visible (and inside the
   // window) for every query, every deeper key on the query's own chain at a depth not above the query's.
