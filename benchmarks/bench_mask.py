@@ -50,13 +50,14 @@ def make_sample(length: int, seed: int = 0):
 
 
 def construction_impls(anchors, depths, docs):
-    from peagle.ops import BlockMaskBuilder, make_mask_mod, mask_dense, mask_dense_reference
+    from peagle.ops import BlockMaskBuilder, make_mask_mod, mask_block, mask_dense, mask_dense_reference
 
     n = anchors.numel()
     builder = BlockMaskBuilder(BLOCK)
     mask_mod = make_mask_mod(anchors, depths, docs)
     return {
         "peagle": lambda: builder.build(anchors, depths, docs),
+        "peagle-op": lambda: mask_block(anchors, depths, docs, BLOCK),
         "create_block_mask": lambda: create_block_mask(mask_mod, None, None, n, n, device="cpu", BLOCK_SIZE=BLOCK),
         "dense-torch": lambda: mask_dense_reference(anchors, depths, docs),
         "peagle-dense": lambda: mask_dense(anchors, depths, docs),
@@ -64,15 +65,15 @@ def construction_impls(anchors, depths, docs):
 
 
 @pytest.mark.parametrize("length", BUILD_LENGTHS)
-@pytest.mark.parametrize("impl", ["peagle", "create_block_mask", "dense-torch", "peagle-dense"])
+@pytest.mark.parametrize("impl", ["peagle", "peagle-op", "create_block_mask", "dense-torch", "peagle-dense"])
 def test_mask_construction(benchmark, impl, length):
     row, anchors, depths = make_sample(length)
     n = anchors.numel()
-    if impl != "peagle" and n * n > MAX_BASELINE_PAIRS:
+    if not impl.startswith("peagle") and n * n > MAX_BASELINE_PAIRS:
         pytest.skip(f"{impl} materialises {n} x {n} pairs")
     fn = construction_impls(anchors, depths, row.document_ids)[impl]
     benchmark.extra_info.update({"impl": impl, "case": f"mask T={length} N={n}", "elements": n})
-    rounds = 20 if impl == "peagle" else 2
+    rounds = 20 if impl in ("peagle", "peagle-op") else 2
     benchmark.pedantic(fn, rounds=rounds, iterations=1, warmup_rounds=1)
 
 
@@ -185,8 +186,11 @@ def main(parts: str = "all") -> None:
 
 
 def construction_table() -> None:
-    print("| T | N | blocks | peagle ms | create_block_mask ms | dense-torch ms | peagle-dense ms | speedup |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| T | N | blocks | peagle ms | peagle-op ms | create_block_mask ms | dense-torch ms | peagle-dense ms "
+        "| create_block_mask / peagle |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for length in BUILD_LENGTHS:
         row, anchors, depths = make_sample(length)
         n = anchors.numel()
@@ -195,14 +199,15 @@ def construction_table() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for name, fn in impls.items():
-                if name != "peagle" and n * n > MAX_BASELINE_PAIRS:
+                if name not in ("peagle", "peagle-op") and n * n > MAX_BASELINE_PAIRS:
                     times[name] = float("nan")
                     continue
-                times[name] = _time(fn, 10 if name == "peagle" else 1) * 1e3
+                times[name] = _time(fn, 30 if name in ("peagle", "peagle-op") else 2) * 1e3
         nb = -(-n // BLOCK)
         ratio = times["create_block_mask"] / times["peagle"]
         print(
-            f"| {length} | {n} | {nb}x{nb} | {times['peagle']:.2f} | {times['create_block_mask']:.0f} | "
+            f"| {length} | {n} | {nb}x{nb} | {times['peagle']:.2f} | {times['peagle-op']:.2f} | "
+            f"{times['create_block_mask']:.0f} | "
             f"{times['dense-torch']:.0f} | {times['peagle-dense']:.0f} | {ratio:.0f} |"
         )
 
