@@ -170,15 +170,20 @@ def test_flex_attention_with_block_mask_equals_sdpa_with_dense_mask(generator, c
 
 
 def test_builder_reuses_buffers_across_samples(generator):
-    builder = BlockMaskBuilder(block_size=32)
+    builder = BlockMaskBuilder(block_size=32, max_elements=4000, device="cpu")
+    capacity = builder._capacity
     mods = []
     for length, window in ((400, None), (150, 20), (380, None), (90, 5)):
         a, d, docs = sample(generator, length, 6, 0.8, 0.2, 80.0)
         flex_vs_sdpa(a, d, docs, 32, window, generator, builder=builder)
         mods.append(builder.build(a, d, docs, window).mask_mod)
     # Samples with the same window share one mask_mod over the same (max-length) buffers.
-    assert mods[0] is mods[2]
-    assert builder._capacity % 32 == 0
+    assert mods[0] is mods[2] and builder._capacity == capacity == 4000
+    # A longer sample grows the buffers (to whole blocks) and still gives the right attention.
+    a, d, docs = sample(generator, 900, 8, 1.0, 1.0, 2000.0)
+    assert a.numel() > capacity
+    flex_vs_sdpa(a, d, docs, 32, None, generator, builder=builder)
+    assert builder._capacity >= a.numel() and builder._capacity % 32 == 0
 
 
 def test_mask_mod_matches_dense(generator):
