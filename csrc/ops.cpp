@@ -20,6 +20,13 @@ TORCH_LIBRARY(peagle, m) {
       "cod_gather_backward(Tensor grad_feats, Tensor anchors, Tensor depths, int num_positions) -> "
       "(Tensor grad_hidden, Tensor grad_mask_hidden)");
 
+  // Attention masks: the P-EAGLE predicate (DESIGN.md) as a dense boolean mask for SDPA/eager attention, and as the
+  // block-sparse tensors of a flex-attention BlockMask (per q block: partial kv blocks, then full kv blocks).
+  m.def("mask_dense(Tensor anchors, Tensor depths, Tensor document_ids, int? window=None) -> Tensor");
+  m.def(
+      "mask_block(Tensor anchors, Tensor depths, Tensor document_ids, int block_size=128, int? window=None) -> "
+      "(Tensor kv_num_blocks, Tensor kv_indices, Tensor full_kv_num_blocks, Tensor full_kv_indices)");
+
   // Gated DeltaNet: tree verification of GDN layers (closed form over the tree, no per-node states), commit of the
   // last accepted node's state into the pool, and the causal conv1d in front of GDN over a tree and its commit.
   // validate=False skips the value checks that need a host synchronisation on CUDA (parent/slot/last_accepted

@@ -19,10 +19,27 @@ from peagle.ops.gdn import (
     gdn_tree_verify,
     gdn_tree_verify_reference,
 )
+from peagle.ops.mask import (
+    BlockMaskBuilder,
+    MaskBlocks,
+    block_kinds,
+    block_kinds_from_predicate,
+    build_block_mask,
+    make_mask_mod,
+    mask_block,
+    mask_block_reference,
+    mask_dense,
+    mask_dense_reference,
+)
 
 __all__ = [
+    "BlockMaskBuilder",
     "CodInputs",
     "GdnVerifyOutput",
+    "MaskBlocks",
+    "block_kinds",
+    "block_kinds_from_predicate",
+    "build_block_mask",
     "causal_conv1d_commit",
     "causal_conv1d_commit_reference",
     "causal_conv1d_tree",
@@ -36,4 +53,9 @@ __all__ = [
     "gdn_recurrence_reference",
     "gdn_tree_verify",
     "gdn_tree_verify_reference",
+    "make_mask_mod",
+    "mask_block",
+    "mask_block_reference",
+    "mask_dense",
+    "mask_dense_reference",
 ]
