@@ -17,6 +17,18 @@ TORCH_LIBRARY(peagle, m) {
   m.def(
       "cod_gather_backward(Tensor grad_feats, Tensor anchors, Tensor depths, int num_positions) -> "
       "(Tensor grad_hidden, Tensor grad_mask_hidden)");
+
+  // Tree verification. A batch of draft trees padded to n_max nodes: parent/tokens [B, n_max], num_nodes [B],
+  // target_probs (and draft_probs) [B, n_max, V] float32. Outputs: accepted path [B, n_max] (node indices from the root,
+  // -1 padded), number of accepted drafts [B], emitted tokens [B, n_max] (accepted drafts + one bonus/correction, -1
+  // padded), last accepted node [B].
+  m.def(
+      "tree_verify_greedy(Tensor parent, Tensor tokens, Tensor num_nodes, Tensor target_probs) -> "
+      "(Tensor accepted_path, Tensor num_accepted, Tensor emitted_tokens, Tensor last_node)");
+  m.def(
+      "tree_rejection_sample(Tensor parent, Tensor tokens, Tensor num_nodes, Tensor target_probs, "
+      "Tensor? draft_probs=None, Tensor? uniforms=None, int seed=0, int offset=0) -> "
+      "(Tensor accepted_path, Tensor num_accepted, Tensor emitted_tokens, Tensor last_node)");
 }
 
 // `import peagle._C` only needs to run the static registrations above and in the backend files.

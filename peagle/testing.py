@@ -46,3 +46,46 @@ def random_packed_row(
             loss_mask[position : min(used, position + span)] = True
         position += span
     return PackedRow(loss_mask, document_ids)
+
+
+class TreeBatch(NamedTuple):
+    parent: Tensor  # [B, n_max] int64, -1 at the root; padding nodes hold garbage
+    tokens: Tensor  # [B, n_max] int64, siblings distinct; padding nodes hold garbage
+    num_nodes: Tensor  # [B] int64 in [1, n_max]
+
+
+def random_tree_batch(
+    generator: torch.Generator,
+    batch: int,
+    n_max: int,
+    vocab: int,
+    *,
+    chain: bool = False,
+    full: bool = False,
+) -> TreeBatch:
+    """Random draft trees (parents before children, distinct sibling tokens), padded to n_max with garbage nodes.
+
+    Needs vocab >= n_max - 1 so that any sibling group fits in the vocabulary.
+    """
+    if vocab < n_max - 1:
+        raise ValueError(f"random_tree_batch needs vocab >= n_max - 1, got vocab={vocab}, n_max={n_max}")
+    idx = torch.arange(n_max)
+    if chain:
+        parent = (idx - 1).expand(batch, n_max).clone()
+    else:
+        parent = (torch.rand(batch, n_max, generator=generator) * idx).long()
+        parent[:, 0] = -1
+    # Rank of each node among its earlier siblings; tokens of a sibling group are consecutive (mod V) from a random start.
+    same = (parent[:, :, None] == parent[:, None, :]) & (idx[None, None, :] < idx[None, :, None])
+    rank = same.sum(dim=2)
+    start = torch.randint(0, vocab, (batch, n_max), generator=generator)
+    tokens = (start.gather(1, parent.clamp(min=0)) + rank) % vocab
+    tokens[:, 0] = torch.randint(0, vocab, (batch,), generator=generator)
+    if full:
+        num_nodes = torch.full((batch,), n_max, dtype=torch.long)
+    else:
+        num_nodes = torch.randint(1, n_max + 1, (batch,), generator=generator)
+    pad = idx[None, :] >= num_nodes[:, None]
+    parent = torch.where(pad, torch.randint(-3, n_max + 3, (batch, n_max), generator=generator), parent)
+    tokens = torch.where(pad, torch.randint(-3, vocab + 3, (batch, n_max), generator=generator), tokens)
+    return TreeBatch(parent, tokens, num_nodes)

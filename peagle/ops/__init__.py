@@ -7,6 +7,14 @@ from peagle.ops.cod import (
     cod_sample,
     cod_sample_reference,
 )
+from peagle.ops.tree import (
+    TreeVerifyOutput,
+    philox_uniforms,
+    tree_rejection_sample,
+    tree_rejection_sample_reference,
+    tree_verify_greedy,
+    tree_verify_greedy_reference,
+)
 
 __all__ = [
     "CodInputs",
@@ -14,4 +22,10 @@ __all__ = [
     "cod_gather_reference",
     "cod_sample",
     "cod_sample_reference",
+    "TreeVerifyOutput",
+    "philox_uniforms",
+    "tree_rejection_sample",
+    "tree_rejection_sample_reference",
+    "tree_verify_greedy",
+    "tree_verify_greedy_reference",
 ]
