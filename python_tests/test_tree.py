@@ -332,9 +332,10 @@ def continue_to_three(generator, emitted: torch.Tensor, target_table: torch.Tens
 def exact_prefix_distribution(target_table: torch.Tensor, length: int) -> torch.Tensor:
     """P(t_1..t_length) by enumeration, flattened in row-major token order."""
     v = LOSSLESS_VOCAB
-    probs = target_table[0, 0].double()
+    table = target_table.double() / target_table.double().sum(-1, keepdim=True)  # the float32 rows, renormalised
+    probs = table[0, 0]
     for k in range(1, length):
-        probs = (probs[..., None] * target_table[k].double().view(*([1] * (k - 1)), v, v)).reshape(*([v] * (k + 1)))
+        probs = (probs[..., None] * table[k].view(*([1] * (k - 1)), v, v)).reshape(*([v] * (k + 1)))
     return probs.reshape(-1)
 
 
@@ -350,7 +351,8 @@ def lossless_pvalues(generator, sampler, shape: str, stochastic: bool) -> list[f
         for k in range(length):
             code = code * v + seq[:, k]
         observed = torch.bincount(code, minlength=v**length).double()
-        expected = exact_prefix_distribution(target_table, length) * seq.shape[0]
+        expected = exact_prefix_distribution(target_table, length)
+        expected = expected / expected.sum() * seq.shape[0]
         assert float(expected.min()) > 20, "categories must be well populated for the chi-square approximation"
         pvalues.append(float(stats.chisquare(observed.numpy(), expected.numpy()).pvalue))
     return pvalues
