@@ -19,9 +19,9 @@ TORCH_LIBRARY(peagle, m) {
       "(Tensor grad_hidden, Tensor grad_mask_hidden)");
 
   // Tree verification. A batch of draft trees padded to n_max nodes: parent/tokens [B, n_max], num_nodes [B],
-  // target_probs (and draft_probs) [B, n_max, V] float32. Outputs: accepted path [B, n_max] (node indices from the root,
-  // -1 padded), number of accepted drafts [B], emitted tokens [B, n_max] (accepted drafts + one bonus/correction, -1
-  // padded), last accepted node [B].
+  // target_probs (and draft_probs) [B, n_max, V] float32. Outputs: accepted path [B, n_max] (node indices from the
+  // root, -1 padded), number of accepted drafts [B], emitted tokens [B, n_max] (accepted drafts + one bonus/correction,
+  // -1 padded), last accepted node [B].
   m.def(
       "tree_verify_greedy(Tensor parent, Tensor tokens, Tensor num_nodes, Tensor target_probs) -> "
       "(Tensor accepted_path, Tensor num_accepted, Tensor emitted_tokens, Tensor last_node)");

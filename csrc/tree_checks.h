@@ -48,8 +48,8 @@ inline TreeShape check_tree_args(const char* op, const at::Tensor& parent, const
   const TreeShape s{parent.size(0), parent.size(1), target_probs.size(2)};
   TORCH_CHECK(s.nodes >= 1, "peagle.", op, ": parent must have n_max >= 1 nodes, got shape ", shape_str(parent));
   TORCH_CHECK(s.vocab >= 1, "peagle.", op, ": target_probs must have V >= 1, got shape ", shape_str(target_probs));
-  TORCH_CHECK(tokens.sizes() == parent.sizes(), "peagle.", op, ": tokens must have parent's shape ",
-              shape_str(parent), ", got ", shape_str(tokens));
+  TORCH_CHECK(tokens.sizes() == parent.sizes(), "peagle.", op, ": tokens must have parent's shape ", shape_str(parent),
+              ", got ", shape_str(tokens));
   TORCH_CHECK(num_nodes.size(0) == s.batch, "peagle.", op, ": num_nodes must have shape [", s.batch, "], got ",
               shape_str(num_nodes));
   check_same_device(op, "tokens", tokens, parent, "parent");
@@ -99,8 +99,8 @@ inline void raise_tree_error(const char* op, const at::Tensor& errors, const at:
         const bool target = code == tree::kTargetValue;
         const at::Tensor& rows = target ? target_probs : *draft_probs;
         TORCH_CHECK(false, "peagle.", op, ": ", target ? "target_probs" : "draft_probs",
-                    " must hold probabilities in [0, 1] (finite, non-negative), got ",
-                    rows[b][i][detail].item<float>(), " at [", b, ", ", i, ", ", detail, "]");
+                    " must hold probabilities in [0, 1] (finite, non-negative), got ", rows[b][i][detail].item<float>(),
+                    " at [", b, ", ", i, ", ", detail, "]");
       }
       case tree::kTargetSum:
       case tree::kDraftSum:

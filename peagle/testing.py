@@ -75,7 +75,7 @@ def random_tree_batch(
     else:
         parent = (torch.rand(batch, n_max, generator=generator) * idx).long()
         parent[:, 0] = -1
-    # Rank of each node among its earlier siblings; tokens of a sibling group are consecutive (mod V) from a random start.
+    # Rank of each node among its earlier siblings; a sibling group has consecutive tokens (mod V) from a random start.
     same = (parent[:, :, None] == parent[:, None, :]) & (idx[None, None, :] < idx[None, :, None])
     rank = same.sum(dim=2)
     start = torch.randint(0, vocab, (batch, n_max), generator=generator)

@@ -194,7 +194,7 @@ void rejection_sample_request(const TreeView& v, const OutputView& out, int64_t 
       if (draft_mass < 0) return;
       for (int64_t y = 0; y < V; ++y) residual[y] = tree::fixed(p[y]);
     }
-    int64_t mass = target_sum;  // M = sum(r)
+    int64_t mass = target_sum;   // M = sum(r)
     bool residual_live = false;  // stochastic: r lives in `residual` once a child was rejected
     removed.clear();
     int64_t accepted = -1;

@@ -18,11 +18,11 @@ from peagle.ops.tree import (
 
 __all__ = [
     "CodInputs",
+    "TreeVerifyOutput",
     "cod_gather",
     "cod_gather_reference",
     "cod_sample",
     "cod_sample_reference",
-    "TreeVerifyOutput",
     "philox_uniforms",
     "tree_rejection_sample",
     "tree_rejection_sample_reference",

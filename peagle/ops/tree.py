@@ -83,8 +83,8 @@ def tree_rejection_sample(
     bonus from p). Callers pass target probabilities after temperature / top-k / top-p.
 
     Args:
-        uniforms: optional [B, n_max] float32 in [0, 1): ``uniforms[b, i]`` (i >= 1) is the acceptance uniform of node i,
-            ``uniforms[b, 0]`` the final sample's. When None, Philox(seed, offset) supplies them.
+        uniforms: optional [B, n_max] float32 in [0, 1): ``uniforms[b, i]`` (i >= 1) is the acceptance uniform of
+            node i, ``uniforms[b, 0]`` the final sample's. When None, Philox(seed, offset) supplies them.
     """
     return TreeVerifyOutput(
         *torch.ops.peagle.tree_rejection_sample(
@@ -113,8 +113,9 @@ def _tree_verify_greedy_fake(parent, tokens, num_nodes, target_probs):
 
 
 @torch.library.register_fake("peagle::tree_rejection_sample")
-def _tree_rejection_sample_fake(parent, tokens, num_nodes, target_probs, draft_probs=None, uniforms=None, seed=0,
-                                offset=0):
+def _tree_rejection_sample_fake(
+    parent, tokens, num_nodes, target_probs, draft_probs=None, uniforms=None, seed=0, offset=0
+):
     return _verify_fake(parent, target_probs)
 
 

@@ -5,10 +5,11 @@
 // distinct. target_probs[i] is the target distribution after node i; draft_probs[i] the distribution node i's children
 // were drawn from. Children of a node are tried in increasing node index.
 //
-// Exactness across backends: probabilities are converted to 40-bit fixed point (int64, truncation of p * 2^40), so every
-// sum and prefix sum is an integer sum whose value does not depend on the reduction order. The only floating-point
-// operations left are single IEEE-rounded double multiplications/divisions of integers (no contraction), which give the
-// same bits on the CPU, on the GPU and in PyTorch. Uniforms are 24-bit: u = U / 2^24 with U in [0, 2^24).
+// Exactness across backends: probabilities are converted to 40-bit fixed point (int64, truncation of p * 2^40), so
+// every sum and prefix sum is an integer sum whose value does not depend on the reduction order. The only
+// floating-point operations left are single IEEE-rounded double multiplications/divisions of integers (no contraction),
+// which give the same bits on the CPU, on the GPU and in PyTorch. Uniforms are 24-bit: u = U / 2^24 with U in [0,
+// 2^24).
 #pragma once
 
 #include <cstdint>
@@ -26,17 +27,17 @@ constexpr double kSumTolerance = 1e-3;         // |sum(row) - 1| allowed for pro
 // Error codes of a request (first error found wins; see tree_checks.h for the messages).
 enum Error : int32_t {
   kOk = 0,
-  kNumNodes = 1,       // num_nodes outside [1, n_max]
-  kRootParent = 2,     // parent[0] != -1
-  kParent = 3,         // parent[i] outside [0, i)
-  kToken = 4,          // token outside [0, V)
-  kDuplicate = 5,      // two siblings share a token
-  kTargetValue = 6,    // target row has a negative, NaN, infinite or > 1 entry (greedy: NaN)
-  kTargetSum = 7,      // target row does not sum to 1 within kSumTolerance
-  kDraftValue = 8,     // draft row has a negative, NaN, infinite or > 1 entry
-  kDraftSum = 9,       // draft row does not sum to 1 within kSumTolerance
-  kUniform = 10,       // explicit uniform outside [0, 1)
-  kTargetNaN = 11,     // greedy: target row has a NaN
+  kNumNodes = 1,     // num_nodes outside [1, n_max]
+  kRootParent = 2,   // parent[0] != -1
+  kParent = 3,       // parent[i] outside [0, i)
+  kToken = 4,        // token outside [0, V)
+  kDuplicate = 5,    // two siblings share a token
+  kTargetValue = 6,  // target row has a negative, NaN, infinite or > 1 entry (greedy: NaN)
+  kTargetSum = 7,    // target row does not sum to 1 within kSumTolerance
+  kDraftValue = 8,   // draft row has a negative, NaN, infinite or > 1 entry
+  kDraftSum = 9,     // draft row does not sum to 1 within kSumTolerance
+  kUniform = 10,     // explicit uniform outside [0, 1)
+  kTargetNaN = 11,   // greedy: target row has a NaN
 };
 
 // ---------------------------------------------------------------------------------------------------------------------
@@ -71,9 +72,9 @@ PEAGLE_HD uint32_t philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t
 // acceptance test of node i, index 0 the final (correction/bonus) sample.
 PEAGLE_HD int64_t philox_uniform24(int64_t seed, int64_t offset, int64_t request, int64_t index) {
   const uint64_t s = static_cast<uint64_t>(seed), o = static_cast<uint64_t>(offset);
-  const uint32_t word = philox4x32_10(static_cast<uint32_t>(index), static_cast<uint32_t>(request),
-                                      static_cast<uint32_t>(o), static_cast<uint32_t>(o >> 32),
-                                      static_cast<uint32_t>(s), static_cast<uint32_t>(s >> 32));
+  const uint32_t word =
+      philox4x32_10(static_cast<uint32_t>(index), static_cast<uint32_t>(request), static_cast<uint32_t>(o),
+                    static_cast<uint32_t>(o >> 32), static_cast<uint32_t>(s), static_cast<uint32_t>(s >> 32));
   return static_cast<int64_t>(word >> 8);
 }
 
