@@ -89,3 +89,26 @@ def random_tree_batch(
     parent = torch.where(pad, torch.randint(-3, n_max + 3, (batch, n_max), generator=generator), parent)
     tokens = torch.where(pad, torch.randint(-3, vocab + 3, (batch, n_max), generator=generator), tokens)
     return TreeBatch(parent, tokens, num_nodes)
+
+
+def random_tree_probs(
+    generator: torch.Generator, tree: TreeBatch, vocab: int, *, follow: float = 0.8, peak: float = 0.5
+) -> Tensor:
+    """Target rows [B, n_max, V] (float32, each summing to 1) under which most nodes have one child whose token carries
+    extra mass `peak` (so greedy and sampled verification accept deep paths, as with a good drafter). Built in place to
+    keep peak memory near one [B, n_max, V] tensor."""
+    batch, n_max = tree.parent.shape
+    probs = torch.rand(batch, n_max, vocab, generator=generator)
+    probs.pow_(4)  # a skewed, LLM-like spread of mass
+    probs.div_(probs.sum(-1, keepdim=True)).mul_(1.0 - peak)
+    idx = torch.arange(n_max)
+    valid = (idx[None, :] < tree.num_nodes[:, None]) & (idx[None, :] >= 1)
+    boost = valid & (torch.rand(batch, n_max, generator=generator) < follow)
+    rows = torch.arange(batch)[:, None].expand(batch, n_max)
+    parent = tree.parent.clamp(0, n_max - 1)
+    tokens = tree.tokens.clamp(0, vocab - 1)
+    # The last boosted child of a parent wins; parents without a boosted child get the peak on a random token.
+    peak_token = torch.randint(0, vocab, (batch, n_max), generator=generator)
+    peak_token[rows[boost], parent[boost]] = tokens[boost]
+    probs[rows, idx[None, :].expand(batch, n_max), peak_token] += peak
+    return probs
