@@ -128,9 +128,7 @@ def _cod_gather_backward(ctx, grad_feats, grad_ids, grad_position_ids, grad_labe
     return None, grad_hidden, grad_mask_hidden, None, None, None, None
 
 
-torch.library.register_autograd(
-    "peagle::cod_gather", _cod_gather_backward, setup_context=_cod_gather_setup_context
-)
+torch.library.register_autograd("peagle::cod_gather", _cod_gather_backward, setup_context=_cod_gather_setup_context)
 
 
 def _cod_gather_backward_setup_context(ctx, inputs, output):

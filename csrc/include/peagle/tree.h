@@ -177,3 +177,39 @@ PEAGLE_HD int32_t check_request(const index_t* parent, const index_t* tokens, in
 
 }  // namespace tree
 }  // namespace peagle
+
+namespace peagle {
+namespace tree {
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Tree construction. Candidates carry a path score (a product of draft probabilities, in double: child = parent * p,
+// one IEEE multiplication, so every backend computes the same bits). Selection order: higher score first, then the
+// smaller candidate index; since a child never scores above its parent and comes after it, the best N always include
+// each kept node's parent.
+
+PEAGLE_HD bool score_before(double score_a, int64_t index_a, double score_b, int64_t index_b) {
+  return score_a > score_b || (score_a == score_b && index_a < index_b);
+}
+
+// Top-k order of a draft row: larger probability first, then the smaller token id.
+PEAGLE_HD bool prob_before(float p_a, int64_t token_a, float p_b, int64_t token_b) {
+  return p_a > p_b || (p_a == p_b && token_a < token_b);
+}
+
+// Output node order of a selected tree: depth, then selection order (so siblings are tried most likely first).
+PEAGLE_HD bool node_before(int64_t depth_a, double score_a, int64_t index_a, int64_t depth_b, double score_b,
+                           int64_t index_b) {
+  return depth_a < depth_b || (depth_a == depth_b && score_before(score_a, index_a, score_b, index_b));
+}
+
+enum BuildError : int32_t {
+  kBuildOk = 0,
+  kCandidateCount = 21,   // num_candidates outside [1, M]
+  kCandidateRoot = 22,    // cand_parent[0] != -1
+  kCandidateParent = 23,  // cand_parent[i] outside [0, i)
+  kCandidateScore = 24,   // NaN score, or a child scoring above its parent
+  kDraftRow = 25,         // draft row entry NaN or negative
+};
+
+}  // namespace tree
+}  // namespace peagle
