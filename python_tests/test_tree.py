@@ -11,9 +11,16 @@ from scipy import stats
 
 import peagle  # noqa: F401
 from peagle.ops import (
+    eagle2_dynamic_tree,
     philox_uniforms,
+    tree_build_parallel,
+    tree_build_parallel_reference,
+    tree_expand_topk,
+    tree_expand_topk_reference,
     tree_rejection_sample,
     tree_rejection_sample_reference,
+    tree_select,
+    tree_select_reference,
     tree_verify_greedy,
     tree_verify_greedy_reference,
 )
@@ -602,3 +609,230 @@ def test_bad_shapes_and_dtypes(change, match):
         torch.ops.peagle.tree_rejection_sample(
             args["parent"], args["tokens"], args["num_nodes"], args["target"], args["draft"], args["uniforms"], 0, 0
         )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tree construction
+
+
+def check_spec_invariants(spec, num_nodes: int):
+    """Structural contract of a built tree, checked from first principles."""
+    batch = spec.tokens.shape[0]
+    for b in range(batch):
+        n = int(spec.num_nodes[b])
+        parent, depth = spec.parent[b].tolist(), spec.depth[b].tolist()
+        assert parent[0] == -1 and depth[0] == 0
+        assert all(x == -1 for x in parent[n:]) and all(x == -1 for x in depth[n:])
+        for i in range(1, n):
+            assert 0 <= parent[i] < i and depth[i] == depth[parent[i]] + 1
+            assert depth[i - 1] <= depth[i], "nodes are ordered by depth"
+            assert float(spec.scores[b, i]) <= float(spec.scores[b, parent[i]])
+        siblings = {}
+        for i in range(1, n):
+            siblings.setdefault(parent[i], []).append(int(spec.tokens[b, i]))
+        assert all(len(s) == len(set(s)) for s in siblings.values()), "sibling tokens must be distinct"
+        expected_mask = torch.zeros(num_nodes, num_nodes, dtype=torch.bool)
+        for i in range(n):
+            j = i
+            while j >= 0:
+                expected_mask[i, j] = True
+                j = parent[j]
+        assert torch.equal(spec.mask[b], expected_mask)
+        words = spec.mask_packed[b].long() & 0xFFFFFFFF
+        unpacked = ((words[:, :, None] >> torch.arange(32)) & 1).reshape(num_nodes, -1)[:, :num_nodes].bool()
+        assert torch.equal(unpacked, expected_mask)
+        leaves = [i for i in range(n) if i not in siblings]
+        assert int(spec.num_paths[b]) == len(leaves)
+        for row, leaf in enumerate(leaves):
+            path = [j for j in range(n) if expected_mask[leaf, j]]
+            got = spec.paths[b, row].tolist()
+            assert got[: len(path)] == path and all(x == -1 for x in got[len(path) :])
+        assert all(x == -1 for x in spec.paths[b, len(leaves) :].reshape(-1).tolist())
+
+
+def assert_specs_equal(a, e):
+    for name, x, y in zip(a._fields, a, e, strict=True):
+        assert x.dtype == y.dtype and torch.equal(x, y), f"{name}:\n{x}\n{y}"
+
+
+def brute_force_parallel(probs: torch.Tensor, topk: list[int], num_nodes: int) -> set[tuple[int, ...]]:
+    """Token paths of the best num_nodes - 1 Cartesian candidates (scores in float64, ties in BFS order)."""
+    import itertools
+
+    cands = []
+    for depth in range(1, len(topk) + 1):
+        choices = []
+        for d in range(depth):
+            order = sorted(range(probs.shape[-1]), key=lambda t, d=d: (-float(probs[d, t]), t))
+            choices.append(order[: topk[d]])
+        for combo in itertools.product(*choices):
+            score = 1.0
+            for d, t in enumerate(combo):
+                score *= float(probs[d, t])
+            cands.append((-score, depth, combo))  # BFS index order == (depth, lexicographic rank order)
+    cands.sort(key=lambda c: (c[0], c[1]))
+    return {c[2] for c in cands[: num_nodes - 1]}
+
+
+def spec_token_paths(spec, b: int) -> set[tuple[int, ...]]:
+    out = set()
+    for i in range(1, int(spec.num_nodes[b])):
+        seq, j = [], i
+        while j > 0:
+            seq.append(int(spec.tokens[b, j]))
+            j = int(spec.parent[b, j])
+        out.add(tuple(reversed(seq)))
+    return out
+
+
+@pytest.mark.parametrize(
+    "batch,vocab,topk,num_nodes",
+    [
+        (1, 5, [1], 1),
+        (3, 12, [3, 2, 2], 8),
+        (4, 12, [3, 2, 2], 100),
+        (2, 9, [1, 1, 1, 1], 5),
+        (5, 40, [4, 4, 4], 30),
+        (2, 3, [3, 3], 13),
+        (3, 64, [8, 4, 2, 2], 64),
+    ],
+)
+def test_build_parallel(generator, batch, vocab, topk, num_nodes):
+    probs = torch.softmax(torch.randn(batch, len(topk), vocab, generator=generator) * 2, -1)
+    spec = tree_build_parallel(probs, topk, num_nodes)
+    assert_specs_equal(spec, tree_build_parallel_reference(probs, topk, num_nodes))
+    check_spec_invariants(spec, num_nodes)
+    assert torch.all(spec.tokens[:, 0] == -1)
+    for b in range(batch):
+        assert spec_token_paths(spec, b) == brute_force_parallel(probs[b], topk, num_nodes)
+        for i in range(1, int(spec.num_nodes[b])):  # score = product of the path's draft probabilities
+            want = float(spec.scores[b, int(spec.parent[b, i])]) * float(
+                probs[b, spec.depth[b, i] - 1, spec.tokens[b, i]]
+            )
+            assert float(spec.scores[b, i]) == want
+
+
+def test_build_parallel_chain_is_greedy_and_verifies(generator):
+    """topk = [1] * K gives the drafter's greedy chain; a target equal to the drafter accepts all of it."""
+    probs = torch.softmax(torch.randn(4, 5, 30, generator=generator) * 3, -1)
+    spec = tree_build_parallel(probs, [1] * 5, 6)
+    assert torch.equal(spec.tokens[:, 1:], probs.argmax(-1))
+    assert torch.equal(spec.parent, torch.arange(-1, 5).expand(4, 6))
+    target = torch.cat([probs, probs[:, -1:]], 1)  # target after node i == drafter's depth-i distribution
+    out = tree_verify_greedy(spec.parent, spec.tokens, spec.num_nodes, target)
+    assert out.num_accepted.tolist() == [5] * 4
+
+
+def random_candidates(generator, batch, m):
+    tree = random_tree_batch(generator, batch, m, m, full=True)
+    count = torch.randint(1, m + 1, (batch,), generator=generator)
+    factor = torch.rand(batch, m, generator=generator, dtype=torch.float64)
+    factor[:, 0] = 1.0
+    scores = factor.clone()
+    parent = tree.parent.clone()
+    for i in range(1, m):  # child score = parent score * factor (monotone along paths)
+        scores[:, i] = scores[torch.arange(batch), parent[:, i]] * factor[:, i]
+    scores[:, 3::4] = scores[:, 3::4].round(decimals=1)  # ties; may break monotonicity, so re-derive below
+    for i in range(1, m):
+        scores[:, i] = torch.minimum(scores[:, i], scores[torch.arange(batch), parent[:, i]])
+    return tree.tokens, parent, scores, count
+
+
+@pytest.mark.parametrize("batch,m,num_nodes", [(1, 1, 1), (4, 10, 4), (8, 40, 16), (3, 70, 70), (2, 33, 40)])
+def test_select_matches_reference(generator, batch, m, num_nodes):
+    tokens, parent, scores, count = random_candidates(generator, batch, m)
+    spec = tree_select(tokens, parent, scores, count, num_nodes)
+    assert_specs_equal(spec, tree_select_reference(tokens, parent, scores, count, num_nodes))
+    check_spec_invariants(spec, num_nodes)
+    assert torch.equal(spec.num_nodes, torch.minimum(count, torch.tensor(num_nodes)))
+    for b in range(batch):  # kept scores are the best ones
+        c = int(count[b])
+        best = sorted(scores[b, 1:c].tolist(), reverse=True)[: int(spec.num_nodes[b]) - 1]
+        assert sorted(spec.scores[b, 1 : int(spec.num_nodes[b])].tolist(), reverse=True) == best
+
+
+@pytest.mark.parametrize("batch,width,vocab,topk", [(1, 1, 5, 1), (3, 4, 20, 3), (2, 8, 100, 8), (5, 2, 7, 7)])
+def test_expand_topk_matches_reference(generator, batch, width, vocab, topk):
+    scores = torch.rand(batch, width, generator=generator, dtype=torch.float64)
+    probs = torch.softmax(torch.randn(batch, width, vocab, generator=generator), -1)
+    probs[:, :, :2] = probs[:, :, 2:3]  # ties
+    out = tree_expand_topk(scores, probs, topk)
+    ref = tree_expand_topk_reference(scores, probs, topk)
+    assert all(torch.equal(a, e) for a, e in zip(out, ref, strict=True))
+    assert torch.all(out[2][:, 1:] <= out[2][:, :-1])
+
+
+def brute_force_eagle2(root, table, depth, topk, num_nodes):
+    """Scalar EAGLE-2 for one request: draft distribution after a node = table[last token]."""
+    cands = [(1.0, -1, -1)]  # (score, parent candidate, token)
+    frontier = [0]
+    dist = {0: root}
+    for _ in range(depth):
+        new = []
+        for f in frontier:
+            order = sorted(range(len(dist[f])), key=lambda t, f=f: (-float(dist[f][t]), t))[:topk]
+            new += [(cands[f][0] * float(dist[f][t]), f, t) for t in order]
+        new = sorted(enumerate(new), key=lambda e: (-e[1][0], e[0]))
+        base = len(cands)
+        cands += [c for _, c in new]
+        frontier = list(range(base, base + min(topk, len(new))))
+        for i in frontier:
+            dist[i] = table[cands[i][2]]
+    ranked = sorted(range(1, len(cands)), key=lambda i: (-cands[i][0], i))[: num_nodes - 1]
+    paths = set()
+    for i in ranked:
+        seq = []
+        while i > 0:
+            seq.append(cands[i][2])
+            i = cands[i][1]
+        paths.add(tuple(reversed(seq)))
+    return paths
+
+
+def test_eagle2_dynamic_tree(generator):
+    batch, vocab, depth, topk, num_nodes = 3, 12, 4, 3, 10
+    table = torch.softmax(torch.randn(vocab, vocab, generator=generator) * 2, -1)  # drafter: p(next | last token)
+    root = torch.softmax(torch.randn(batch, vocab, generator=generator) * 2, -1)
+    calls = []
+
+    def draft_step(tokens, candidate_index):
+        calls.append(tokens.shape)
+        return table[tokens]
+
+    spec = eagle2_dynamic_tree(root, draft_step, depth, topk, num_nodes)
+    assert calls == [(batch, topk)] * (depth - 1)
+    check_spec_invariants(spec, num_nodes)
+    for b in range(batch):
+        assert spec_token_paths(spec, b) == brute_force_eagle2(root[b], table, depth, topk, num_nodes)
+
+
+def test_construction_opcheck_and_errors(generator):
+    probs = torch.softmax(torch.randn(2, 3, 10, generator=generator), -1)
+    torch.library.opcheck(torch.ops.peagle.tree_build_parallel, (probs, [2, 2, 1], 6))
+    tokens, parent, scores, count = random_candidates(generator, 3, 9)
+    torch.library.opcheck(torch.ops.peagle.tree_select, (tokens, parent, scores, count, 5))
+    torch.library.opcheck(torch.ops.peagle.tree_expand_topk, (scores[:2, :3], probs, 2))
+    with pytest.raises(RuntimeError, match=r"topk must have one entry per depth \(K = 3\), got 2"):
+        tree_build_parallel(probs, [2, 2], 4)
+    with pytest.raises(RuntimeError, match=r"every topk entry must be in \[1, V\] = \[1, 10\]"):
+        tree_build_parallel(probs, [2, 0, 1], 4)
+    with pytest.raises(RuntimeError, match="draft_probs must be float32"):
+        tree_build_parallel(probs.double(), [1, 1, 1], 4)
+    bad = probs.clone()
+    bad[1, 2, 4] = math.nan
+    with pytest.raises(RuntimeError, match="in row 2 of request 1 at token 4"):
+        tree_build_parallel(bad, [1, 1, 1], 4)
+    with pytest.raises(RuntimeError, match="num_nodes must be >= 1"):
+        tree_build_parallel(probs, [1, 1, 1], 0)
+    p2 = parent.clone()
+    p2[0, 5] = 5
+    with pytest.raises(RuntimeError, match=r"cand_parent\[0, 5\] must be in \[0, 5\)"):
+        tree_select(tokens, p2, scores, torch.full((3,), 9), 4)
+    s2 = scores.clone()
+    s2[1, 4] = s2[1, parent[1, 4]] + 1
+    with pytest.raises(RuntimeError, match=r"cand_scores\[1, 4\] must not be NaN and must not exceed its parent"):
+        tree_select(tokens, parent, s2, torch.full((3,), 9), 4)
+    with pytest.raises(RuntimeError, match=r"num_candidates\[2\] must be in \[1, M\], got 10"):
+        tree_select(tokens, parent, scores, torch.tensor([9, 9, 10]), 4)
+    with pytest.raises(RuntimeError, match="frontier_scores must have shape"):
+        tree_expand_topk(scores[:, :2], probs, 2)

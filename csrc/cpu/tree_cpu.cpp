@@ -303,7 +303,6 @@ Outputs tree_rejection_sample_cpu(const at::Tensor& parent, const at::Tensor& to
   return {p.path, p.num_accepted, p.emitted, p.last};
 }
 
-
 // ---------------------------------------------------------------------------------------------------------------------
 // Tree construction.
 
@@ -479,8 +478,8 @@ TreeSpecOutputs tree_select_cpu(const at::Tensor& cand_tokens, const at::Tensor&
               "peagle.tree_select: cand_tokens, cand_parent and cand_scores must have the same shape [B, M], got ",
               shape_str(cand_tokens), ", ", shape_str(cand_parent), " and ", shape_str(cand_scores));
   const int64_t batch = cand_tokens.size(0), m = cand_tokens.size(1);
-  TORCH_CHECK(num_candidates.size(0) == batch, "peagle.tree_select: num_candidates must have shape [", batch,
-              "], got ", shape_str(num_candidates));
+  TORCH_CHECK(num_candidates.size(0) == batch, "peagle.tree_select: num_candidates must have shape [", batch, "], got ",
+              shape_str(num_candidates));
   TORCH_CHECK(m >= 1, "peagle.tree_select: need M >= 1 candidates (the root), got shape ", shape_str(cand_tokens));
   TORCH_CHECK(num_nodes >= 1, "peagle.tree_select: num_nodes must be >= 1, got ", num_nodes);
   check_same_device(op, "cand_parent", cand_parent, cand_tokens, "cand_tokens");
@@ -595,7 +594,7 @@ TreeSpecOutputs tree_build_parallel_cpu(const at::Tensor& draft_probs, at::IntAr
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_expand_topk_cpu(const at::Tensor& frontier_scores,
-                                                                   const at::Tensor& child_probs, int64_t topk) {
+                                                                    const at::Tensor& child_probs, int64_t topk) {
   const char* op = "tree_expand_topk";
   check_rank(op, "frontier_scores", frontier_scores, 2, "[B, F]");
   check_rank(op, "child_probs", child_probs, 3, "[B, F, V]");

@@ -462,6 +462,11 @@ def tree_select_reference(
 
 
 def _select_reference(tok: Tensor, par: Tensor, sc: Tensor, count: Tensor, nodes: int, path_len: int) -> TreeSpec:
+    if tok.shape[1] < nodes:  # pad with invalid candidates so that every output slot has a source column
+        pad = nodes - tok.shape[1]
+        tok = torch.nn.functional.pad(tok, (0, pad), value=-1)
+        par = torch.nn.functional.pad(par, (0, pad), value=-1)
+        sc = torch.nn.functional.pad(sc, (0, pad), value=0.0)
     batch, m = tok.shape
     device = tok.device
     idx = torch.arange(m, device=device).expand(batch, m)
