@@ -165,8 +165,9 @@ def test_gpu_timings(generator):
         t_ours = _time(lambda args=args, draft=draft: tree_rejection_sample(*args, draft, seed=1))
         draft_ids = chain.tokens[:, 1:].cuda().int()
         chain_sampler = flashinfer.sampling.chain_speculative_sampling
+        chain_draft = draft[:, :k].contiguous()
         try:
-            t_fi = _time(lambda f=chain_sampler, q=draft[:, :k].contiguous(), i=draft_ids, p=target: f(q, i, p))
+            t_fi = _time(lambda f=chain_sampler, q=chain_draft, i=draft_ids, p=target: f(q, i, p))
         except (TypeError, RuntimeError) as err:  # signatures differ between flashinfer releases
             print(f"flashinfer chain_speculative_sampling failed: {err}")
             return
