@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <limits>
 #include <vector>
 
 #include "peagle/tree.h"
@@ -92,6 +93,56 @@ int64_t next_child(const int64_t* parent, int64_t n, int64_t node, int64_t after
   return -1;
 }
 
+// First index of the row maximum (the smallest id on ties) in one lane-parallel pass that the compiler vectorises:
+// each lane keeps its maximum and the first index reaching it. Returns false with the first NaN's index on NaN.
+bool row_argmax(const float* row, int64_t vocab, int64_t* index) {
+  constexpr int kLanes = 16;
+  float lanes[kLanes];
+  int32_t lane_index[kLanes];
+  int32_t nan_lanes[kLanes];
+  for (int k = 0; k < kLanes; ++k) {
+    lanes[k] = -std::numeric_limits<float>::infinity();
+    lane_index[k] = 0;
+    nan_lanes[k] = 0;
+  }
+  const int64_t body = vocab - vocab % kLanes;
+  for (int64_t y = 0; y < body; y += kLanes) {
+    for (int k = 0; k < kLanes; ++k) {
+      const float value = row[y + k];
+      const bool greater = value > lanes[k];
+      lanes[k] = greater ? value : lanes[k];
+      lane_index[k] = greater ? static_cast<int32_t>(y + k) : lane_index[k];
+      nan_lanes[k] |= value != value;
+    }
+  }
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t best_index = std::numeric_limits<int64_t>::max();
+  int32_t any_nan = 0;
+  for (int k = 0; k < kLanes; ++k) {
+    if (lanes[k] > best || (lanes[k] == best && lane_index[k] < best_index)) {
+      best = lanes[k];
+      best_index = lane_index[k];
+    }
+    any_nan |= nan_lanes[k];
+  }
+  for (int64_t y = body; y < vocab; ++y) {
+    if (row[y] > best) {
+      best = row[y];
+      best_index = y;
+    }
+    any_nan |= row[y] != row[y];
+  }
+  if (any_nan) {
+    int64_t y = 0;
+    while (row[y] == row[y]) ++y;
+    *index = y;
+    return false;
+  }
+  // A row of -inf only: no lane moved; the first index wins.
+  *index = best == -std::numeric_limits<float>::infinity() ? 0 : best_index;
+  return true;
+}
+
 void verify_greedy_request(const TreeView& v, const OutputView& out, int64_t b) {
   const int64_t* parent = v.parent + b * v.n_max;
   const int64_t* tokens = v.tokens + b * v.n_max;
@@ -105,16 +156,8 @@ void verify_greedy_request(const TreeView& v, const OutputView& out, int64_t b) 
   path[0] = 0;
   while (true) {
     const float* row = v.target + b * v.target_batch_stride + cur * v.vocab;
-    float best = row[0];
     int64_t best_index = 0;
-    for (int64_t y = 0; y < v.vocab; ++y) {
-      const float value = row[y];
-      if (value != value) return set_error(out, b, tree::kTargetNaN, cur, y);
-      if (value > best) {
-        best = value;
-        best_index = y;
-      }
-    }
+    if (!row_argmax(row, v.vocab, &best_index)) return set_error(out, b, tree::kTargetNaN, cur, best_index);
     int64_t accepted = -1;
     for (int64_t j = next_child(parent, n, cur, cur); j >= 0; j = next_child(parent, n, cur, j)) {
       if (tokens[j] == best_index) {
@@ -138,13 +181,18 @@ void verify_greedy_request(const TreeView& v, const OutputView& out, int64_t b) 
 int64_t row_sum(const float* row, int64_t vocab, int32_t value_error, int32_t sum_error, const OutputView& out,
                 int64_t b, int64_t node) {
   int64_t sum = 0;
-  for (int64_t y = 0; y < vocab; ++y) {
+  int32_t bad = 0;
+  for (int64_t y = 0; y < vocab; ++y) {  // branch-free: the rare bad row is rescanned below
     const float p = row[y];
-    if (!tree::prob_ok(p)) {
-      set_error(out, b, value_error, node, y);
-      return -1;
-    }
-    sum += tree::fixed(p);
+    const bool ok = tree::prob_ok(p);
+    bad |= !ok;
+    sum += tree::fixed(ok ? p : 0.0f);
+  }
+  if (bad) {
+    int64_t y = 0;
+    while (tree::prob_ok(row[y])) ++y;
+    set_error(out, b, value_error, node, y);
+    return -1;
   }
   if (!tree::sum_ok(sum)) {
     set_error(out, b, sum_error, node, sum);
