@@ -836,3 +836,21 @@ def test_construction_opcheck_and_errors(generator):
         tree_select(tokens, parent, scores, torch.tensor([9, 9, 10]), 4)
     with pytest.raises(RuntimeError, match="frontier_scores must have shape"):
         tree_expand_topk(scores[:, :2], probs, 2)
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 40, 1000])
+def test_greedy_argmax_edges(generator, vocab):
+    """All -inf rows (first id wins), maxima in the vectorised body and in the tail, and the first NaN's index."""
+    parent, tokens, num_nodes = torch.tensor([[-1]]), torch.tensor([[0]]), torch.tensor([1])
+    row = torch.full((1, 1, vocab), -math.inf)
+    assert tree_verify_greedy(parent, tokens, num_nodes, row).emitted_tokens.tolist() == [[0]]
+    for position in {0, vocab // 2, vocab - 1}:
+        row = torch.randn(1, 1, vocab, generator=generator)
+        row[0, 0, position] = 100.0
+        assert tree_verify_greedy(parent, tokens, num_nodes, row).emitted_tokens.tolist() == [[position]]
+        row[0, 0, :] = 100.0  # all equal: the smallest id
+        assert tree_verify_greedy(parent, tokens, num_nodes, row).emitted_tokens.tolist() == [[0]]
+        row[0, 0, position] = math.nan
+        row[0, 0, vocab - 1] = math.nan
+        with pytest.raises(RuntimeError, match=rf"NaN at \[0, 0, {position}\]"):
+            tree_verify_greedy(parent, tokens, num_nodes, row)
