@@ -47,7 +47,9 @@ inline TreeShape check_tree_args(const char* op, const at::Tensor& parent, const
   check_rank(op, "target_probs", target_probs, 3, "[B, n_max, V]");
   const TreeShape s{parent.size(0), parent.size(1), target_probs.size(2)};
   TORCH_CHECK(s.nodes >= 1, "peagle.", op, ": parent must have n_max >= 1 nodes, got shape ", shape_str(parent));
-  TORCH_CHECK(s.vocab >= 1, "peagle.", op, ": target_probs must have V >= 1, got shape ", shape_str(target_probs));
+  // V <= 2^22 keeps every fixed-point row sum (entries <= 1 + tolerance, 40 fraction bits) inside int64.
+  TORCH_CHECK(s.vocab >= 1 && s.vocab <= (int64_t{1} << 22), "peagle.", op,
+              ": target_probs must have 1 <= V <= 4194304, got shape ", shape_str(target_probs));
   TORCH_CHECK(tokens.sizes() == parent.sizes(), "peagle.", op, ": tokens must have parent's shape ", shape_str(parent),
               ", got ", shape_str(tokens));
   TORCH_CHECK(num_nodes.size(0) == s.batch, "peagle.", op, ": num_nodes must have shape [", s.batch, "], got ",

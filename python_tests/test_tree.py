@@ -589,6 +589,7 @@ def test_greedy_nan_and_bad_uniforms():
         (lambda a: a.update(target=a["target"][0]), r"target_probs must be 3-D \[B, n_max, V\], got shape \[4, 5\]"),
         (lambda a: a.update(draft=a["draft"][..., :4]), r"draft_probs must have shape \[1, 4, 5\], got \[1, 4, 4\]"),
         (lambda a: a.update(draft=a["draft"].half()), r"draft_probs must be float32, got Half"),
+        (lambda a: a.update(target=a["target"][..., :0], draft=None), r"target_probs must have 1 <= V <= 4194304"),
         (lambda a: a.update(uniforms=torch.rand(1, 3)), r"uniforms must have shape \[1, 4\], got \[1, 3\]"),
         (lambda a: a.update(uniforms=torch.rand(1, 4).double()), r"uniforms must be float32, got Double"),
     ],
