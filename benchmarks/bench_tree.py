@@ -20,6 +20,8 @@ import torch
 
 import peagle  # noqa: F401
 from peagle.ops import (
+    tree_build_parallel,
+    tree_build_parallel_reference,
     tree_rejection_sample,
     tree_rejection_sample_reference,
     tree_verify_greedy,
@@ -101,3 +103,24 @@ def test_tree_op_vs_reference(benchmark, op, batch, n_max, vocab):
     benchmark.extra_info["reference_s"] = t_ref
     benchmark.extra_info["speedup_vs_reference"] = t_ref / t_op
     RESULTS.append((op, batch, n_max, vocab, t_op, t_ref, float(out.num_accepted.float().mean())))
+
+
+BUILD_TOPK = [[2, 2]] if SMOKE else [[8, 4, 2, 2], [10, 10, 10]]
+
+
+@pytest.mark.parametrize("topk", BUILD_TOPK, ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("batch", [b for b in BATCHES if b != 8])
+def test_build_parallel_vs_reference(benchmark, batch, vocab, topk):
+    """P-EAGLE tree construction from K per-depth distributions (N = 64 nodes, or 8 in smoke mode)."""
+    nodes = 8 if SMOKE else 64
+    generator = torch.Generator().manual_seed(batch * 7 + vocab)
+    probs = torch.rand(batch, len(topk), vocab, generator=generator).pow_(4)
+    probs /= probs.sum(-1, keepdim=True)
+    out = benchmark.pedantic(lambda: tree_build_parallel(probs, topk, nodes), rounds=5, iterations=1, warmup_rounds=1)
+    ref = lambda: tree_build_parallel_reference(probs, topk, nodes)  # noqa: E731
+    assert all(torch.equal(a, e) for a, e in zip(out, ref(), strict=True)), "op and reference disagree"
+    t_ref = best_time(ref, 2)
+    t_op = benchmark.stats.stats.min
+    benchmark.extra_info["speedup_vs_reference"] = t_ref / t_op
+    RESULTS.append(("build_parallel " + "x".join(map(str, topk)), batch, nodes, vocab, t_op, t_ref, float("nan")))

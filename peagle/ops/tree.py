@@ -1,4 +1,5 @@
-"""Lossless tree verification: greedy tree verification and tree rejection sampling over batches of draft trees.
+"""Draft trees: construction (P-EAGLE parallel trees, EAGLE-2 dynamic trees, chains) and lossless verification (greedy
+tree verification and tree rejection sampling) over batches of draft trees.
 
 Batched layout (trees padded to ``n_max`` nodes):
 
@@ -21,6 +22,8 @@ Exactness: probabilities are converted to 40-bit fixed point (``floor(p * 2^40)`
 CPU kernel, the CUDA kernel and the references below agree bit for bit (see csrc/include/peagle/tree.h). Random numbers
 are 24-bit uniforms from Philox 4x32-10 keyed by ``seed``, counter ``(index, request, offset)``: index ``i >= 1`` is the
 acceptance test of node ``i`` and index 0 the final sample. Use a fresh ``offset`` (e.g. the round number) per call.
+The sampler is exact up to these resolutions: 24-bit uniforms (acceptance and sampling probabilities are quantised to
+2^-24) and 2^-40 per probability entry.
 """
 
 from __future__ import annotations
