@@ -45,6 +45,32 @@ TORCH_LIBRARY(peagle, m) {
       "causal_conv1d_commit(Tensor x, Tensor parent, Tensor last_accepted, Tensor(a!) conv_state, "
       "bool validate=True) -> ()");
 
+  // Tree verification. A batch of draft trees padded to n_max nodes: parent/tokens [B, n_max], num_nodes [B],
+  // target_probs (and draft_probs) [B, n_max, V] float32. Outputs: accepted path [B, n_max] (node indices from the
+  // root, -1 padded), number of accepted drafts [B], emitted tokens [B, n_max] (accepted drafts + one bonus/correction,
+  // -1 padded), last accepted node [B].
+  m.def(
+      "tree_verify_greedy(Tensor parent, Tensor tokens, Tensor num_nodes, Tensor target_probs) -> "
+      "(Tensor accepted_path, Tensor num_accepted, Tensor emitted_tokens, Tensor last_node)");
+  m.def(
+      "tree_rejection_sample(Tensor parent, Tensor tokens, Tensor num_nodes, Tensor target_probs, "
+      "Tensor? draft_probs=None, Tensor? uniforms=None, int seed=0, int offset=0) -> "
+      "(Tensor accepted_path, Tensor num_accepted, Tensor emitted_tokens, Tensor last_node)");
+  // Tree construction. Outputs of a built tree (N = num_nodes): tokens, parent, depth (= position offset) [B, N] (-1
+  // padded), num_nodes [B], path scores [B, N] float64, ancestor-or-self mask [B, N, N] bool and bit-packed
+  // [B, N, ceil(N/32)] int32 (bit j % 32 of word j / 32), root-to-leaf paths [B, N, L] (-1 padded) and their count [B].
+  m.def(
+      "tree_select(Tensor cand_tokens, Tensor cand_parent, Tensor cand_scores, Tensor num_candidates, int num_nodes) "
+      "-> (Tensor tokens, Tensor parent, Tensor depth, Tensor num_nodes, Tensor scores, Tensor mask, "
+      "Tensor mask_packed, Tensor paths, Tensor num_paths)");
+  m.def(
+      "tree_build_parallel(Tensor draft_probs, int[] topk, int num_nodes) -> (Tensor tokens, Tensor parent, "
+      "Tensor depth, Tensor num_nodes, Tensor scores, Tensor mask, Tensor mask_packed, Tensor paths, "
+      "Tensor num_paths)");
+  m.def(
+      "tree_expand_topk(Tensor frontier_scores, Tensor child_probs, int topk) -> (Tensor tokens, Tensor frontier_slot, "
+      "Tensor scores)");
+
   // Returns the CPU output blocks kept for reuse (see csrc/cpu/large_buffers.h) to the OS; bytes released.
   m.def("release_cpu_buffers() -> int", &peagle::cpu::release_large_buffers);
 }

@@ -118,3 +118,69 @@ def random_gdn_inputs(
     state_pool = randn(pool, value_heads, key_dim, value_dim) * 0.5
     slots = torch.randperm(pool, generator=generator)[:batch]
     return GdnInputs(q, k, v, g.to(dtype), beta.to(dtype), parent, state_pool, slots)
+
+
+class TreeBatch(NamedTuple):
+    parent: Tensor  # [B, n_max] int64, -1 at the root; padding nodes hold garbage
+    tokens: Tensor  # [B, n_max] int64, siblings distinct; padding nodes hold garbage
+    num_nodes: Tensor  # [B] int64 in [1, n_max]
+
+
+def random_tree_batch(
+    generator: torch.Generator,
+    batch: int,
+    n_max: int,
+    vocab: int,
+    *,
+    chain: bool = False,
+    full: bool = False,
+) -> TreeBatch:
+    """Random draft trees (parents before children, distinct sibling tokens), padded to n_max with garbage nodes.
+
+    Needs vocab >= n_max - 1 so that any sibling group fits in the vocabulary.
+    """
+    if vocab < n_max - 1:
+        raise ValueError(f"random_tree_batch needs vocab >= n_max - 1, got vocab={vocab}, n_max={n_max}")
+    idx = torch.arange(n_max)
+    if chain:
+        parent = (idx - 1).expand(batch, n_max).clone()
+    else:
+        parent = (torch.rand(batch, n_max, generator=generator) * idx).long()
+        parent[:, 0] = -1
+    # Rank of each node among its earlier siblings; a sibling group has consecutive tokens (mod V) from a random start.
+    same = (parent[:, :, None] == parent[:, None, :]) & (idx[None, None, :] < idx[None, :, None])
+    rank = same.sum(dim=2)
+    start = torch.randint(0, vocab, (batch, n_max), generator=generator)
+    tokens = (start.gather(1, parent.clamp(min=0)) + rank) % vocab
+    tokens[:, 0] = torch.randint(0, vocab, (batch,), generator=generator)
+    if full:
+        num_nodes = torch.full((batch,), n_max, dtype=torch.long)
+    else:
+        num_nodes = torch.randint(1, n_max + 1, (batch,), generator=generator)
+    pad = idx[None, :] >= num_nodes[:, None]
+    parent = torch.where(pad, torch.randint(-3, n_max + 3, (batch, n_max), generator=generator), parent)
+    tokens = torch.where(pad, torch.randint(-3, vocab + 3, (batch, n_max), generator=generator), tokens)
+    return TreeBatch(parent, tokens, num_nodes)
+
+
+def random_tree_probs(
+    generator: torch.Generator, tree: TreeBatch, vocab: int, *, follow: float = 0.8, peak: float = 0.5
+) -> Tensor:
+    """Target rows [B, n_max, V] (float32, each summing to 1) under which most nodes have one child whose token carries
+    extra mass `peak` (so greedy and sampled verification accept deep paths, as with a good drafter). Built in place to
+    keep peak memory near one [B, n_max, V] tensor."""
+    batch, n_max = tree.parent.shape
+    probs = torch.rand(batch, n_max, vocab, generator=generator)
+    probs.pow_(4)  # a skewed, LLM-like spread of mass
+    probs.div_(probs.sum(-1, keepdim=True)).mul_(1.0 - peak)
+    idx = torch.arange(n_max)
+    valid = (idx[None, :] < tree.num_nodes[:, None]) & (idx[None, :] >= 1)
+    boost = valid & (torch.rand(batch, n_max, generator=generator) < follow)
+    rows = torch.arange(batch)[:, None].expand(batch, n_max)
+    parent = tree.parent.clamp(0, n_max - 1)
+    tokens = tree.tokens.clamp(0, vocab - 1)
+    # The last boosted child of a parent wins; parents without a boosted child get the peak on a random token.
+    peak_token = torch.randint(0, vocab, (batch, n_max), generator=generator)
+    peak_token[rows[boost], parent[boost]] = tokens[boost]
+    probs[rows, idx[None, :].expand(batch, n_max), peak_token] += peak
+    return probs

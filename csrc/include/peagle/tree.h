@@ -1,0 +1,215 @@
+// Tree verification math shared by the CPU and CUDA kernels and mirrored bit for bit by the PyTorch reference in
+// peagle/ops/tree.py.
+//
+// Draft tree per request (padded batch): n nodes, node 0 = root, parent[0] = -1, 0 <= parent[i] < i, sibling tokens
+// distinct. target_probs[i] is the target distribution after node i; draft_probs[i] the distribution node i's children
+// were drawn from. Children of a node are tried in increasing node index.
+//
+// Exactness across backends: probabilities are converted to 40-bit fixed point (int64, truncation of p * 2^40), so
+// every sum and prefix sum is an integer sum whose value does not depend on the reduction order. The only
+// floating-point operations left are single IEEE-rounded double multiplications/divisions of integers (no contraction),
+// which give the same bits on the CPU, on the GPU and in PyTorch. Uniforms are 24-bit: u = U / 2^24 with U in [0,
+// 2^24).
+#pragma once
+
+#include <cstdint>
+
+#include "peagle/common.h"
+
+namespace peagle {
+namespace tree {
+
+constexpr int kFixedBits = 40;
+constexpr double kFixedOne = 1099511627776.0;  // 2^40
+constexpr double kUniformScale = 16777216.0;   // 2^24
+constexpr double kSumTolerance = 1e-3;         // |sum(row) - 1| allowed for probability rows
+
+// Error codes of a request (first error found wins; see tree_checks.h for the messages).
+enum Error : int32_t {
+  kOk = 0,
+  kNumNodes = 1,     // num_nodes outside [1, n_max]
+  kRootParent = 2,   // parent[0] != -1
+  kParent = 3,       // parent[i] outside [0, i)
+  kToken = 4,        // token outside [0, V)
+  kDuplicate = 5,    // two siblings share a token
+  kTargetValue = 6,  // target row has a negative, NaN, infinite or > 1 entry (greedy: NaN)
+  kTargetSum = 7,    // target row does not sum to 1 within kSumTolerance
+  kDraftValue = 8,   // draft row has a negative, NaN, infinite or > 1 entry
+  kDraftSum = 9,     // draft row does not sum to 1 within kSumTolerance
+  kUniform = 10,     // explicit uniform outside [0, 1)
+  kTargetNaN = 11,   // greedy: target row has a NaN
+};
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Philox 4x32-10 (Salmon et al., SC'11), counter-based: the same (seed, offset, request, index) gives the same bits
+// everywhere.
+
+PEAGLE_HD void philox_round(uint32_t& c0, uint32_t& c1, uint32_t& c2, uint32_t& c3, uint32_t k0, uint32_t k1) {
+  const uint64_t p0 = static_cast<uint64_t>(0xD2511F53u) * c0;
+  const uint64_t p1 = static_cast<uint64_t>(0xCD9E8D57u) * c2;
+  const uint32_t hi0 = static_cast<uint32_t>(p0 >> 32), lo0 = static_cast<uint32_t>(p0);
+  const uint32_t hi1 = static_cast<uint32_t>(p1 >> 32), lo1 = static_cast<uint32_t>(p1);
+  const uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+  c0 = n0;
+  c1 = lo1;
+  c2 = n2;
+  c3 = lo0;
+}
+
+// First output word of Philox4x32-10 for counter (c0, c1, c2, c3) and key (k0, k1).
+PEAGLE_HD uint32_t philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
+  for (int round = 0; round < 10; ++round) {
+    if (round > 0) {
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    philox_round(c0, c1, c2, c3, k0, k1);
+  }
+  return c0;
+}
+
+// 24-bit uniform integer U (u = U / 2^24 in [0, 1)) of draw `index` of request `request`. Index i >= 1 is the
+// acceptance test of node i, index 0 the final (correction/bonus) sample.
+PEAGLE_HD int64_t philox_uniform24(int64_t seed, int64_t offset, int64_t request, int64_t index) {
+  const uint64_t s = static_cast<uint64_t>(seed), o = static_cast<uint64_t>(offset);
+  const uint32_t word =
+      philox4x32_10(static_cast<uint32_t>(index), static_cast<uint32_t>(request), static_cast<uint32_t>(o),
+                    static_cast<uint32_t>(o >> 32), static_cast<uint32_t>(s), static_cast<uint32_t>(s >> 32));
+  return static_cast<int64_t>(word >> 8);
+}
+
+// Explicit uniform u in [0, 1) -> U = floor(u * 2^24) (exact: multiplying by a power of two, then truncation).
+PEAGLE_HD int64_t uniform24(float u) { return static_cast<int64_t>(static_cast<double>(u) * kUniformScale); }
+
+PEAGLE_HD bool uniform_ok(float u) { return u >= 0.0f && u < 1.0f; }
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Fixed point.
+
+// Whether a probability entry is valid (finite, in [0, 1 + tolerance]); NaN fails every comparison.
+PEAGLE_HD bool prob_ok(float p) { return p >= 0.0f && static_cast<double>(p) <= 1.0 + kSumTolerance; }
+
+// p in [0, 1 + tol] -> floor(p * 2^40).
+PEAGLE_HD int64_t fixed(float p) { return static_cast<int64_t>(static_cast<double>(p) * kFixedOne); }
+
+PEAGLE_HD bool sum_ok(int64_t sum) {
+  const double s = static_cast<double>(sum) / kFixedOne;
+  return s >= 1.0 - kSumTolerance && s <= 1.0 + kSumTolerance;
+}
+
+#if defined(__CUDA_ARCH__)
+PEAGLE_HD double dmul(double a, double b) { return __dmul_rn(a, b); }
+PEAGLE_HD double ddiv(double a, double b) { return __ddiv_rn(a, b); }
+#else
+PEAGLE_HD double dmul(double a, double b) { return a * b; }
+PEAGLE_HD double ddiv(double a, double b) { return a / b; }
+#endif
+
+// Acceptance test u * M * q~(x) < r(x) in fixed point: `mass` = M * q~(x) (deterministic drafts: M).
+PEAGLE_HD bool accept(int64_t uniform, int64_t mass, int64_t residual) {
+  return dmul(static_cast<double>(uniform), static_cast<double>(mass)) <
+         dmul(static_cast<double>(residual), kUniformScale);
+}
+
+// M / Qrem, the factor that maps draft fixed-point mass onto residual mass (0 when no draft mass is left).
+PEAGLE_HD double draft_scale(int64_t residual_mass, int64_t draft_mass) {
+  return draft_mass > 0 ? ddiv(static_cast<double>(residual_mass), static_cast<double>(draft_mass)) : 0.0;
+}
+
+// M * q~(y) for a draft entry q(y) (fixed point).
+PEAGLE_HD int64_t scaled_draft(int64_t q, double scale) {
+  return static_cast<int64_t>(dmul(static_cast<double>(q), scale));
+}
+
+// Sampling target T = floor(u * M) in [0, M): the sample is the smallest y with prefix_sum(r)[y] > T.
+PEAGLE_HD int64_t sample_target(int64_t uniform, int64_t mass) {
+  return static_cast<int64_t>(dmul(dmul(static_cast<double>(uniform), static_cast<double>(mass)), 1.0 / kUniformScale));
+}
+
+// Greedy argmax order: larger value first, then smaller index.
+PEAGLE_HD bool argmax_better(float value, int64_t index, float best_value, int64_t best_index) {
+  return value > best_value || (value == best_value && index < best_index);
+}
+
+// Structure check of node i (1 <= i < n) of a request; returns kOk or the error code.
+template <typename index_t>
+PEAGLE_HD int32_t check_node(const index_t* parent, const index_t* tokens, int64_t i, int64_t vocab) {
+  const int64_t p = static_cast<int64_t>(parent[i]);
+  if (p < 0 || p >= i) return kParent;
+  const int64_t t = static_cast<int64_t>(tokens[i]);
+  if (t < 0 || t >= vocab) return kToken;
+  for (int64_t j = 1; j < i; ++j) {
+    if (static_cast<int64_t>(parent[j]) == p && static_cast<int64_t>(tokens[j]) == t) return kDuplicate;
+  }
+  return kOk;
+}
+
+// Detail value reported with a structure error of node i.
+template <typename index_t>
+PEAGLE_HD int64_t node_error_detail(int32_t code, const index_t* parent, const index_t* tokens, int64_t i) {
+  return code == kParent ? static_cast<int64_t>(parent[i]) : static_cast<int64_t>(tokens[i]);
+}
+
+// Whole-request structure check (sequential form; the CUDA kernel checks nodes in parallel and keeps the first).
+template <typename index_t>
+PEAGLE_HD int32_t check_request(const index_t* parent, const index_t* tokens, int64_t n, int64_t n_max, int64_t vocab,
+                                int64_t* node, int64_t* detail) {
+  *node = 0;
+  *detail = 0;
+  if (n < 1 || n > n_max) {
+    *detail = n;
+    return kNumNodes;
+  }
+  if (static_cast<int64_t>(parent[0]) != -1) {
+    *detail = static_cast<int64_t>(parent[0]);
+    return kRootParent;
+  }
+  for (int64_t i = 1; i < n; ++i) {
+    const int32_t code = check_node(parent, tokens, i, vocab);
+    if (code != kOk) {
+      *node = i;
+      *detail = node_error_detail(code, parent, tokens, i);
+      return code;
+    }
+  }
+  return kOk;
+}
+
+}  // namespace tree
+}  // namespace peagle
+
+namespace peagle {
+namespace tree {
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Tree construction. Candidates carry a path score (a product of draft probabilities, in double: child = parent * p,
+// one IEEE multiplication, so every backend computes the same bits). Selection order: higher score first, then the
+// smaller candidate index; since a child never scores above its parent and comes after it, the best N always include
+// each kept node's parent.
+
+PEAGLE_HD bool score_before(double score_a, int64_t index_a, double score_b, int64_t index_b) {
+  return score_a > score_b || (score_a == score_b && index_a < index_b);
+}
+
+// Top-k order of a draft row: larger probability first, then the smaller token id.
+PEAGLE_HD bool prob_before(float p_a, int64_t token_a, float p_b, int64_t token_b) {
+  return p_a > p_b || (p_a == p_b && token_a < token_b);
+}
+
+// Output node order of a selected tree: depth, then selection order (so siblings are tried most likely first).
+PEAGLE_HD bool node_before(int64_t depth_a, double score_a, int64_t index_a, int64_t depth_b, double score_b,
+                           int64_t index_b) {
+  return depth_a < depth_b || (depth_a == depth_b && score_before(score_a, index_a, score_b, index_b));
+}
+
+enum BuildError : int32_t {
+  kBuildOk = 0,
+  kCandidateCount = 21,   // num_candidates outside [1, M]
+  kCandidateRoot = 22,    // cand_parent[0] != -1
+  kCandidateParent = 23,  // cand_parent[i] outside [0, i)
+  kCandidateScore = 24,   // NaN score, or a child scoring above its parent
+  kDraftRow = 25,         // draft row entry NaN or negative
+};
+
+}  // namespace tree
+}  // namespace peagle
