@@ -22,6 +22,13 @@ TORCH_LIBRARY(peagle, m) {
 
   // Returns the CPU output blocks kept for reuse (see csrc/cpu/large_buffers.h) to the OS; bytes released.
   m.def("release_cpu_buffers() -> int", &peagle::cpu::release_large_buffers);
+
+  // Attention masks: the P-EAGLE predicate (DESIGN.md) as a dense boolean mask for SDPA/eager attention, and as the
+  // block-sparse tensors of a flex-attention BlockMask (per q block: partial kv blocks, then full kv blocks).
+  m.def("mask_dense(Tensor anchors, Tensor depths, Tensor document_ids, int? window=None) -> Tensor");
+  m.def(
+      "mask_block(Tensor anchors, Tensor depths, Tensor document_ids, int block_size=128, int? window=None) -> "
+      "(Tensor kv_num_blocks, Tensor kv_indices, Tensor full_kv_num_blocks, Tensor full_kv_indices)");
 }
 
 // `import peagle._C` only needs to run the static registrations above and in the backend files.

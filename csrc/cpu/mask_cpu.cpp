@@ -1,0 +1,104 @@
+// CPU kernels of the attention-mask family: the dense boolean mask and the block-sparse classification.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <tuple>
+
+#include "mask_checks.h"
+#include "peagle/mask.h"
+
+namespace peagle {
+namespace {
+
+// Document of every element's anchor (the predicate only looks at doc(a)).
+at::Tensor element_documents(const at::Tensor& anchors_c, const at::Tensor& document_ids) {
+  return document_ids.to(at::kLong).index_select(0, anchors_c).contiguous();
+}
+
+int64_t window_arg(const c10::optional<int64_t>& window) { return window.has_value() ? *window : mask::kNoWindow; }
+
+at::Tensor mask_dense_cpu(const at::Tensor& anchors, const at::Tensor& depths, const at::Tensor& document_ids,
+                          c10::optional<int64_t> window) {
+  check_mask_elements("mask_dense", anchors, depths, document_ids, window);
+  const at::Tensor a_c = anchors.to(at::kLong).contiguous();
+  const at::Tensor d_c = depths.to(at::kLong).contiguous();
+  const at::Tensor doc_c = element_documents(a_c, document_ids);
+  const int64_t n = anchors.size(0);
+  const int64_t w = window_arg(window);
+  at::Tensor out = at::empty({n, n}, anchors.options().dtype(at::kBool));
+  const int64_t* a = a_c.data_ptr<int64_t>();
+  const int64_t* d = d_c.data_ptr<int64_t>();
+  const int64_t* doc = doc_c.data_ptr<int64_t>();
+  bool* o = out.data_ptr<bool>();
+  at::parallel_for(0, n, std::max<int64_t>(1, 4096 / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t q = begin; q < end; ++q) {
+      bool* row = o + q * n;
+      const int64_t aq = a[q], dq = d[q], docq = doc[q];
+      for (int64_t k = 0; k < n; ++k) row[k] = mask::allowed(aq, dq, docq, a[k], d[k], doc[k], w);
+    }
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mask_block_cpu(const at::Tensor& anchors,
+                                                                          const at::Tensor& depths,
+                                                                          const at::Tensor& document_ids,
+                                                                          int64_t block_size,
+                                                                          c10::optional<int64_t> window) {
+  check_mask_block_args(anchors, depths, document_ids, block_size, window);
+  const at::Tensor a_c = anchors.to(at::kLong).contiguous();
+  const at::Tensor d_c = depths.to(at::kLong).contiguous();
+  const at::Tensor doc_c = element_documents(a_c, document_ids);
+  const int64_t n = anchors.size(0);
+  const int64_t nb = (n + block_size - 1) / block_size;
+  const int64_t w = window_arg(window);
+  const int64_t* a = a_c.data_ptr<int64_t>();
+  const int64_t* d = d_c.data_ptr<int64_t>();
+  const int64_t* doc = doc_c.data_ptr<int64_t>();
+
+  // O(N): one summary per block.
+  at::Tensor summary = at::empty({nb, mask::kSummaryFields}, a_c.options());
+  int64_t* s = summary.data_ptr<int64_t>();
+  at::parallel_for(0, nb, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      mask::summarize(a, d, doc, b * block_size, std::min(n, (b + 1) * block_size), s + b * mask::kSummaryFields);
+    }
+  });
+
+  // O(blocks^2): classify every pair from the summaries, compacting partial and full kv blocks per q block.
+  const auto int_opts = anchors.options().dtype(at::kInt);
+  at::Tensor kv_num = at::empty({nb}, int_opts);
+  at::Tensor kv_idx = at::zeros({nb, nb}, int_opts);
+  at::Tensor full_num = at::empty({nb}, int_opts);
+  at::Tensor full_idx = at::zeros({nb, nb}, int_opts);
+  int32_t* kv_num_p = kv_num.data_ptr<int32_t>();
+  int32_t* kv_idx_p = kv_idx.data_ptr<int32_t>();
+  int32_t* full_num_p = full_num.data_ptr<int32_t>();
+  int32_t* full_idx_p = full_idx.data_ptr<int32_t>();
+  at::parallel_for(0, nb, std::max<int64_t>(1, 2048 / std::max<int64_t>(nb, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t qb = begin; qb < end; ++qb) {
+      const int64_t* qs = s + qb * mask::kSummaryFields;
+      int32_t partial = 0, full = 0;
+      int32_t* kv_row = kv_idx_p + qb * nb;
+      int32_t* full_row = full_idx_p + qb * nb;
+      for (int64_t kb = 0; kb < nb; ++kb) {
+        const int8_t kind = mask::classify(qs, s + kb * mask::kSummaryFields, w);
+        if (kind == mask::kPartial) kv_row[partial++] = static_cast<int32_t>(kb);
+        if (kind == mask::kFull) full_row[full++] = static_cast<int32_t>(kb);
+      }
+      kv_num_p[qb] = partial;
+      full_num_p[qb] = full;
+    }
+  });
+  return {kv_num, kv_idx, full_num, full_idx};
+}
+
+}  // namespace
+}  // namespace peagle
+
+TORCH_LIBRARY_IMPL(peagle, CPU, m) {
+  m.impl("mask_dense", &peagle::mask_dense_cpu);
+  m.impl("mask_block", &peagle::mask_block_cpu);
+}

@@ -1,0 +1,74 @@
+// Torch-facing launcher of the attention-mask CUDA kernels: checks, allocation and the current stream; the kernels
+// live in mask_kernels.cu (no torch headers there).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+#include "mask_checks.h"
+#include "mask_kernels.h"
+#include "peagle/mask.h"
+
+namespace peagle {
+namespace {
+
+void check_cuda_status(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, "peagle.", op, ": CUDA error: ", cudaGetErrorString(err));
+}
+
+int64_t window_value(const c10::optional<int64_t>& window) { return window.has_value() ? *window : mask::kNoWindow; }
+
+at::Tensor mask_dense_cuda(const at::Tensor& anchors, const at::Tensor& depths, const at::Tensor& document_ids,
+                           c10::optional<int64_t> window) {
+  check_mask_elements("mask_dense", anchors, depths, document_ids, window);
+  const c10::cuda::CUDAGuard guard(anchors.device());
+  const at::Tensor a_c = anchors.to(at::kLong).contiguous();
+  const at::Tensor d_c = depths.to(at::kLong).contiguous();
+  const at::Tensor doc_c = document_ids.to(at::kLong).index_select(0, a_c).contiguous();
+  const int64_t n = anchors.size(0);
+  at::Tensor out = at::empty({n, n}, anchors.options().dtype(at::kBool));
+  check_cuda_status(cuda::mask_dense(a_c.data_ptr<int64_t>(), d_c.data_ptr<int64_t>(), doc_c.data_ptr<int64_t>(), n,
+                                     window_value(window), out.data_ptr<bool>(), c10::cuda::getCurrentCUDAStream()),
+                    "mask_dense");
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mask_block_cuda(const at::Tensor& anchors,
+                                                                           const at::Tensor& depths,
+                                                                           const at::Tensor& document_ids,
+                                                                           int64_t block_size,
+                                                                           c10::optional<int64_t> window) {
+  check_mask_block_args(anchors, depths, document_ids, block_size, window);
+  const c10::cuda::CUDAGuard guard(anchors.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::Tensor a_c = anchors.to(at::kLong).contiguous();
+  const at::Tensor d_c = depths.to(at::kLong).contiguous();
+  const at::Tensor doc_c = document_ids.to(at::kLong).index_select(0, a_c).contiguous();
+  const int64_t n = anchors.size(0);
+  const int64_t nb = (n + block_size - 1) / block_size;
+  at::Tensor summary = at::empty({nb, mask::kSummaryFields}, a_c.options());
+  check_cuda_status(
+      cuda::mask_block_summaries(a_c.data_ptr<int64_t>(), d_c.data_ptr<int64_t>(), doc_c.data_ptr<int64_t>(), n,
+                                 block_size, summary.data_ptr<int64_t>(), stream),
+      "mask_block");
+  const auto int_opts = anchors.options().dtype(at::kInt);
+  at::Tensor kv_num = at::empty({nb}, int_opts);
+  at::Tensor kv_idx = at::zeros({nb, nb}, int_opts);
+  at::Tensor full_num = at::empty({nb}, int_opts);
+  at::Tensor full_idx = at::zeros({nb, nb}, int_opts);
+  check_cuda_status(cuda::mask_block_classify(summary.data_ptr<int64_t>(), nb, window_value(window),
+                                              kv_num.data_ptr<int32_t>(), kv_idx.data_ptr<int32_t>(),
+                                              full_num.data_ptr<int32_t>(), full_idx.data_ptr<int32_t>(), stream),
+                    "mask_block");
+  return {kv_num, kv_idx, full_num, full_idx};
+}
+
+}  // namespace
+}  // namespace peagle
+
+TORCH_LIBRARY_IMPL(peagle, CUDA, m) {
+  m.impl("mask_dense", &peagle::mask_dense_cuda);
+  m.impl("mask_block", &peagle::mask_block_cuda);
+}

@@ -1,0 +1,135 @@
+// Kernel math of the P-EAGLE attention masks, shared by the CPU and CUDA backends (no torch headers).
+//
+// Element (a, d) of a document; query q may attend to key k when (DESIGN.md)
+//   doc(a_q) != -1 and doc(a_q) == doc(a_k) and
+//   ((d_k == 0 and a_k <= a_q and (no window or a_k > a_q + d_q - W)) or (a_k == a_q and d_k <= d_q)).
+// Block classification never evaluates this per element pair: each block of elements is summarised once (ranges of
+// anchors, depths and documents over its valid elements) and a (q block, kv block) pair is classified from the two
+// summaries. The tests are exact in one direction each: "empty" only when no pair can be allowed, "full" only when
+// every pair is allowed; everything else is "partial" (the mask_mod decides per element).
+#pragma once
+
+#include <cstdint>
+
+#include "peagle/common.h"
+
+namespace peagle {
+namespace mask {
+
+constexpr int64_t kNoWindow = -1;
+
+// Kinds of a (q block, kv block) pair.
+constexpr int8_t kEmpty = 0;
+constexpr int8_t kPartial = 1;
+constexpr int8_t kFull = 2;
+
+PEAGLE_HD bool allowed(int64_t aq, int64_t dq, int64_t docq, int64_t ak, int64_t dk, int64_t dock, int64_t window) {
+  if (docq == -1 || docq != dock) return false;
+  if (ak == aq && dk <= dq) return true;
+  return dk == 0 && ak <= aq && (window == kNoWindow || ak > aq + dq - window);
+}
+
+// Summary fields of one block, stored as int64 rows of kSummaryFields (valid = document != -1).
+enum SummaryField : int {
+  kCount = 0,  // elements in the block (the last block may be short)
+  kValid,      // valid elements
+  kAnchorMin,  // over valid elements
+  kAnchorMax,
+  kDepthMin,
+  kDepthMax,
+  kSpanMin,  // min of a + d
+  kSpanMax,  // max of a + d
+  kDocMin,
+  kDocMax,
+  kRoot,           // valid depth-0 elements
+  kRootAnchorMin,  // over valid depth-0 elements
+  kRootAnchorMax,
+  kDeep,           // valid elements of depth >= 1
+  kDeepAnchorMin,  // over valid deep elements
+  kDeepAnchorMax,
+  kDeepDepthMax,
+  kSummaryFields
+};
+
+constexpr int64_t kBig = INT64_MAX / 4;
+
+PEAGLE_HD int64_t min64(int64_t x, int64_t y) { return x < y ? x : y; }
+PEAGLE_HD int64_t max64(int64_t x, int64_t y) { return x > y ? x : y; }
+
+// Summarises elements [begin, end) into out[kSummaryFields]; edoc[i] = document of element i's anchor.
+PEAGLE_HD void summarize(const int64_t* anchors, const int64_t* depths, const int64_t* edoc, int64_t begin, int64_t end,
+                         int64_t* out) {
+  int64_t valid = 0, root = 0, deep = 0;
+  int64_t amin = kBig, amax = -kBig, dmin = kBig, dmax = -kBig, smin = kBig, smax = -kBig;
+  int64_t docmin = kBig, docmax = -kBig, rmin = kBig, rmax = -kBig, emin = kBig, emax = -kBig, edmax = -kBig;
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t doc = edoc[i];
+    if (doc == -1) continue;
+    const int64_t a = anchors[i];
+    const int64_t d = depths[i];
+    ++valid;
+    amin = min64(amin, a);
+    amax = max64(amax, a);
+    dmin = min64(dmin, d);
+    dmax = max64(dmax, d);
+    smin = min64(smin, a + d);
+    smax = max64(smax, a + d);
+    docmin = min64(docmin, doc);
+    docmax = max64(docmax, doc);
+    if (d == 0) {
+      ++root;
+      rmin = min64(rmin, a);
+      rmax = max64(rmax, a);
+    } else {
+      ++deep;
+      emin = min64(emin, a);
+      emax = max64(emax, a);
+      edmax = max64(edmax, d);
+    }
+  }
+  out[kCount] = end - begin;
+  out[kValid] = valid;
+  out[kAnchorMin] = amin;
+  out[kAnchorMax] = amax;
+  out[kDepthMin] = dmin;
+  out[kDepthMax] = dmax;
+  out[kSpanMin] = smin;
+  out[kSpanMax] = smax;
+  out[kDocMin] = docmin;
+  out[kDocMax] = docmax;
+  out[kRoot] = root;
+  out[kRootAnchorMin] = rmin;
+  out[kRootAnchorMax] = rmax;
+  out[kDeep] = deep;
+  out[kDeepAnchorMin] = emin;
+  out[kDeepAnchorMax] = emax;
+  out[kDeepDepthMax] = edmax;
+}
+
+// Kind of the pair (q block summary q, kv block summary k).
+PEAGLE_HD int8_t classify(const int64_t* q, const int64_t* k, int64_t window) {
+  if (q[kValid] == 0 || k[kValid] == 0) return kEmpty;
+  if (q[kDocMax] < k[kDocMin] || k[kDocMax] < q[kDocMin]) return kEmpty;
+  // Some allowed pair is possible through the causal depth-0 term or through the own-chain term.
+  const bool causal = k[kRoot] > 0 && k[kRootAnchorMin] <= q[kAnchorMax] &&
+                      (window == kNoWindow || k[kRootAnchorMax] > q[kSpanMin] - window);
+  const bool chain = q[kAnchorMin] <= k[kAnchorMax] && k[kAnchorMin] <= q[kAnchorMax] && k[kDepthMin] <= q[kDepthMax];
+  if (!causal && !chain) return kEmpty;
+  // Every pair allowed: all elements valid and in one document, every depth-0 key causally visible (and inside the
+  // window) for every query, every deeper key on the query's own chain at a depth not above the query's.
+  const bool one_doc = q[kValid] == q[kCount] && k[kValid] == k[kCount] && q[kDocMin] == q[kDocMax] &&
+                       k[kDocMin] == k[kDocMax] && q[kDocMin] == k[kDocMin];
+  if (!one_doc) return kPartial;
+  if (k[kRoot] > 0 &&
+      !(k[kRootAnchorMax] <= q[kAnchorMin] && (window == kNoWindow || k[kRootAnchorMin] > q[kSpanMax] - window))) {
+    return kPartial;
+  }
+  if (k[kDeep] > 0 && !(q[kAnchorMin] == q[kAnchorMax] && k[kDeepAnchorMin] == q[kAnchorMin] &&
+                        k[kDeepAnchorMax] == q[kAnchorMin] && k[kDeepDepthMax] <= q[kDepthMin])) {
+    return kPartial;
+  }
+  return kFull;
+}
+
+}  // namespace mask
+}  // namespace peagle

@@ -1,0 +1,45 @@
+// Argument checks of the attention-mask family, shared by the CPU and CUDA launchers (same messages on both).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+#include "checks.h"
+
+namespace peagle {
+
+// Checks the elements and documents of a mask op; values are checked too (anchors index document_ids).
+inline void check_mask_elements(const char* op, const at::Tensor& anchors, const at::Tensor& depths,
+                                const at::Tensor& document_ids, const c10::optional<int64_t>& window) {
+  check_rank(op, "anchors", anchors, 1, "[N]");
+  check_rank(op, "depths", depths, 1, "[N]");
+  check_rank(op, "document_ids", document_ids, 1, "[T]");
+  check_integer(op, "anchors", anchors);
+  check_integer(op, "depths", depths);
+  check_integer(op, "document_ids", document_ids);
+  TORCH_CHECK(anchors.size(0) == depths.size(0), "peagle.", op, ": anchors and depths must have the same length N, ",
+              "got ", anchors.size(0), " and ", depths.size(0));
+  check_same_device(op, "depths", depths, anchors, "anchors");
+  check_same_device(op, "document_ids", document_ids, anchors, "anchors");
+  TORCH_CHECK(!window.has_value() || *window >= 1, "peagle.", op, ": window must be None or >= 1, got ",
+              window.value_or(0));
+  const int64_t length = document_ids.size(0);
+  if (anchors.numel() > 0) {
+    const auto [amin, amax] = at::aminmax(anchors);
+    const int64_t lo = amin.item<int64_t>();
+    const int64_t hi = amax.item<int64_t>();
+    TORCH_CHECK(lo >= 0 && hi < length, "peagle.", op, ": anchors must be in [0, T) with T = ", length,
+                " (len(document_ids)), got values in [", lo, ", ", hi, "]");
+    const int64_t dmin = depths.min().item<int64_t>();
+    TORCH_CHECK(dmin >= 0, "peagle.", op, ": depths must be >= 0, got ", dmin);
+  }
+}
+
+inline void check_mask_block_args(const at::Tensor& anchors, const at::Tensor& depths, const at::Tensor& document_ids,
+                                  int64_t block_size, const c10::optional<int64_t>& window) {
+  check_mask_elements("mask_block", anchors, depths, document_ids, window);
+  TORCH_CHECK(block_size >= 1, "peagle.mask_block: block_size must be >= 1, got ", block_size);
+}
+
+}  // namespace peagle

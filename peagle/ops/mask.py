@@ -1,0 +1,335 @@
+"""P-EAGLE attention masks: a dense boolean mask for SDPA/eager attention and a flex-attention ``BlockMask``.
+
+Element (a, d) is anchor a at depth d (see :mod:`peagle.ops.cod`). Query q may attend to key k when (DESIGN.md)::
+
+    doc(a_q) != -1 and doc(a_q) == doc(a_k) and
+    ((d_k == 0 and a_k <= a_q and (W is None or a_k > a_q + d_q - W)) or (a_k == a_q and d_k <= d_q))
+
+The block builder never evaluates this predicate per element pair: it summarises every block of ``block_size``
+elements once (ranges of anchors, depths, a + d and documents over its valid elements, split into depth-0 and deeper
+elements) and classifies each (q block, kv block) pair from the two summaries: per-sample work is O(N + blocks^2).
+The classification is exact in the only directions that matter for correctness: a block holding an allowed pair is never
+empty and a block holding a disallowed pair is never full; the ``mask_mod`` decides inside partial blocks.
+
+:class:`BlockMaskBuilder` keeps the per-length structure (element buffers padded to the maximum length, so ``mask_mod``
+closes over tensors of a fixed shape and a compiled flex attention is not re-traced per sample) and slices it per
+sample. On the CPU, flex attention has no backward: training there uses :func:`mask_dense` with SDPA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+__all__ = [
+    "BlockMaskBuilder",
+    "MaskBlocks",
+    "block_kinds",
+    "block_kinds_from_predicate",
+    "build_block_mask",
+    "make_mask_mod",
+    "mask_block",
+    "mask_block_reference",
+    "mask_dense",
+    "mask_dense_reference",
+]
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+class MaskBlocks(NamedTuple):
+    """Block-sparse structure of a mask over N elements, nb = ceil(N / block_size) blocks per side (int32)."""
+
+    kv_num_blocks: Tensor  # [nb] partial kv blocks per q block
+    kv_indices: Tensor  # [nb, nb] their indices (ascending) first, zeros after
+    full_kv_num_blocks: Tensor  # [nb] full kv blocks per q block
+    full_kv_indices: Tensor  # [nb, nb]
+
+
+def mask_dense(anchors: Tensor, depths: Tensor, document_ids: Tensor, window: int | None = None) -> Tensor:
+    """Dense boolean attention mask [N, N] (True = query row may attend to key column) of N elements.
+
+    Args:
+        anchors, depths: [N] int32/int64 elements (any order), anchors in [0, T), depths >= 0.
+        document_ids: [T] int32/int64 document of each position, -1 = padding (padding queries see nothing).
+        window: sliding window W >= 1 over depth-0 keys, None for none.
+    """
+    return torch.ops.peagle.mask_dense(anchors, depths, document_ids, window)
+
+
+def mask_block(
+    anchors: Tensor, depths: Tensor, document_ids: Tensor, block_size: int = 128, window: int | None = None
+) -> MaskBlocks:
+    """Classifies every (q block, kv block) pair of N elements as empty / partial / full from per-block summaries.
+
+    Same arguments as :func:`mask_dense`, plus ``block_size`` (elements per block on both sides).
+    """
+    return MaskBlocks(*torch.ops.peagle.mask_block(anchors, depths, document_ids, block_size, window))
+
+
+def block_kinds(blocks: MaskBlocks) -> Tensor:
+    """Kind of every (q block, kv block) pair [nb, nb] int8: 0 empty, 1 partial, 2 full."""
+    nb = blocks.kv_num_blocks.shape[0]
+    kinds = torch.zeros(nb, nb, dtype=torch.int8, device=blocks.kv_indices.device)
+    cols = torch.arange(nb, device=kinds.device)
+    for num, idx, kind in (
+        (blocks.kv_num_blocks, blocks.kv_indices, PARTIAL),
+        (blocks.full_kv_num_blocks, blocks.full_kv_indices, FULL),
+    ):
+        live = cols[None, :] < num[:, None].long()
+        rows = torch.arange(nb, device=kinds.device)[:, None].expand(nb, nb)
+        kinds[rows[live], idx.long()[live]] = kind
+    return kinds
+
+
+def make_mask_mod(
+    anchors: Tensor, depths: Tensor, document_ids: Tensor, window: int | None = None
+) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+    """The predicate as a flex-attention ``mask_mod(b, h, q_idx, kv_idx)`` over element indices."""
+    a = anchors.long()
+    d = depths.long()
+    doc = document_ids.long()[a] if a.numel() else a.clone()
+    return _mask_mod_from(a, d, doc, window)
+
+
+def _mask_mod_from(a: Tensor, d: Tensor, doc: Tensor, window: int | None) -> Callable:
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        aq, dq, docq = a[q_idx], d[q_idx], doc[q_idx]
+        ak, dk, dock = a[kv_idx], d[kv_idx], doc[kv_idx]
+        causal = (dk == 0) & (ak <= aq)
+        if window is not None:
+            causal = causal & (ak > aq + dq - window)
+        return (docq != -1) & (docq == dock) & (causal | ((ak == aq) & (dk <= dq)))
+
+    return mask_mod
+
+
+def build_block_mask(
+    anchors: Tensor,
+    depths: Tensor,
+    document_ids: Tensor,
+    block_size: int = 128,
+    window: int | None = None,
+    compute_q_blocks: bool = True,
+) -> BlockMask:
+    """A flex-attention ``BlockMask`` for N elements (one batch row, one head; it broadcasts over both).
+
+    ``compute_q_blocks=False`` skips the transposed (q-major) tensors that only the backward pass needs.
+    """
+    return BlockMaskBuilder(block_size).build(anchors, depths, document_ids, window, compute_q_blocks)
+
+
+class BlockMaskBuilder:
+    """Builds the per-sample ``BlockMask`` of many samples, reusing structure that depends only on the maximum length.
+
+    The element buffers (anchor, depth, document of every element) are allocated once at the largest N seen, rounded
+    up to whole blocks, and every sample is written into a slice of them: the ``mask_mod`` of every sample closes over
+    the same fixed-shape tensors (a compiled flex attention is not re-traced per sample, and reads past N see padding,
+    which nothing may attend from or to). The per-sample work is the block summaries and their pairwise classification.
+    Not thread-safe: a ``BlockMask`` is valid until the next :meth:`build` on the same builder.
+    """
+
+    def __init__(self, block_size: int = 128, max_elements: int = 0, device: torch.device | str | None = None) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self._capacity = 0
+        self._device = torch.device(device) if device is not None else None
+        self._buffers: tuple[Tensor, Tensor, Tensor] | None = None
+        self._mods: dict[int | None, Callable] = {}
+        if max_elements > 0 and self._device is not None:
+            self._reserve(max_elements, self._device)
+
+    def _reserve(self, num_elements: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        if self._buffers is None or num_elements > self._capacity or self._buffers[0].device != device:
+            capacity = max(num_elements, self._capacity, 1)
+            capacity = -(-capacity // self.block_size) * self.block_size
+            self._buffers = (
+                torch.zeros(capacity, dtype=torch.long, device=device),
+                torch.zeros(capacity, dtype=torch.long, device=device),
+                torch.full((capacity,), -1, dtype=torch.long, device=device),
+            )
+            self._capacity = capacity
+            self._mods = {}
+        return self._buffers
+
+    def build(
+        self,
+        anchors: Tensor,
+        depths: Tensor,
+        document_ids: Tensor,
+        window: int | None = None,
+        compute_q_blocks: bool = True,
+    ) -> BlockMask:
+        """The ``BlockMask`` of one sample's N elements (same arguments as :func:`mask_block`)."""
+        blocks = mask_block(anchors, depths, document_ids, self.block_size, window)
+        n = anchors.shape[0]
+        a_buf, d_buf, doc_buf = self._reserve(n, anchors.device)
+        a_buf[:n] = anchors
+        d_buf[:n] = depths
+        doc_buf[:n] = document_ids.long()[anchors.long()] if n else doc_buf[:0]
+        doc_buf[n:] = -1
+        if window not in self._mods:
+            self._mods[window] = _mask_mod_from(a_buf, d_buf, doc_buf, window)
+        return BlockMask.from_kv_blocks(
+            blocks.kv_num_blocks[None, None],
+            blocks.kv_indices[None, None],
+            blocks.full_kv_num_blocks[None, None],
+            blocks.full_kv_indices[None, None],
+            BLOCK_SIZE=self.block_size,
+            mask_mod=self._mods[window],
+            seq_lengths=(n, n),
+            compute_q_blocks=compute_q_blocks,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Fake kernels (shapes only) for torch.compile / FakeTensor.
+
+
+@torch.library.register_fake("peagle::mask_dense")
+def _mask_dense_fake(anchors, depths, document_ids, window=None):
+    n = anchors.shape[0]
+    return anchors.new_empty(n, n, dtype=torch.bool)
+
+
+@torch.library.register_fake("peagle::mask_block")
+def _mask_block_fake(anchors, depths, document_ids, block_size=128, window=None):
+    nb = (anchors.shape[0] + block_size - 1) // block_size
+    num = anchors.new_empty(nb, dtype=torch.int32)
+    idx = anchors.new_empty(nb, nb, dtype=torch.int32)
+    return num, idx, num.clone(), idx.clone()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# References: the executable specification of both ops (pure PyTorch, vectorised).
+
+
+def _element_docs(anchors: Tensor, document_ids: Tensor) -> Tensor:
+    return document_ids.long()[anchors.long()]
+
+
+def mask_dense_reference(anchors: Tensor, depths: Tensor, document_ids: Tensor, window: int | None = None) -> Tensor:
+    """Reference of :func:`mask_dense`: the predicate, broadcast over all pairs."""
+    a, d = anchors.long(), depths.long()
+    doc = _element_docs(a, document_ids)
+    aq, dq, docq = a[:, None], d[:, None], doc[:, None]
+    ak, dk, dock = a[None, :], d[None, :], doc[None, :]
+    causal = (dk == 0) & (ak <= aq)
+    if window is not None:
+        causal = causal & (ak > aq + dq - window)
+    return (docq != -1) & (docq == dock) & (causal | ((ak == aq) & (dk <= dq)))
+
+
+def _block_summaries(anchors: Tensor, depths: Tensor, document_ids: Tensor, block_size: int) -> dict[str, Tensor]:
+    """Per-block summaries over valid elements (document != -1), as in csrc/include/peagle/mask.h."""
+    n = anchors.shape[0]
+    nb = (n + block_size - 1) // block_size
+    pad = nb * block_size - n
+    a = torch.nn.functional.pad(anchors.long(), (0, pad)).view(nb, block_size)
+    d = torch.nn.functional.pad(depths.long(), (0, pad)).view(nb, block_size)
+    doc = torch.nn.functional.pad(_element_docs(anchors, document_ids), (0, pad), value=-1).view(nb, block_size)
+    big = torch.iinfo(torch.long).max // 4
+    valid = doc != -1
+    root = valid & (d == 0)
+    deep = valid & (d > 0)
+
+    def lo(x: Tensor, keep: Tensor) -> Tensor:
+        return torch.where(keep, x, big).amin(1)
+
+    def hi(x: Tensor, keep: Tensor) -> Tensor:
+        return torch.where(keep, x, -big).amax(1)
+
+    count = torch.full((nb,), block_size, dtype=torch.long, device=anchors.device)
+    if pad:
+        count[-1] = block_size - pad
+    return {
+        "count": count,
+        "valid": valid.sum(1),
+        "amin": lo(a, valid),
+        "amax": hi(a, valid),
+        "dmin": lo(d, valid),
+        "dmax": hi(d, valid),
+        "smin": lo(a + d, valid),
+        "smax": hi(a + d, valid),
+        "docmin": lo(doc, valid),
+        "docmax": hi(doc, valid),
+        "root": root.sum(1),
+        "rmin": lo(a, root),
+        "rmax": hi(a, root),
+        "deep": deep.sum(1),
+        "emin": lo(a, deep),
+        "emax": hi(a, deep),
+        "edmax": hi(d, deep),
+    }
+
+
+def _kinds_to_blocks(kinds: Tensor) -> MaskBlocks:
+    nb = kinds.shape[0]
+    cols = torch.arange(nb, device=kinds.device)
+    out = []
+    for kind in (PARTIAL, FULL):
+        hit = kinds == kind
+        # Stable sort puts the hit columns first, in ascending order; the rest are zeroed like the kernels do.
+        order = torch.sort((~hit).to(torch.int8), dim=1, stable=True).indices
+        num = hit.sum(1)
+        idx = torch.where(cols[None, :] < num[:, None], order, 0)
+        out += [num.to(torch.int32), idx.to(torch.int32)]
+    return MaskBlocks(*out)
+
+
+def mask_block_reference(
+    anchors: Tensor, depths: Tensor, document_ids: Tensor, block_size: int = 128, window: int | None = None
+) -> MaskBlocks:
+    """Reference of :func:`mask_block`: the summary-based classification, vectorised over block pairs."""
+    s = _block_summaries(anchors, depths, document_ids, block_size)
+    q = {k: v[:, None] for k, v in s.items()}
+    k = {k: v[None, :] for k, v in s.items()}
+    some = (q["valid"] > 0) & (k["valid"] > 0) & (q["docmax"] >= k["docmin"]) & (k["docmax"] >= q["docmin"])
+    causal = (k["root"] > 0) & (k["rmin"] <= q["amax"])
+    if window is not None:
+        causal = causal & (k["rmax"] > q["smin"] - window)
+    chain = (q["amin"] <= k["amax"]) & (k["amin"] <= q["amax"]) & (k["dmin"] <= q["dmax"])
+    nonempty = some & (causal | chain)
+    one_doc = (
+        (q["valid"] == q["count"])
+        & (k["valid"] == k["count"])
+        & (q["docmin"] == q["docmax"])
+        & (k["docmin"] == k["docmax"])
+        & (q["docmin"] == k["docmin"])
+    )
+    roots_ok = k["rmax"] <= q["amin"]
+    if window is not None:
+        roots_ok = roots_ok & (k["rmin"] > q["smax"] - window)
+    roots_ok = (k["root"] == 0) | roots_ok
+    deep_ok = (k["deep"] == 0) | (
+        (q["amin"] == q["amax"]) & (k["emin"] == q["amin"]) & (k["emax"] == q["amin"]) & (k["edmax"] <= q["dmin"])
+    )
+    full = nonempty & one_doc & roots_ok & deep_ok
+    kinds = torch.where(full, FULL, torch.where(nonempty, PARTIAL, EMPTY)).to(torch.int8)
+    return _kinds_to_blocks(kinds)
+
+
+def block_kinds_from_predicate(
+    anchors: Tensor, depths: Tensor, document_ids: Tensor, block_size: int = 128, window: int | None = None
+) -> Tensor:
+    """The tightest classification [nb, nb] int8 (what create_block_mask computes): from the dense predicate.
+
+    A block is full when every real pair in it is allowed (a short last block counts only its real elements), empty
+    when none is. O(N^2): for tests and benchmarks only.
+    """
+    dense = mask_dense_reference(anchors, depths, document_ids, window)
+    n = dense.shape[0]
+    nb = (n + block_size - 1) // block_size
+    pad = nb * block_size - n
+    allowed = torch.nn.functional.pad(dense, (0, pad, 0, pad), value=False)
+    real = torch.nn.functional.pad(torch.ones(n, n, dtype=torch.bool, device=dense.device), (0, pad, 0, pad))
+    allowed = allowed.view(nb, block_size, nb, block_size)
+    real = real.view(nb, block_size, nb, block_size)
+    any_allowed = allowed.any(3).any(1)
+    all_allowed = (allowed | ~real).all(3).all(1)
+    return torch.where(all_allowed & any_allowed, FULL, torch.where(any_allowed, PARTIAL, EMPTY)).to(torch.int8)
