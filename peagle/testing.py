@@ -46,3 +46,77 @@ def random_packed_row(
             loss_mask[position : min(used, position + span)] = True
         position += span
     return PackedRow(loss_mask, document_ids)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tiny targets for training tests and demos (there is no model hub: everything is built from configs).
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def tiny_tokenizer(directory, num_words: int = 60, mask_token: bool = False):
+    """A word-level fast tokenizer with a chat template, saved to ``directory`` (ids: specials, then w0..w{n-1})."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
+    if mask_token:
+        specials.append("<mask>")
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for w in range(num_words):
+        vocab[f"w{w}"] = len(vocab)
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        mask_token="<mask>" if mask_token else None,
+        additional_special_tokens=specials[4:8],
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(directory))
+    return tok
+
+
+def tiny_llama(directory, vocab_size: int, hidden: int = 128, layers: int = 4, seed: int = 0, std: float = 0.08):
+    """A random tiny Llama target (head_dim 64, GQA) saved to ``directory``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=4096,
+        initializer_range=std,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(str(directory))
+    return model
+
+
+def tiny_chat_jsonl(path, num_records: int, num_words: int = 60, seed: int = 0) -> None:
+    """Chats whose assistant turns count upwards in word ids (a learnable pattern) after a random user turn."""
+    import json
+
+    gen = torch.Generator().manual_seed(seed)
+    with open(path, "w") as f:
+        for _ in range(num_records):
+            user = " ".join(f"w{int(i)}" for i in torch.randint(0, num_words, (4,), generator=gen))
+            start = int(torch.randint(0, num_words, (), generator=gen))
+            length = int(torch.randint(8, 24, (), generator=gen))
+            answer = " ".join(f"w{(start + i) % num_words}" for i in range(length))
+            messages = [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+            f.write(json.dumps({"messages": messages}) + "\n")
