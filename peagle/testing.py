@@ -84,8 +84,21 @@ def tiny_tokenizer(directory, num_words: int = 60, mask_token: bool = False):
     return tok
 
 
-def tiny_llama(directory, vocab_size: int, hidden: int = 128, layers: int = 4, seed: int = 0, std: float = 0.08):
-    """A random tiny Llama target (head_dim 64, GQA) saved to ``directory``."""
+def tiny_llama(
+    directory,
+    vocab_size: int,
+    hidden: int = 128,
+    layers: int = 4,
+    seed: int = 0,
+    std: float = 0.02,
+    successor: bool = True,
+):
+    """A random tiny Llama target (head_dim 64, GQA) saved to ``directory``.
+
+    ``successor``: the LM head row of token t + 1 is a scaled copy of token t's embedding, so the target mostly
+    predicts "current token + 1" (mod vocab) with context-dependent noise from the random layers: a language-model-like
+    target whose greedy continuation a drafter can learn, unlike the near-arbitrary argmax of a fully random one.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -103,6 +116,10 @@ def tiny_llama(directory, vocab_size: int, hidden: int = 128, layers: int = 4, s
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
+    if successor:
+        with torch.no_grad():
+            embed = model.get_input_embeddings().weight
+            model.get_output_embeddings().weight.copy_(4.0 * embed.roll(1, dims=0))
     model.save_pretrained(str(directory))
     return model
 
