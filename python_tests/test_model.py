@@ -236,5 +236,5 @@ def test_checkpoint_weight_names_are_the_servable_layout(generator, tmp_path):
 
 
 def test_missing_checkpoint_files_are_clear(tmp_path):
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
         from_pretrained(tmp_path)

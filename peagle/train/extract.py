@@ -10,6 +10,7 @@ recorded in the manifest as they finish, so an interrupted run resumes after the
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,7 @@ def _row_states(model, input_ids: torch.Tensor, document_ids: torch.Tensor, laye
     # Contiguous runs of one document (packing writes each document as one run).
     change = torch.nonzero(docs[1:] != docs[:-1]).squeeze(1) + 1
     bounds = [0, *change.tolist(), length]
-    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+    for lo, hi in itertools.pairwise(bounds):
         if int(docs[lo]) < 0:
             continue
         out = model.base_model(input_ids[lo:hi].long()[None].to(device), output_hidden_states=True)
