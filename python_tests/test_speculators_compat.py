@@ -66,7 +66,7 @@ def test_speculators_written_checkpoint_loads(tmp_path, changes):
     theirs = SPEC.PEagleDraftModel(SPEC.PEagleSpeculatorConfig.model_validate(layer_config))
     torch.manual_seed(0)
     with torch.no_grad():
-        for name, tensor in theirs.state_dict().items():
+        for tensor in theirs.state_dict().values():
             if tensor.is_floating_point():
                 tensor.copy_(torch.randn_like(tensor))
         if theirs.t2d is not None:

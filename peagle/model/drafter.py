@@ -240,6 +240,7 @@ class PEagleDrafter(nn.Module):
         *,
         attention: Attention = "sdpa",
         mask: object | None = None,
+        logit_rows: Tensor | None = None,
     ) -> DraftOutput:
         """Logits of N COD elements of one packed row.
 
@@ -250,6 +251,7 @@ class PEagleDrafter(nn.Module):
             document_ids: [T] document of each position (-1 = padding).
             attention: "sdpa" (dense boolean mask; forward and backward on any device) or "flex" (BlockMask).
             mask: a precomputed mask of the elements (dense [N, N] bool for sdpa, BlockMask for flex).
+            logit_rows: when given, logits (and label_index, position_ids) of these element rows only.
         """
         cfg = self.config
         width = cfg.num_aux * cfg.hidden_size
@@ -268,7 +270,10 @@ class PEagleDrafter(nn.Module):
             mask = self.element_mask(anchors, depths, document_ids, attention)
         embeds = self.embed_tokens(inputs.ids)
         out = self._trunk(embeds, inputs.feats, inputs.position_ids, mask)
-        return DraftOutput(self.lm_head(out), inputs.label_index, inputs.position_ids)
+        label_index, position_ids = inputs.label_index, inputs.position_ids
+        if logit_rows is not None:
+            out, label_index, position_ids = out[logit_rows], label_index[logit_rows], position_ids[logit_rows]
+        return DraftOutput(self.lm_head(out), label_index, position_ids)
 
     def element_mask(self, anchors: Tensor, depths: Tensor, document_ids: Tensor, attention: Attention = "sdpa"):
         """The P-EAGLE mask of the elements from the mask ops (dense for SDPA, BlockMask for flex)."""

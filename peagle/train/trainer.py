@@ -31,7 +31,7 @@ from peagle.train.dataset import ExtractedData, TrainRow
 from peagle.train.extract import load_target_head
 from peagle.train.partition import partition_elements
 
-__all__ = ["TrainArgs", "Trainer", "element_loss", "train"]
+__all__ = ["TrainArgs", "Trainer", "element_loss", "new_stats", "train", "train_row"]
 
 
 @dataclass
@@ -102,6 +102,74 @@ def choose_segments(num_elements: int, config: DrafterConfig, budget_mb: float) 
         if (n * n + n * per_element) / 2**20 <= budget_mb:
             return s
     return 1024
+
+
+def new_stats(num_depths: int) -> dict[str, Any]:
+    return {
+        "loss": 0.0,
+        "elements": 0,
+        "correct": torch.zeros(num_depths, dtype=torch.float64),
+        "count": torch.zeros(num_depths, dtype=torch.float64),
+    }
+
+
+def train_row(
+    model: PEagleDrafter,
+    row: TrainRow,
+    anchors: Tensor,
+    depths: Tensor,
+    target_lm_head: Tensor,
+    draft_ids: Tensor,
+    depth_weights: Tensor,
+    *,
+    loss_kind: str = "kl",
+    segments: int = 1,
+    attention: str = "sdpa",
+    scale: float = 1.0,
+    stats: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Forward + backward of one row's COD elements (S segments one after another), the row's loss being the
+    weighted mean over its valid elements, times ``scale``. Returns (and accumulates into) ``stats``."""
+    num_depths = depth_weights.numel()
+    stats = stats if stats is not None else new_stats(num_depths)
+    dev = anchors.device
+    label = anchors + depths
+    docs = row.document_ids
+    valid = row.loss_mask[label] & (docs[anchors] >= 0) & (docs[label] == docs[anchors])
+    weight = valid.float() * depth_weights[depths]
+    denominator = float(weight.sum())
+    stats["elements"] += anchors.numel()
+    if denominator == 0:
+        return stats
+    if segments > 1:
+        parts = partition_elements(anchors, depths, docs, segments, num_layers=model.config.num_layers)
+    else:
+        parts = [(torch.arange(anchors.numel(), device=dev), anchors, depths, torch.ones_like(valid))]
+    autocast = torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda")
+    for index, seg_anchors, seg_depths, owned in parts:
+        w = weight[index] * owned
+        keep = torch.nonzero(w > 0).squeeze(1)
+        if keep.numel() == 0:
+            continue
+        with autocast:
+            # LM head only on the elements that carry loss (padding / untrained rows need no logits).
+            out = model.forward_train(
+                row.input_ids, row.hidden, seg_anchors, seg_depths, docs, attention=attention, logit_rows=keep
+            )
+        logits = out.logits.float()
+        with torch.no_grad():
+            target = row.target_hidden[out.label_index].float() @ target_lm_head.T
+            target_draft = target[:, draft_ids]
+        per = element_loss(logits, target_draft, loss_kind)
+        loss = (per * w[keep]).sum() / denominator
+        (loss * scale).backward()
+        with torch.no_grad():
+            stats["loss"] += float(loss) * scale
+            correct = (draft_ids[logits.argmax(-1)] == target.argmax(-1)).float()
+            d = seg_depths[keep]
+            stats["correct"] += torch.bincount(d, weights=correct, minlength=num_depths).cpu().double()
+            stats["count"] += torch.bincount(d, minlength=num_depths).cpu().double()
+    return stats
 
 
 class Trainer:
@@ -200,61 +268,32 @@ class Trainer:
 
     def row_loss_backward(self, row: TrainRow, slot: int, scale: float, stats: dict[str, Any]) -> None:
         """Forward + backward of one row (segment by segment), loss scaled by ``scale``; fills ``stats``."""
-        dev = self.device
-        row = TrainRow(*(t.to(dev) for t in row))
+        row = TrainRow(*(t.to(self.device) for t in row))
         anchors, depths = self.row_elements(row, slot)
-        label = anchors + depths
-        docs = row.document_ids
-        valid = row.loss_mask[label] & (docs[anchors] >= 0) & (docs[label] == docs[anchors])
-        weight = valid.float() * self.depth_weights[depths]
-        denominator = float(weight.sum())
-        stats["elements"] += anchors.numel()
-        if denominator == 0:
-            return
         segments = self.args.segments
         if self.args.memory_budget_mb:
             segments = choose_segments(anchors.numel(), self.config, self.args.memory_budget_mb)
-        if segments > 1:
-            parts = partition_elements(anchors, depths, docs, segments, num_layers=self.config.num_layers)
-        else:
-            parts = [(torch.arange(anchors.numel(), device=dev), anchors, depths, torch.ones_like(valid))]
-        autocast = (
-            torch.autocast("cuda", torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
+        train_row(
+            self.model,
+            row,
+            anchors,
+            depths,
+            self.target_lm_head,
+            self.draft_ids,
+            self.depth_weights,
+            loss_kind=self.args.loss,
+            segments=segments,
+            attention=self.attention,
+            scale=scale,
+            stats=stats,
         )
-        for index, seg_anchors, seg_depths, owned in parts:
-            w = weight[index] * owned
-            keep = torch.nonzero(w > 0).squeeze(1)
-            if keep.numel() == 0:
-                continue
-            with autocast:
-                out = self.model.forward_train(
-                    row.input_ids, row.hidden, seg_anchors, seg_depths, docs, attention=self.attention
-                )
-            logits = out.logits[keep].float()
-            with torch.no_grad():
-                target = row.target_hidden[out.label_index[keep]].float() @ self.target_lm_head.T
-                target_draft = target[:, self.draft_ids]
-            per = element_loss(logits, target_draft, self.args.loss)
-            loss = (per * w[keep]).sum() / denominator
-            (loss * scale).backward()
-            with torch.no_grad():
-                stats["loss"] += float(loss) * scale
-                correct = (self.draft_ids[logits.argmax(-1)] == target.argmax(-1)).float()
-                d = seg_depths[keep]
-                stats["correct"] += torch.bincount(d, weights=correct, minlength=self.args.num_depths).cpu().double()
-                stats["count"] += torch.bincount(d, minlength=self.args.num_depths).cpu().double()
 
     def train_step(self) -> dict[str, Any]:
         args = self.args
         start = time.perf_counter()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=False)
-        stats: dict[str, Any] = {
-            "loss": 0.0,
-            "elements": 0,
-            "correct": torch.zeros(args.num_depths, dtype=torch.float64),
-            "count": torch.zeros(args.num_depths, dtype=torch.float64),
-        }
+        stats = new_stats(args.num_depths)
         slots = range(self.step * args.batch_size, (self.step + 1) * args.batch_size)
         for slot in list(slots)[self.rank :: self.world]:
             self.row_loss_backward(self.data.row(self.row_slot(slot)), slot, 1.0 / args.batch_size, stats)
