@@ -71,14 +71,15 @@ PARITY_CASES = [
 ]
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "sdpa-full"])
 @pytest.mark.parametrize("changes", PARITY_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "base")
-def test_train_serve_parity(generator, changes):
+def test_train_serve_parity(generator, changes, attention):
     """Element (a, d) of the training forward == inference on the document prefix ending at a plus d mask tokens."""
     model = make_drafter(generator, **changes)
     cfg = model.config
     row, input_ids, hidden, anchors, depths = make_row(generator, 96, cfg.num_depths, cfg.num_aux * cfg.hidden_size)
     with torch.no_grad():
-        out = model.forward_train(input_ids, hidden, anchors, depths, row.document_ids)
+        out = model.forward_train(input_ids, hidden, anchors, depths, row.document_ids, attention=attention)
     assert out.logits.shape == (anchors.numel(), cfg.draft_vocab_size)
     assert torch.equal(out.label_index, anchors + depths)
     docs = row.document_ids

@@ -273,3 +273,19 @@ def test_trainer_saves_the_added_mask_token(work, tmp_path):
     saved = load_tokenizer(tmp_path / "final" / "tokenizer")
     assert saved.convert_tokens_to_ids(MASK_TOKEN) == trainer.config.mask_token_id
     assert json.loads((tmp_path / "final" / "config.json").read_text())["mask_token_id"] == vocab_words
+
+
+def test_weighted_kl_matches_autograd_of_the_plain_formula():
+    from peagle.train.trainer import element_loss, weighted_kl
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 11, generator=gen, dtype=torch.float64, requires_grad=True)
+    target = torch.randn(3, 11, generator=gen, dtype=torch.float64)
+    inverse = torch.tensor([0, 2, 1, 1, 0, 2, 2])
+    weight = torch.rand(7, generator=gen, dtype=torch.float64)
+    ours = weighted_kl(logits, torch.log_softmax(target, -1), inverse, weight)
+    (g_ours,) = torch.autograd.grad(ours, logits)
+    plain = (element_loss(logits, target[inverse], "kl") * weight).sum()
+    (g_plain,) = torch.autograd.grad(plain, logits)
+    torch.testing.assert_close(ours, plain)
+    torch.testing.assert_close(g_ours, g_plain)

@@ -22,9 +22,49 @@ from torch import Tensor, nn
 from peagle.model.config import DrafterConfig
 from peagle.ops import BlockMaskBuilder, cod_gather, mask_dense
 
-__all__ = ["DraftOutput", "PEagleDrafter", "RMSNorm"]
+__all__ = ["DocumentBlocks", "DraftOutput", "PEagleDrafter", "RMSNorm", "document_blocks"]
 
-Attention = Literal["sdpa", "flex"]
+Attention = Literal["sdpa", "sdpa-full", "flex"]
+
+
+class DocumentBlocks(NamedTuple):
+    """The P-EAGLE mask as one dense block per document (no element attends across documents, DESIGN's predicate).
+
+    Elements are reordered by document (``order``); block g covers the contiguous rows bounds[g] .. bounds[g + 1]
+    with its dense mask ``masks[g]``; rows from ``bounds[-1]`` on are padding (their attention output is zero).
+    Attention work is the sum of the squared document sizes instead of N^2.
+    """
+
+    order: Tensor
+    inverse: Tensor
+    bounds: list[int]
+    masks: list[Tensor]
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, gqa: bool) -> Tensor:
+        outs = [
+            F.scaled_dot_product_attention(
+                q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=mask, enable_gqa=gqa
+            )
+            for lo, hi, mask in zip(self.bounds[:-1], self.bounds[1:], self.masks, strict=True)
+        ]
+        tail = q.shape[2] - self.bounds[-1]
+        if tail:
+            outs.append(q.new_zeros(q.shape[0], q.shape[1], tail, v.shape[3]))
+        return torch.cat(outs, dim=2)
+
+
+def document_blocks(anchors: Tensor, depths: Tensor, document_ids: Tensor) -> DocumentBlocks:
+    docs = document_ids.long()[anchors.long()]
+    key = torch.where(docs < 0, torch.full_like(docs, torch.iinfo(torch.long).max), docs)
+    key, order = torch.sort(key, stable=True)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    valid = int((docs >= 0).sum())
+    _, counts = torch.unique_consecutive(key[:valid], return_counts=True)
+    bounds = [0, *torch.cumsum(counts, 0).tolist()]
+    a, d = anchors[order], depths[order]
+    masks = [mask_dense(a[lo:hi], d[lo:hi], document_ids) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+    return DocumentBlocks(order, inverse, bounds, masks)
 
 
 class RMSNorm(nn.Module):
@@ -87,6 +127,8 @@ class _SelfAttention(nn.Module):
         gqa = self.heads != self.kv_heads
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        elif isinstance(mask, DocumentBlocks):
+            out = mask.attend(q, k, v, gqa)
         elif isinstance(mask, Tensor):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         else:
@@ -224,11 +266,15 @@ class PEagleDrafter(nn.Module):
         return self.fc(hidden)
 
     def _trunk(self, embeds: Tensor, feats: Tensor, position_ids: Tensor, mask: object) -> Tensor:
+        blocks = isinstance(mask, DocumentBlocks)
+        if blocks:  # work in document order; back to element order at the end
+            embeds, feats, position_ids = embeds[mask.order], feats[mask.order], position_ids[mask.order]
         cos, sin = self.rotary(position_ids, feats.dtype)
         x = feats
         for layer in self.layers:
             x = layer(x, cos, sin, mask, embeds)
-        return self.norm(x)
+        x = self.norm(x)
+        return x[mask.inverse] if blocks else x
 
     def forward_train(
         self,
@@ -249,8 +295,9 @@ class PEagleDrafter(nn.Module):
             hidden: [T, num_aux * H] target hidden states g_i.
             anchors, depths: [N] elements (e.g. from ``cod_sample``, or one segment of ``partition_elements``).
             document_ids: [T] document of each position (-1 = padding).
-            attention: "sdpa" (dense boolean mask; forward and backward on any device) or "flex" (BlockMask).
-            mask: a precomputed mask of the elements (dense [N, N] bool for sdpa, BlockMask for flex).
+            attention: "sdpa" (a dense boolean mask per document, SDPA; forward and backward on any device),
+                "sdpa-full" (one dense [N, N] mask) or "flex" (BlockMask, flex attention; GPU training).
+            mask: a precomputed mask of the elements (DocumentBlocks, dense [N, N] bool, or BlockMask).
             logit_rows: when given, logits (and label_index, position_ids) of these element rows only.
         """
         cfg = self.config
@@ -281,8 +328,10 @@ class PEagleDrafter(nn.Module):
             if self._block_builder is None:
                 self._block_builder = BlockMaskBuilder()
             return self._block_builder.build(anchors, depths, document_ids)
-        if attention != "sdpa":
-            raise ValueError(f"attention must be 'sdpa' or 'flex', got {attention!r}")
+        if attention == "sdpa":
+            return document_blocks(anchors, depths, document_ids)
+        if attention != "sdpa-full":
+            raise ValueError(f"attention must be 'sdpa', 'sdpa-full' or 'flex', got {attention!r}")
         mask = mask_dense(anchors, depths, document_ids)
         # Padding queries may attend to nothing; let them see themselves so no softmax row is empty (they carry no
         # loss and no other query can see them).

@@ -77,13 +77,42 @@ class TrainArgs:
 
 def element_loss(logits: Tensor, target_logits: Tensor, kind: str) -> Tensor:
     """Per-element loss [n]: KL(target || draft) or cross-entropy to the target's argmax (both over the draft vocab)."""
-    logq = F.log_softmax(logits.float(), dim=-1)
+    work = torch.promote_types(logits.dtype, torch.float32)
+    logq = F.log_softmax(logits.to(work), dim=-1)
     if kind == "kl":
-        logp = F.log_softmax(target_logits.float(), dim=-1)
+        logp = F.log_softmax(target_logits.to(work), dim=-1)
         return (logp.exp() * (logp - logq)).sum(-1)
     if kind == "ce":
         return -logq.gather(-1, target_logits.argmax(-1, keepdim=True)).squeeze(-1)
     raise ValueError(f"loss must be 'kl' or 'ce', got {kind!r}")
+
+
+class _WeightedKL(torch.autograd.Function):
+    """sum_e w_e KL(p_{u(e)} || softmax(logits_e)) with the targets p stored once per distinct label row u.
+
+    Elements of overlapping chains share label rows, so the target side is computed for the distinct rows only;
+    the backward is the closed form w_e (softmax(logits_e) - p_{u(e)}).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, logp: Tensor, inverse: Tensor, weight: Tensor) -> Tensor:
+        logq = F.log_softmax(logits, dim=-1)
+        p = logp.exp()
+        entropy = (p * logp).sum(-1)
+        p_e = p[inverse]
+        cross = (p_e * logq).sum(-1)
+        ctx.save_for_backward(logq, p_e, weight)
+        return (weight * (entropy[inverse] - cross)).sum()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        logq, p_e, weight = ctx.saved_tensors
+        return (grad * weight)[:, None] * (logq.exp_() - p_e), None, None, None
+
+
+def weighted_kl(logits: Tensor, target_logp: Tensor, inverse: Tensor, weight: Tensor) -> Tensor:
+    """Weighted KL sum over elements; ``target_logp`` [U, V] log-probabilities, ``inverse`` [n] element -> row."""
+    return _WeightedKL.apply(logits, target_logp, inverse, weight)
 
 
 def _lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -158,14 +187,20 @@ def train_row(
             )
         logits = out.logits.float()
         with torch.no_grad():
-            target = row.target_hidden[out.label_index].float() @ target_lm_head.T
-            target_draft = target[:, draft_ids]
-        per = element_loss(logits, target_draft, loss_kind)
-        loss = (per * w[keep]).sum() / denominator
+            # Target logits once per distinct label row (overlapping chains share them).
+            rows, inverse = torch.unique(out.label_index, return_inverse=True)
+            target = row.target_hidden[rows].float() @ target_lm_head.T
+            target_best = target.argmax(-1)[inverse]
+            if draft_ids.numel() != target.shape[1]:
+                target = target[:, draft_ids]
+        if loss_kind == "kl":
+            loss = weighted_kl(logits, F.log_softmax(target, dim=-1), inverse, w[keep]) / denominator
+        else:
+            loss = (element_loss(logits, target[inverse], loss_kind) * w[keep]).sum() / denominator
         (loss * scale).backward()
         with torch.no_grad():
             stats["loss"] += float(loss) * scale
-            correct = (draft_ids[logits.argmax(-1)] == target.argmax(-1)).float()
+            correct = (draft_ids[logits.argmax(-1)] == target_best).float()
             d = seg_depths[keep]
             stats["correct"] += torch.bincount(d, weights=correct, minlength=num_depths).cpu().double()
             stats["count"] += torch.bincount(d, minlength=num_depths).cpu().double()
