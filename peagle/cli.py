@@ -280,8 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
     tr.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clip, 0 = off (default 1)")
     tr.add_argument("--seed", type=int, default=0, help="seed of init, data order and COD sampling")
-    tr.add_argument("--attention", choices=["sdpa", "sdpa-full", "flex"], default=None, help="sdpa: dense mask per "
-                    "document; sdpa-full: one N x N mask; flex: BlockMask (default: flex on GPU, sdpa on CPU)")
+    tr.add_argument(
+        "--attention",
+        choices=["sdpa", "sdpa-full", "flex"],
+        default=None,
+        help="sdpa: dense mask per "
+        "document; sdpa-full: one N x N mask; flex: BlockMask (default: flex on GPU, sdpa on CPU)",
+    )
     tr.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (default: only at the end)")
     tr.add_argument("--log-every", type=int, default=1, help="metrics.jsonl record every N steps")
     tr.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")

@@ -170,6 +170,15 @@ def train_row(
     stats["elements"] += anchors.numel()
     if denominator == 0:
         return stats
+    # Drop elements that influence no loss: padding, and depth-0 elements after the last loss-carrying anchor of
+    # their document (every query sees only keys at or before its own anchor). Exact: no kept element's keys change.
+    elem_docs = docs[anchors]
+    last = torch.full((int(docs.max()) + 2,), -1, dtype=torch.long, device=dev)
+    carrying = (weight > 0) | (depths > 0)
+    last.scatter_reduce_(0, (elem_docs + 1)[carrying], anchors[carrying], reduce="amax")
+    needed = (elem_docs >= 0) & (carrying | (anchors <= last[elem_docs + 1]))
+    if not bool(needed.all()):
+        anchors, depths, weight, valid = anchors[needed], depths[needed], weight[needed], valid[needed]
     if segments > 1:
         parts = partition_elements(anchors, depths, docs, segments, num_layers=model.config.num_layers)
     else:
@@ -185,11 +194,11 @@ def train_row(
             out = model.forward_train(
                 row.input_ids, row.hidden, seg_anchors, seg_depths, docs, attention=attention, logit_rows=keep
             )
-        logits = out.logits.float()
+        logits = out.logits.to(torch.promote_types(out.logits.dtype, torch.float32))
         with torch.no_grad():
             # Target logits once per distinct label row (overlapping chains share them).
             rows, inverse = torch.unique(out.label_index, return_inverse=True)
-            target = row.target_hidden[rows].float() @ target_lm_head.T
+            target = row.target_hidden[rows].to(target_lm_head.dtype) @ target_lm_head.T
             target_best = target.argmax(-1)[inverse]
             if draft_ids.numel() != target.shape[1]:
                 target = target[:, draft_ids]
