@@ -13,6 +13,7 @@ mask_hidden, d2t, t2d), so a state dict is a servable checkpoint.
 
 from __future__ import annotations
 
+import itertools
 from typing import Literal, NamedTuple
 
 import torch
@@ -45,7 +46,7 @@ class DocumentBlocks(NamedTuple):
             F.scaled_dot_product_attention(
                 q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=mask, enable_gqa=gqa
             )
-            for lo, hi, mask in zip(self.bounds[:-1], self.bounds[1:], self.masks, strict=True)
+            for (lo, hi), mask in zip(itertools.pairwise(self.bounds), self.masks, strict=True)
         ]
         tail = q.shape[2] - self.bounds[-1]
         if tail:
@@ -63,7 +64,7 @@ def document_blocks(anchors: Tensor, depths: Tensor, document_ids: Tensor) -> Do
     _, counts = torch.unique_consecutive(key[:valid], return_counts=True)
     bounds = [0, *torch.cumsum(counts, 0).tolist()]
     a, d = anchors[order], depths[order]
-    masks = [mask_dense(a[lo:hi], d[lo:hi], document_ids) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+    masks = [mask_dense(a[lo:hi], d[lo:hi], document_ids) for lo, hi in itertools.pairwise(bounds)]
     return DocumentBlocks(order, inverse, bounds, masks)
 
 
