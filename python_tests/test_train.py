@@ -120,6 +120,8 @@ def test_resume_continues_exactly(work, tmp_path):
     resumed.run()
     a, b = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "part")
     assert [m["step"] for m in b] == list(range(1, 9))
+    with pytest.raises(ValueError, match="lr: 0.003 -> 0.001"):
+        Trainer(TrainArgs(out=str(tmp_path / "part"), resume=True, **{**common, "lr": 1e-3})).run()
     assert [m["loss"] for m in a] == [m["loss"] for m in b]
     for key, value in full.model.state_dict().items():
         assert torch.equal(value, resumed.model.state_dict()[key]), key
@@ -238,6 +240,16 @@ def test_cli_errors_are_clear(work, tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_cli(work, tmp_path / "w", "--depths", "3", "--depth-weights", "1,1")
     assert "--depth-weights" in capsys.readouterr().err
+    # A drafter for another target: clear refusal instead of a shape error deep inside the forward.
+    from peagle.model import DrafterConfig, PEagleDrafter, save_pretrained
+
+    other = DrafterConfig(hidden_size=64, vocab_size=300, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=64,
+                          aux_layer_ids=[1, 2, 3])  # fmt: skip
+    save_pretrained(PEagleDrafter(other), tmp_path / "other")
+    with pytest.raises(SystemExit):
+        main(["eval", "--checkpoint", str(tmp_path / "other"), "--data", str(work / "ext-held")])
+    err = capsys.readouterr().err
+    assert "does not match this data's target" in err and "hidden size 64 != the target's 128" in err
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from peagle.model import PEagleDrafter
 from peagle.train.dataset import ExtractedData
 from peagle.train.extract import load_target_head
 
-__all__ = ["evaluate", "format_table"]
+__all__ = ["check_compatible", "evaluate", "format_table"]
 
 
 def chain_elements(document_ids: torch.Tensor, loss_mask: torch.Tensor, depth: int) -> tuple[torch.Tensor, ...]:
@@ -37,10 +37,24 @@ def chain_elements(document_ids: torch.Tensor, loss_mask: torch.Tensor, depth: i
     return anchors, depths, chains
 
 
+def check_compatible(config, manifest: dict[str, Any]) -> None:
+    """Raises ValueError when a drafter does not fit the target that produced extracted data."""
+    problems = []
+    if config.hidden_size != manifest["hidden_size"]:
+        problems.append(f"hidden size {config.hidden_size} != the target's {manifest['hidden_size']}")
+    if config.vocab_size != manifest["vocab_size"]:
+        problems.append(f"vocabulary {config.vocab_size} != the target's {manifest['vocab_size']}")
+    if list(config.aux_layer_ids) != list(manifest["aux_layer_ids"]):
+        problems.append(f"aux layers {config.aux_layer_ids} != the extracted {manifest['aux_layer_ids']}")
+    if problems:
+        raise ValueError("the drafter does not match this data's target: " + "; ".join(problems))
+
+
 @torch.no_grad()
 def evaluate(model: PEagleDrafter, data_dir: str, rows: list[int] | None = None, depth: int | None = None) -> dict:
     data = ExtractedData(data_dir)
     cfg = model.config
+    check_compatible(cfg, data.manifest)
     k = depth or cfg.num_depths
     lm_head = load_target_head(data_dir)["lm_head.weight"]
     device = next(model.parameters()).device

@@ -413,6 +413,13 @@ class Trainer:
         name = json.loads(latest.read_text())["checkpoint"]
         directory = self.out / name
         state = torch.load(directory / "trainer_state.pt", map_location=self.device, weights_only=False)
+        # Settings that change what a step computes must match, or the run would not continue exactly.
+        free = {"steps", "save_every", "log_every", "resume", "progress", "out", "tensorboard", "save_grads_step"}
+        current = asdict(self.args)
+        changed = {k: (v, current.get(k)) for k, v in state["args"].items() if k not in free and current.get(k) != v}
+        if changed:
+            detail = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
+            raise ValueError(f"--resume with settings that differ from the checkpoint's ({detail})")
         weights = load_state_dict(directory)
         missing, unexpected = self.model.load_state_dict(weights, strict=False)
         if missing or unexpected:
