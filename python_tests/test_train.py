@@ -120,7 +120,7 @@ def test_resume_continues_exactly(work, tmp_path):
     resumed.run()
     a, b = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "part")
     assert [m["step"] for m in b] == list(range(1, 9))
-    with pytest.raises(ValueError, match="lr: 0.003 -> 0.001"):
+    with pytest.raises(ValueError, match=r"lr: 0\.003 -> 0\.001"):
         Trainer(TrainArgs(out=str(tmp_path / "part"), resume=True, **{**common, "lr": 1e-3})).run()
     assert [m["loss"] for m in a] == [m["loss"] for m in b]
     for key, value in full.model.state_dict().items():

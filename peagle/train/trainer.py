@@ -453,7 +453,10 @@ class Trainer:
         elif self.rank == 0 and (self.out / "metrics.jsonl").exists():
             (self.out / "metrics.jsonl").unlink()
         if args.tensorboard and self.rank == 0:
-            from torch.utils.tensorboard import SummaryWriter
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as err:
+                raise ValueError("--tensorboard needs the tensorboard package (pip install tensorboard)") from err
 
             self.writer = SummaryWriter(str(self.out / "tensorboard"))
         records = []
