@@ -127,15 +127,21 @@ def test_resume_continues_exactly(work, tmp_path):
         assert torch.equal(value, resumed.model.state_dict()[key]), key
 
 
-def test_sequence_partitioning_gives_the_same_gradients(work, tmp_path):
+@pytest.mark.parametrize("split", [dict(segments=3), dict(memory_budget_mb=1.0)])
+def test_sequence_partitioning_gives_the_same_gradients(work, tmp_path, split):
+    from peagle.train.trainer import choose_segments
+
     grads = []
-    for segments in (1, 3):
-        trainer = Trainer(TrainArgs(data=str(work / "ext-train"), out=str(tmp_path / f"s{segments}"), num_layers=2,
-                                    num_depths=4, steps=1, batch_size=2, segments=segments, save_grads_step=0,
-                                    ratio=0.9, progress=False))  # fmt: skip
+    for name, options in (("whole", {}), ("split", split)):
+        trainer = Trainer(TrainArgs(data=str(work / "ext-train"), out=str(tmp_path / name), num_layers=2,
+                                    num_depths=4, steps=1, batch_size=2, save_grads_step=0, ratio=0.9,
+                                    progress=False, **options))  # fmt: skip
         trainer.out.mkdir(parents=True)
         trainer.train_step()
-        grads.append(torch.load(tmp_path / f"s{segments}" / "grads-0.pt"))
+        grads.append(torch.load(tmp_path / name / "grads-0.pt"))
+    if "memory_budget_mb" in split:
+        assert choose_segments(300, trainer.config, 1.0) > 1  # the budget really splits these rows
+        assert choose_segments(300, trainer.config, 1e6) == 1
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, rtol=1e-4, atol=1e-6, msg=name)
 

@@ -341,7 +341,10 @@ class Trainer:
         slots = range(self.step * args.batch_size, (self.step + 1) * args.batch_size)
         for slot in list(slots)[self.rank :: self.world]:
             self.row_loss_backward(self.data.row(self.row_slot(slot)), slot, 1.0 / args.batch_size, stats)
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = list(self.model.parameters())
+        for p in params:
+            if p.grad is None:  # a rank whose rows carried no loss must still join the same all-reduce
+                p.grad = torch.zeros_like(p)
         if self.world > 1:
             flat = torch.cat([p.grad.flatten() for p in params])
             dist.all_reduce(flat)
