@@ -6,12 +6,14 @@ Config (issue 4): SDPA attention, T = 2048, 2-layer drafter, hidden 256 (4 heads
 flex attention's `create_mask` and computes target logits for all T rows and drafter logits for all N elements;
 peagle writes the mask with its mask op, runs fc on T rows + once on mask_hidden, and computes logits only for the
 elements that carry loss. "peak_extra_mb" is the resident memory the step adds (Linux VmHWM).
-Run: `.venv-cpu/bin/python -m pytest benchmarks/bench_train.py --benchmark-only -s`.
+Run: `.venv-cpu/bin/python -m pytest benchmarks/bench_train.py --benchmark-only -s` (one thread unless
+PEAGLE_BENCH_THREADS says otherwise).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 
 import pytest
 import torch
@@ -105,6 +107,8 @@ def test_train_step(benchmark, impl):
     if impl.startswith("speculators") and SPEC is None:
         pytest.skip("speculators 0.9.0 is not installed (pip install --no-deps speculators==0.9.0)")
     torch.set_flush_denormal(True)
+    # PEAGLE_BENCH_THREADS (default 1): two contending threads on a shared 2-core machine make timings swing 3x.
+    torch.set_num_threads(int(os.environ.get("PEAGLE_BENCH_THREADS", "1")))
     row, hidden, ids, last = inputs()
     ours, theirs, head = make_models()
     if impl == "peagle":
@@ -119,4 +123,4 @@ def test_train_step(benchmark, impl):
     if elements is not None:
         benchmark.extra_info["elements"] = elements
     print(f"\n{impl}: loss {loss:.6f}, peak extra {extra / 2**20:.1f} MiB")
-    benchmark.pedantic(fn, rounds=sizes(3, 1), iterations=1, warmup_rounds=0)
+    benchmark.pedantic(fn, rounds=sizes(5, 1), iterations=1, warmup_rounds=0)

@@ -96,18 +96,21 @@ class _WeightedKL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, logp: Tensor, inverse: Tensor, weight: Tensor) -> Tensor:
-        logq = F.log_softmax(logits, dim=-1)
+        # KL_e = sum_v p (log p - z_v + lse_e) = H_u - p_u . z_e + lse_e  (sum_v p = 1): no [n, V] log-softmax kept.
+        lse = torch.logsumexp(logits, dim=-1)
         p = logp.exp()
-        entropy = (p * logp).sum(-1)
-        p_e = p[inverse]
-        cross = (p_e * logq).sum(-1)
-        ctx.save_for_backward(logq, p_e, weight)
-        return (weight * (entropy[inverse] - cross)).sum()
+        neg_entropy = (p * logp).sum(-1)
+        dot = torch.einsum("nv,nv->n", p[inverse], logits)
+        ctx.save_for_backward(logits, lse, p, inverse, weight)
+        return (weight * (neg_entropy[inverse] - dot + lse)).sum()
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        logq, p_e, weight = ctx.saved_tensors
-        return (grad * weight)[:, None] * (logq.exp_() - p_e), None, None, None
+        logits, lse, p, inverse, weight = ctx.saved_tensors
+        g = torch.exp(logits - lse[:, None])
+        g.sub_(p[inverse])
+        g.mul_((grad * weight)[:, None])
+        return g, None, None, None
 
 
 def weighted_kl(logits: Tensor, target_logp: Tensor, inverse: Tensor, weight: Tensor) -> Tensor:
