@@ -96,19 +96,21 @@ class _WeightedKL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, logp: Tensor, inverse: Tensor, weight: Tensor) -> Tensor:
-        # KL_e = sum_v p (log p - z_v + lse_e) = H_u - p_u . z_e + lse_e  (sum_v p = 1): no [n, V] log-softmax kept.
-        lse = torch.logsumexp(logits, dim=-1)
+        # KL_e = sum_v p (log p - z_v + lse_e) = -H_u - p_u . z_e + lse_e  (sum_v p = 1).
+        # lse from the fused log-softmax (lse = z_0 - log q_0); the [n, V] log-softmax itself is not kept.
+        lse = logits[:, 0] - F.log_softmax(logits, dim=-1)[:, 0]
         p = logp.exp()
         neg_entropy = (p * logp).sum(-1)
-        dot = torch.einsum("nv,nv->n", p[inverse], logits)
-        ctx.save_for_backward(logits, lse, p, inverse, weight)
+        p_e = p[inverse]
+        dot = torch.einsum("nv,nv->n", p_e, logits)
+        ctx.save_for_backward(logits, p_e, weight)
         return (weight * (neg_entropy[inverse] - dot + lse)).sum()
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        logits, lse, p, inverse, weight = ctx.saved_tensors
-        g = torch.exp(logits - lse[:, None])
-        g.sub_(p[inverse])
+        logits, p_e, weight = ctx.saved_tensors
+        g = torch.softmax(logits, dim=-1)
+        g.sub_(p_e)
         g.mul_((grad * weight)[:, None])
         return g, None, None, None
 
