@@ -184,3 +184,135 @@ def random_tree_probs(
     peak_token[rows[boost], parent[boost]] = tokens[boost]
     probs[rows, idx[None, :].expand(batch, n_max), peak_token] += peak
     return probs
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tiny targets for training tests and demos (there is no model hub: everything is built from configs).
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def tiny_tokenizer(directory, num_words: int = 60, mask_token: bool = False):
+    """A word-level fast tokenizer with a chat template, saved to ``directory`` (ids: specials, then w0..w{n-1})."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
+    if mask_token:
+        specials.append("<mask>")
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for w in range(num_words):
+        vocab[f"w{w}"] = len(vocab)
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        mask_token="<mask>" if mask_token else None,
+        additional_special_tokens=specials[4:8],
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(directory))
+    return tok
+
+
+def tiny_llama(
+    directory,
+    vocab_size: int,
+    hidden: int = 128,
+    layers: int = 4,
+    seed: int = 0,
+    std: float = 0.02,
+    successor: bool = True,
+):
+    """A random tiny Llama target (head_dim 64, GQA) saved to ``directory``.
+
+    ``successor``: the LM head row of token t + 1 is a scaled copy of token t's embedding, so the target mostly
+    predicts "current token + 1" (mod vocab) with context-dependent noise from the random layers: a language-model-like
+    target whose greedy continuation a drafter can learn, unlike the near-arbitrary argmax of a fully random one.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=4096,
+        initializer_range=std,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    if successor:
+        with torch.no_grad():
+            embed = model.get_input_embeddings().weight
+            model.get_output_embeddings().weight.copy_(4.0 * embed.roll(1, dims=0))
+    model.save_pretrained(str(directory))
+    return model
+
+
+def tiny_chat_jsonl(path, num_records: int, num_words: int = 60, seed: int = 0) -> None:
+    """Chats whose assistant turns count upwards in word ids (a learnable pattern) after a random user turn."""
+    import json
+
+    gen = torch.Generator().manual_seed(seed)
+    with open(path, "w") as f:
+        for _ in range(num_records):
+            user = " ".join(f"w{int(i)}" for i in torch.randint(0, num_words, (4,), generator=gen))
+            start = int(torch.randint(0, num_words, (), generator=gen))
+            length = int(torch.randint(8, 24, (), generator=gen))
+            answer = " ".join(f"w{(start + i) % num_words}" for i in range(length))
+            messages = [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+            f.write(json.dumps({"messages": messages}) + "\n")
+
+
+def import_speculators_peagle():
+    """speculators 0.9.0's P-EAGLE config and model classes, imported without its package ``__init__`` (which pulls
+    in training-only dependencies such as openai). Returns a namespace with ``SpeculatorsConfig``,
+    ``PEagleSpeculatorConfig`` and ``PEagleDraftModel``; raises ImportError when speculators is not installed."""
+    import importlib
+    import importlib.util
+    import sys
+    import types
+
+    spec = importlib.util.find_spec("speculators")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("speculators is not installed")
+    root = spec.submodule_search_locations[0]
+    if "speculators" not in sys.modules or not hasattr(sys.modules["speculators"], "_peagle_stub"):
+        for name, path in [
+            ("speculators", root),
+            ("speculators.models", f"{root}/models"),
+            ("speculators.models.eagle3", f"{root}/models/eagle3"),
+            ("speculators.models.peagle", f"{root}/models/peagle"),
+        ]:
+            module = types.ModuleType(name)
+            module.__path__ = [path]
+            module._peagle_stub = True
+            sys.modules[name] = module
+        config = importlib.import_module("speculators.config")
+        sys.modules["speculators"].SpeculatorModelConfig = config.SpeculatorModelConfig
+        eagle3 = importlib.import_module("speculators.models.eagle3.config")
+        sys.modules["speculators.models.eagle3"].Eagle3SpeculatorConfig = eagle3.Eagle3SpeculatorConfig
+        peagle_config = importlib.import_module("speculators.models.peagle.config")
+        for cls in (config.SpeculatorsConfig, eagle3.Eagle3SpeculatorConfig, peagle_config.PEagleSpeculatorConfig):
+            cls.model_rebuild(_types_namespace={"torch": torch})
+    config = importlib.import_module("speculators.config")
+    peagle_config = importlib.import_module("speculators.models.peagle.config")
+    core = importlib.import_module("speculators.models.peagle.core")
+    return types.SimpleNamespace(
+        SpeculatorsConfig=config.SpeculatorsConfig,
+        PEagleSpeculatorConfig=peagle_config.PEagleSpeculatorConfig,
+        PEagleDraftModel=core.PEagleDraftModel,
+    )

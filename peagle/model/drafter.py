@@ -1,0 +1,357 @@
+"""The P-EAGLE drafter: EAGLE-3 body (fc over 3 target layers, 2H-wide first layer, Llama/Qwen3 layers, LM head) plus
+a learnable ``mask_hidden`` and mask-token embedding for the parallel depths.
+
+Two forwards share every weight:
+- :meth:`PEagleDrafter.forward_train` runs N COD elements (anchor a, depth d) of one packed row under the P-EAGLE mask
+  (dense boolean mask + SDPA on the CPU, flex attention + BlockMask on the GPU). ``fc`` runs on the T depth-0 rows and
+  once on ``mask_hidden``; the fused COD gather then picks the projected rows of the elements.
+- :meth:`PEagleDrafter.forward_inference` runs what a server runs: a prefix of real (token, hidden) pairs followed by
+  d mask elements under a plain causal mask.
+Parameter names follow the speculators / vLLM Eagle3 layout (fc, layers.i.*, norm, lm_head, embed_tokens,
+mask_hidden, d2t, t2d), so a state dict is a servable checkpoint.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from peagle.model.config import DrafterConfig
+from peagle.ops import BlockMaskBuilder, cod_gather, mask_dense
+
+__all__ = ["DocumentBlocks", "DraftOutput", "PEagleDrafter", "RMSNorm", "document_blocks"]
+
+Attention = Literal["sdpa", "sdpa-full", "flex"]
+
+
+class DocumentBlocks(NamedTuple):
+    """The P-EAGLE mask as one dense block per document (no element attends across documents, DESIGN's predicate).
+
+    Elements are reordered by document (``order``); block g covers the contiguous rows bounds[g] .. bounds[g + 1]
+    with its dense mask ``masks[g]``; rows from ``bounds[-1]`` on are padding (their attention output is zero).
+    Attention work is the sum of the squared document sizes instead of N^2.
+    """
+
+    order: Tensor
+    inverse: Tensor
+    bounds: list[int]
+    masks: list[Tensor]
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, gqa: bool) -> Tensor:
+        outs = [
+            F.scaled_dot_product_attention(
+                q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=mask, enable_gqa=gqa
+            )
+            for (lo, hi), mask in zip(itertools.pairwise(self.bounds), self.masks, strict=True)
+        ]
+        tail = q.shape[2] - self.bounds[-1]
+        if tail:
+            outs.append(q.new_zeros(q.shape[0], q.shape[1], tail, v.shape[3]))
+        return torch.cat(outs, dim=2)
+
+
+def document_blocks(anchors: Tensor, depths: Tensor, document_ids: Tensor) -> DocumentBlocks:
+    docs = document_ids.long()[anchors.long()]
+    key = torch.where(docs < 0, torch.full_like(docs, torch.iinfo(torch.long).max), docs)
+    key, order = torch.sort(key, stable=True)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    valid = int((docs >= 0).sum())
+    _, counts = torch.unique_consecutive(key[:valid], return_counts=True)
+    bounds = [0, *torch.cumsum(counts, 0).tolist()]
+    a, d = anchors[order], depths[order]
+    masks = [mask_dense(a[lo:hi], d[lo:hi], document_ids) for lo, hi in itertools.pairwise(bounds)]
+    return DocumentBlocks(order, inverse, bounds, masks)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in float32 (or float64), then scale in the input dtype: the Hugging Face / vLLM arithmetic.
+        work = x.to(torch.promote_types(x.dtype, torch.float32))
+        work = work * torch.rsqrt(work.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * work.to(x.dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class _Rotary(nn.Module):
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        freqs = position_ids.to(torch.float64)[:, None] * self.inv_freq.to(position_ids.device)[None]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self, config: DrafterConfig, in_width: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(in_width, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(in_width, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(in_width, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
+        if config.layer_style == "qwen3":
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: object) -> Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        c, s = cos[:, None], sin[:, None]
+        q = q * c + _rotate_half(q) * s
+        k = k * c + _rotate_half(k) * s
+        # [1, heads, N, head_dim]: SDPA's fused CPU kernel and flex attention both take this layout.
+        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
+        gqa = self.heads != self.kv_heads
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        elif isinstance(mask, DocumentBlocks):
+            out = mask.attend(q, k, v, gqa)
+        elif isinstance(mask, Tensor):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        else:
+            out = _flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return self.o_proj(out[0].transpose(0, 1).reshape(n, self.heads * self.head_dim))
+
+
+_FLEX = None
+
+
+def _flex_attention():
+    """flex attention, compiled once on the GPU (eager flex materialises the scores; fine for CPU forward tests)."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX = torch.compile(flex_attention, dynamic=True) if torch.cuda.is_available() else flex_attention
+    return _FLEX
+
+
+class _MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _DecoderLayer(nn.Module):
+    """A Llama / Qwen3 decoder layer; the first one reads cat(norm(embedding), hidden_norm(fc output)) (2H wide)."""
+
+    def __init__(self, config: DrafterConfig, first: bool) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.first = first
+        self.norm_before_residual = config.norm_before_residual
+        self.input_layernorm = RMSNorm(hidden, eps)
+        if first:
+            self.hidden_norm = RMSNorm(hidden, eps)
+        self.self_attn = _SelfAttention(config, 2 * hidden if first else hidden)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = _MLP(hidden, config.intermediate_size)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: object, embeds: Tensor | None = None) -> Tensor:
+        if self.first:
+            hidden = self.hidden_norm(x)
+            residual = hidden if self.norm_before_residual else x
+            attn_in = torch.cat([self.input_layernorm(embeds), hidden], dim=-1)
+        else:
+            residual, attn_in = x, self.input_layernorm(x)
+        x = residual + self.self_attn(attn_in, cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DraftOutput(NamedTuple):
+    logits: Tensor  # [N, draft_vocab]
+    label_index: Tensor  # [N] a + d: the row of the target distribution each element predicts
+    position_ids: Tensor  # [N]
+
+
+class PEagleDrafter(nn.Module):
+    """The P-EAGLE drafter of ``config`` (see the module docstring)."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.config = config
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        width = config.num_aux * hidden
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
+        self.input_norm = RMSNorm(width, eps) if config.norm_before_fc else None
+        self.fc_norm = nn.ModuleList(RMSNorm(hidden, eps) for _ in range(config.num_aux)) if config.fc_norm else None
+        self.fc = nn.Linear(width, hidden, bias=False)
+        self.layers = nn.ModuleList(_DecoderLayer(config, i == 0) for i in range(config.num_layers))
+        self.norm = RMSNorm(hidden, eps)
+        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        self.mask_hidden = nn.Parameter(torch.randn(1, 1, width) * 0.02)
+        self.rotary = _Rotary(config.head_dim, config.rope_theta)
+        if config.uses_draft_vocab:
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        else:
+            self.d2t = self.t2d = None
+        self._block_builder: BlockMaskBuilder | None = None
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=std)
+        self.mask_hidden.normal_(std=std)
+        if self.d2t is not None:
+            # Identity-prefix draft vocabulary until a real one is loaded.
+            self.d2t.zero_()
+            self.t2d.zero_()
+            self.t2d[: self.config.draft_vocab_size] = True
+
+    def set_draft_vocab(self, draft_ids: Tensor) -> None:
+        """Uses the sorted target token ids ``draft_ids`` [draft_vocab_size] as the draft vocabulary."""
+        cfg = self.config
+        if not cfg.uses_draft_vocab:
+            raise ValueError("this drafter has no draft vocabulary (draft_vocab_size == vocab_size)")
+        ids = torch.as_tensor(draft_ids, dtype=torch.long).flatten()
+        if ids.numel() != cfg.draft_vocab_size or bool((ids[1:] <= ids[:-1]).any()):
+            raise ValueError(f"draft_ids must be {cfg.draft_vocab_size} strictly increasing target ids")
+        if int(ids[0]) < 0 or int(ids[-1]) >= cfg.vocab_size:
+            raise ValueError(f"draft_ids must lie in [0, {cfg.vocab_size})")
+        with torch.no_grad():
+            self.d2t.copy_(ids - torch.arange(ids.numel()))
+            self.t2d.zero_()
+            self.t2d[ids] = True
+
+    def draft_ids(self) -> Tensor:
+        """Target token id of every draft-vocabulary entry [draft_vocab_size] (the identity without a draft vocab)."""
+        if self.d2t is None:
+            return torch.arange(self.config.vocab_size, device=self.lm_head.weight.device)
+        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+
+    # -----------------------------------------------------------------------------------------------------------------
+
+    def project(self, hidden: Tensor) -> Tensor:
+        """fc over target hidden states [..., num_aux * H] (with the optional EAGLE-3.1 norms) -> [..., H]."""
+        if self.input_norm is not None:
+            hidden = self.input_norm(hidden)
+        if self.fc_norm is not None:
+            chunks = hidden.chunk(len(self.fc_norm), dim=-1)
+            hidden = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)
+        return self.fc(hidden)
+
+    def _trunk(self, embeds: Tensor, feats: Tensor, position_ids: Tensor, mask: object) -> Tensor:
+        blocks = isinstance(mask, DocumentBlocks)
+        if blocks:  # work in document order; back to element order at the end
+            embeds, feats, position_ids = embeds[mask.order], feats[mask.order], position_ids[mask.order]
+        cos, sin = self.rotary(position_ids, feats.dtype)
+        x = feats
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, embeds)
+        x = self.norm(x)
+        return x[mask.inverse] if blocks else x
+
+    def forward_train(
+        self,
+        input_ids: Tensor,
+        hidden: Tensor,
+        anchors: Tensor,
+        depths: Tensor,
+        document_ids: Tensor,
+        *,
+        attention: Attention = "sdpa",
+        mask: object | None = None,
+        logit_rows: Tensor | None = None,
+    ) -> DraftOutput:
+        """Logits of N COD elements of one packed row.
+
+        Args:
+            input_ids: [T] token x_{i+1} paired with hidden row i.
+            hidden: [T, num_aux * H] target hidden states g_i.
+            anchors, depths: [N] elements (e.g. from ``cod_sample``, or one segment of ``partition_elements``).
+            document_ids: [T] document of each position (-1 = padding).
+            attention: "sdpa" (a dense boolean mask per document, SDPA; forward and backward on any device),
+                "sdpa-full" (one dense [N, N] mask) or "flex" (BlockMask, flex attention; GPU training).
+            mask: a precomputed mask of the elements (DocumentBlocks, dense [N, N] bool, or BlockMask).
+            logit_rows: when given, logits (and label_index, position_ids) of these element rows only.
+        """
+        cfg = self.config
+        width = cfg.num_aux * cfg.hidden_size
+        if hidden.dim() != 2 or hidden.shape[1] != width:
+            raise ValueError(f"hidden must be [T, {width}] (num_aux x hidden_size), got {tuple(hidden.shape)}")
+        if input_ids.shape != hidden.shape[:1] or document_ids.shape != hidden.shape[:1]:
+            raise ValueError(
+                f"input_ids {tuple(input_ids.shape)} and document_ids {tuple(document_ids.shape)} must be [T] with "
+                f"T = {hidden.shape[0]} (hidden rows)"
+            )
+        dtype = self.fc.weight.dtype
+        projected = self.project(hidden.to(dtype))  # fc on the T depth-0 rows ...
+        mask_projected = self.project(self.mask_hidden.reshape(1, width).to(dtype))[0]  # ... and once on mask_hidden
+        inputs = cod_gather(input_ids, projected, mask_projected, anchors, depths, cfg.mask_token_id, cfg.vocab_size)
+        if mask is None:
+            mask = self.element_mask(anchors, depths, document_ids, attention)
+        embeds = self.embed_tokens(inputs.ids)
+        out = self._trunk(embeds, inputs.feats, inputs.position_ids, mask)
+        label_index, position_ids = inputs.label_index, inputs.position_ids
+        if logit_rows is not None:
+            out, label_index, position_ids = out[logit_rows], label_index[logit_rows], position_ids[logit_rows]
+        return DraftOutput(self.lm_head(out), label_index, position_ids)
+
+    def element_mask(self, anchors: Tensor, depths: Tensor, document_ids: Tensor, attention: Attention = "sdpa"):
+        """The P-EAGLE mask of the elements from the mask ops (dense for SDPA, BlockMask for flex)."""
+        if attention == "flex":
+            if self._block_builder is None:
+                self._block_builder = BlockMaskBuilder()
+            return self._block_builder.build(anchors, depths, document_ids)
+        if attention == "sdpa":
+            return document_blocks(anchors, depths, document_ids)
+        if attention != "sdpa-full":
+            raise ValueError(f"attention must be 'sdpa', 'sdpa-full' or 'flex', got {attention!r}")
+        mask = mask_dense(anchors, depths, document_ids)
+        # Padding queries may attend to nothing; let them see themselves so no softmax row is empty (they carry no
+        # loss and no other query can see them).
+        diagonal = mask.diagonal()
+        diagonal |= ~mask.any(1)
+        return mask
+
+    def forward_inference(self, input_ids: Tensor, hidden: Tensor, num_mask: int, start_position: int = 0) -> Tensor:
+        """What a server runs: L real (token, hidden) elements then ``num_mask`` mask elements, plain causal mask.
+
+        Returns logits [L + num_mask, draft_vocab]; row L - 1 + d is the drafter's guess at depth d.
+        """
+        cfg = self.config
+        width = cfg.num_aux * cfg.hidden_size
+        dtype = self.fc.weight.dtype
+        feats = self.project(
+            torch.cat([hidden.to(dtype), self.mask_hidden.reshape(1, width).to(dtype).expand(num_mask, width)])
+        )
+        ids = torch.cat([input_ids.long(), input_ids.new_full((num_mask,), cfg.mask_token_id).long()])
+        positions = torch.arange(ids.numel(), device=ids.device) + start_position
+        out = self._trunk(self.embed_tokens(ids), feats, positions, None)
+        return self.lm_head(out)

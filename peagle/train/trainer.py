@@ -1,0 +1,498 @@
+"""Step 3, train: COD sampling + fused gather + P-EAGLE masks + sequence partitioning, distillation to the target.
+
+One optimizer step takes ``batch_size`` rows (global). Row slot j of the run (step k holds slots kB .. kB + B - 1) is a
+fixed row of a seeded per-epoch permutation, and its COD elements come from a seed derived from j: the data and the
+elements of a step do not depend on the number of processes or on where a run was resumed. Under torchrun each process
+takes the slots of its rank (B must divide by the world size), and the gradients are summed across processes after
+the local rows (and their segments) are accumulated, each row's loss already divided by B: the result is the
+single-process gradient of the same global batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from peagle.model import DrafterConfig, PEagleDrafter, save_pretrained
+from peagle.model.checkpoint import atomic_torch_save, atomic_write_json, load_state_dict
+from peagle.ops import cod_sample
+from peagle.train.data import load_tokenizer, resolve_mask_token
+from peagle.train.dataset import ExtractedData, TrainRow
+from peagle.train.extract import load_target_head
+from peagle.train.partition import partition_elements
+
+__all__ = ["TrainArgs", "Trainer", "element_loss", "new_stats", "train", "train_row"]
+
+
+@dataclass
+class TrainArgs:
+    data: str
+    out: str
+    num_layers: int = 4
+    num_depths: int = 8
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+    layer_style: str | None = None
+    fc_norm: bool = False
+    norm_before_fc: bool = False
+    norm_output: bool = False
+    draft_vocab_size: int | None = None
+    mask_token_id: int | None = None
+    reuse_special_token_as_mask: bool = False
+    ratio: float = 0.7
+    ratio_min: float = 0.2
+    max_anchors: int | None = None
+    segments: int = 1
+    memory_budget_mb: float | None = None
+    loss: str = "kl"
+    depth_weights: list[float] | None = None
+    steps: int = 100
+    batch_size: int = 1
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    attention: str | None = None
+    save_every: int = 0
+    log_every: int = 1
+    resume: bool = False
+    tensorboard: bool = False
+    save_grads_step: int | None = None
+    progress: bool = True
+
+
+def element_loss(logits: Tensor, target_logits: Tensor, kind: str) -> Tensor:
+    """Per-element loss [n]: KL(target || draft) or cross-entropy to the target's argmax (both over the draft vocab)."""
+    work = torch.promote_types(logits.dtype, torch.float32)
+    logq = F.log_softmax(logits.to(work), dim=-1)
+    if kind == "kl":
+        logp = F.log_softmax(target_logits.to(work), dim=-1)
+        return (logp.exp() * (logp - logq)).sum(-1)
+    if kind == "ce":
+        return -logq.gather(-1, target_logits.argmax(-1, keepdim=True)).squeeze(-1)
+    raise ValueError(f"loss must be 'kl' or 'ce', got {kind!r}")
+
+
+class _WeightedKL(torch.autograd.Function):
+    """sum_e w_e KL(p_{u(e)} || softmax(logits_e)) with the targets p stored once per distinct label row u.
+
+    Elements of overlapping chains share label rows, so the target side is computed for the distinct rows only;
+    the backward is the closed form w_e (softmax(logits_e) - p_{u(e)}).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, logp: Tensor, inverse: Tensor, weight: Tensor) -> Tensor:
+        # KL_e = sum_v p (log p - z_v + lse_e) = -H_u - p_u . z_e + lse_e  (sum_v p = 1).
+        # lse from the fused log-softmax (lse = z_0 - log q_0); the [n, V] log-softmax itself is not kept.
+        lse = logits[:, 0] - F.log_softmax(logits, dim=-1)[:, 0]
+        p = logp.exp()
+        neg_entropy = (p * logp).sum(-1)
+        p_e = p[inverse]
+        dot = torch.einsum("nv,nv->n", p_e, logits)
+        ctx.save_for_backward(logits, p_e, weight)
+        return (weight * (neg_entropy[inverse] - dot + lse)).sum()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        logits, p_e, weight = ctx.saved_tensors
+        g = torch.softmax(logits, dim=-1)
+        g.sub_(p_e)
+        g.mul_((grad * weight)[:, None])
+        return g, None, None, None
+
+
+def weighted_kl(logits: Tensor, target_logp: Tensor, inverse: Tensor, weight: Tensor) -> Tensor:
+    """Weighted KL sum over elements; ``target_logp`` [U, V] log-probabilities, ``inverse`` [n] element -> row."""
+    return _WeightedKL.apply(logits, target_logp, inverse, weight)
+
+
+def _lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def choose_segments(num_elements: int, config: DrafterConfig, budget_mb: float) -> int:
+    """Smallest S whose per-segment estimate (dense mask + activations kept for backward + logits) fits the budget."""
+    per_element = 4 * (config.num_layers * (14 * config.hidden_size + 2 * config.intermediate_size))
+    per_element += 4 * 3 * config.draft_vocab_size
+    for s in range(1, 1025):
+        n = 1.25 * num_elements / s  # segments also hold context rows
+        if (n * n + n * per_element) / 2**20 <= budget_mb:
+            return s
+    return 1024
+
+
+def new_stats(num_depths: int) -> dict[str, Any]:
+    return {
+        "loss": 0.0,
+        "elements": 0,
+        "correct": torch.zeros(num_depths, dtype=torch.float64),
+        "count": torch.zeros(num_depths, dtype=torch.float64),
+    }
+
+
+def train_row(
+    model: PEagleDrafter,
+    row: TrainRow,
+    anchors: Tensor,
+    depths: Tensor,
+    target_lm_head: Tensor,
+    draft_ids: Tensor,
+    depth_weights: Tensor,
+    *,
+    loss_kind: str = "kl",
+    segments: int = 1,
+    attention: str = "sdpa",
+    scale: float = 1.0,
+    stats: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Forward + backward of one row's COD elements (S segments one after another), the row's loss being the
+    weighted mean over its valid elements, times ``scale``. Returns (and accumulates into) ``stats``."""
+    num_depths = depth_weights.numel()
+    stats = stats if stats is not None else new_stats(num_depths)
+    dev = anchors.device
+    label = anchors + depths
+    docs = row.document_ids
+    valid = row.loss_mask[label] & (docs[anchors] >= 0) & (docs[label] == docs[anchors])
+    weight = valid.float() * depth_weights[depths]
+    denominator = float(weight.sum())
+    stats["elements"] += anchors.numel()
+    if denominator == 0:
+        return stats
+    # Drop elements that influence no loss: padding, and depth-0 elements after the last loss-carrying anchor of
+    # their document (every query sees only keys at or before its own anchor). Exact: no kept element's keys change.
+    elem_docs = docs[anchors]
+    last = torch.full((int(docs.max()) + 2,), -1, dtype=torch.long, device=dev)
+    carrying = (weight > 0) | (depths > 0)
+    last.scatter_reduce_(0, (elem_docs + 1)[carrying], anchors[carrying], reduce="amax")
+    needed = (elem_docs >= 0) & (carrying | (anchors <= last[elem_docs + 1]))
+    if not bool(needed.all()):
+        anchors, depths, weight, valid = anchors[needed], depths[needed], weight[needed], valid[needed]
+    if segments > 1:
+        parts = partition_elements(anchors, depths, docs, segments, num_layers=model.config.num_layers)
+    else:
+        parts = [(torch.arange(anchors.numel(), device=dev), anchors, depths, torch.ones_like(valid))]
+    autocast = torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda")
+    for index, seg_anchors, seg_depths, owned in parts:
+        w = weight[index] * owned
+        keep = torch.nonzero(w > 0).squeeze(1)
+        if keep.numel() == 0:
+            continue
+        with autocast:
+            # LM head only on the elements that carry loss (padding / untrained rows need no logits).
+            out = model.forward_train(
+                row.input_ids, row.hidden, seg_anchors, seg_depths, docs, attention=attention, logit_rows=keep
+            )
+        logits = out.logits.to(torch.promote_types(out.logits.dtype, torch.float32))
+        with torch.no_grad():
+            # Target logits once per distinct label row (overlapping chains share them).
+            rows, inverse = torch.unique(out.label_index, return_inverse=True)
+            target = row.target_hidden[rows].to(target_lm_head.dtype) @ target_lm_head.T
+            target_best = target.argmax(-1)[inverse]
+            if draft_ids.numel() != target.shape[1]:
+                target = target[:, draft_ids]
+        if loss_kind == "kl":
+            loss = weighted_kl(logits, F.log_softmax(target, dim=-1), inverse, w[keep]) / denominator
+        else:
+            loss = (element_loss(logits, target[inverse], loss_kind) * w[keep]).sum() / denominator
+        (loss * scale).backward()
+        with torch.no_grad():
+            stats["loss"] += float(loss) * scale
+            correct = (draft_ids[logits.argmax(-1)] == target_best).float()
+            d = seg_depths[keep]
+            stats["correct"] += torch.bincount(d, weights=correct, minlength=num_depths).cpu().double()
+            stats["count"] += torch.bincount(d, minlength=num_depths).cpu().double()
+    return stats
+
+
+class Trainer:
+    def __init__(self, args: TrainArgs) -> None:
+        self.args = args
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.device = torch.device(
+            f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
+        )
+        if self.device.type == "cpu":
+            torch.set_flush_denormal(True)  # denormal activations make CPU kernels many times slower
+        if self.world > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        if args.batch_size % self.world:
+            raise ValueError(f"batch_size ({args.batch_size}) must be a multiple of the process count ({self.world})")
+        self.attention = args.attention or ("flex" if self.device.type == "cuda" else "sdpa")
+        self.data = ExtractedData(args.data)
+        self.out = Path(args.out)
+        manifest = self.data.manifest
+        head = load_target_head(args.data)
+        self.target_lm_head = head["lm_head.weight"].to(self.device)
+        self.tokenizer = None
+        tok_dir = Path(manifest["data"]) / "tokenizer"
+        if tok_dir.exists():
+            self.tokenizer = load_tokenizer(tok_dir)
+        mask_id, how = resolve_mask_token(
+            self.tokenizer, manifest["vocab_size"], args.mask_token_id, args.reuse_special_token_as_mask
+        )
+        self.mask_how = how
+        style = args.layer_style or ("qwen3" if str(manifest["target_model_type"]).startswith("qwen3") else "llama")
+        self.config = DrafterConfig(
+            hidden_size=manifest["hidden_size"],
+            vocab_size=manifest["vocab_size"],
+            num_layers=args.num_layers,
+            num_heads=args.num_heads or manifest["target_num_heads"],
+            num_kv_heads=args.num_kv_heads or manifest["target_num_kv_heads"],
+            head_dim=args.head_dim or manifest["target_head_dim"],
+            intermediate_size=args.intermediate_size or manifest["target_intermediate_size"],
+            layer_style=style,
+            rms_norm_eps=manifest.get("target_rms_norm_eps", 1e-6),
+            draft_vocab_size=args.draft_vocab_size,
+            aux_layer_ids=manifest["aux_layer_ids"],
+            mask_token_id=mask_id,
+            num_depths=args.num_depths,
+            fc_norm=args.fc_norm,
+            norm_before_fc=args.norm_before_fc,
+            norm_output=args.norm_output,
+            verifier_name_or_path=manifest["target"],
+            verifier_architectures=manifest.get("target_architectures") or [],
+        )
+        weights = list(args.depth_weights or [1.0] * args.num_depths)
+        if len(weights) != args.num_depths:
+            raise ValueError(f"--depth-weights has {len(weights)} values, expected num_depths = {args.num_depths}")
+        self.depth_weights = torch.tensor(weights, dtype=torch.float32, device=self.device)
+        torch.manual_seed(args.seed)
+        self.model = PEagleDrafter(self.config).to(self.device)
+        self._init_from_target(head)
+        self.draft_ids = self.model.draft_ids()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: _lr_lambda(s, args.warmup_steps, args.steps, args.min_lr_ratio)
+        )
+        self.step = 0
+        self.writer = None
+
+    @torch.no_grad()
+    def _init_from_target(self, head: dict[str, Tensor]) -> None:
+        cfg = self.config
+        if cfg.uses_draft_vocab:
+            freq_path = Path(self.data.manifest["data"]) / "token_freq.safetensors"
+            if not freq_path.exists():
+                raise FileNotFoundError(f"a draft vocabulary needs token frequencies: {freq_path} is missing")
+            from safetensors.torch import load_file
+
+            counts = load_file(freq_path)["counts"].double()
+            counts = torch.nn.functional.pad(counts, (0, cfg.vocab_size - counts.numel()))
+            # Most frequent trained tokens; ties go to lower ids (stable order).
+            order = torch.sort(-counts, stable=True).indices[: cfg.draft_vocab_size]
+            self.model.set_draft_vocab(order.sort().values)
+        self.model.embed_tokens.weight.copy_(head["embed_tokens.weight"][: cfg.vocab_size])
+        self.model.lm_head.weight.copy_(head["lm_head.weight"][self.model.draft_ids().cpu()])
+
+    # -----------------------------------------------------------------------------------------------------------------
+
+    def row_slot(self, slot: int) -> int:
+        rows = len(self.data)
+        epoch, offset = divmod(slot, rows)
+        perm = torch.randperm(rows, generator=torch.Generator().manual_seed(self.args.seed * 7919 + epoch))
+        return int(perm[offset])
+
+    def row_elements(self, row: TrainRow, slot: int) -> tuple[Tensor, Tensor]:
+        a = self.args
+        seed = (a.seed * 1_000_003 + slot) % (2**31 - 1)
+        return cod_sample(row.loss_mask, row.document_ids, a.num_depths, a.ratio, a.ratio_min, a.max_anchors, seed)
+
+    def row_loss_backward(self, row: TrainRow, slot: int, scale: float, stats: dict[str, Any]) -> None:
+        """Forward + backward of one row (segment by segment), loss scaled by ``scale``; fills ``stats``."""
+        row = TrainRow(*(t.to(self.device) for t in row))
+        anchors, depths = self.row_elements(row, slot)
+        segments = self.args.segments
+        if self.args.memory_budget_mb:
+            segments = choose_segments(anchors.numel(), self.config, self.args.memory_budget_mb)
+        train_row(
+            self.model,
+            row,
+            anchors,
+            depths,
+            self.target_lm_head,
+            self.draft_ids,
+            self.depth_weights,
+            loss_kind=self.args.loss,
+            segments=segments,
+            attention=self.attention,
+            scale=scale,
+            stats=stats,
+        )
+
+    def train_step(self) -> dict[str, Any]:
+        args = self.args
+        start = time.perf_counter()
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=False)
+        stats = new_stats(args.num_depths)
+        slots = range(self.step * args.batch_size, (self.step + 1) * args.batch_size)
+        for slot in list(slots)[self.rank :: self.world]:
+            self.row_loss_backward(self.data.row(self.row_slot(slot)), slot, 1.0 / args.batch_size, stats)
+        params = list(self.model.parameters())
+        for p in params:
+            if p.grad is None:  # a rank whose rows carried no loss must still join the same all-reduce
+                p.grad = torch.zeros_like(p)
+        if self.world > 1:
+            flat = torch.cat([p.grad.flatten() for p in params])
+            dist.all_reduce(flat)
+            offset = 0
+            for p in params:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+            packed = torch.cat(
+                [
+                    torch.tensor([stats["loss"], stats["elements"]], dtype=torch.float64),
+                    stats["correct"],
+                    stats["count"],
+                ]
+            )
+            dist.all_reduce(packed)
+            stats["loss"], stats["elements"] = float(packed[0]), int(packed[1])
+            k = args.num_depths
+            stats["correct"], stats["count"] = packed[2 : 2 + k], packed[2 + k :]
+        if args.save_grads_step is not None and self.step == args.save_grads_step and self.rank == 0:
+            atomic_torch_save(
+                self.out / f"grads-{self.step}.pt", {n: p.grad.clone() for n, p in self.model.named_parameters()}
+            )
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf")
+        )
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        elapsed = time.perf_counter() - start
+        acc = (stats["correct"] / stats["count"].clamp(min=1)).tolist()
+        return {
+            "step": self.step,
+            "loss": stats["loss"],
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "elements": stats["elements"],
+            "elements_per_s": stats["elements"] / elapsed,
+            "tokens_per_s": args.batch_size * self.data.manifest["seq_len"] / elapsed,
+            **{f"acc_{d}": acc[d] for d in range(args.num_depths)},
+        }
+
+    # -----------------------------------------------------------------------------------------------------------------
+
+    def save(self, final: bool = False) -> Path:
+        name = "final" if final else f"checkpoint-{self.step:07d}"
+        directory = self.out / name
+        if self.rank == 0:
+            save_pretrained(self.model, directory)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(str(directory / "tokenizer"))
+            state = {
+                "step": self.step,
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "args": asdict(self.args),
+            }
+            atomic_torch_save(directory / "trainer_state.pt", state)
+            if not final:
+                atomic_write_json(self.out / "latest.json", {"step": self.step, "checkpoint": name})
+        if self.world > 1:
+            dist.barrier()
+        return directory
+
+    def load_latest(self) -> bool:
+        latest = self.out / "latest.json"
+        if not latest.exists():
+            return False
+        name = json.loads(latest.read_text())["checkpoint"]
+        directory = self.out / name
+        state = torch.load(directory / "trainer_state.pt", map_location=self.device, weights_only=False)
+        # Settings that change what a step computes must match, or the run would not continue exactly.
+        free = {"steps", "save_every", "log_every", "resume", "progress", "out", "tensorboard", "save_grads_step"}
+        current = asdict(self.args)
+        changed = {k: (v, current.get(k)) for k, v in state["args"].items() if k not in free and current.get(k) != v}
+        if changed:
+            detail = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
+            raise ValueError(f"--resume with settings that differ from the checkpoint's ({detail})")
+        weights = load_state_dict(directory)
+        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{directory} does not match this drafter: missing {missing}, unexpected {unexpected}")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = state["step"]
+        return True
+
+    def log(self, record: dict[str, Any]) -> None:
+        if self.rank != 0:
+            return
+        with (self.out / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in record.items():
+                if key != "step":
+                    self.writer.add_scalar(key, value, record["step"])
+
+    def run(self) -> list[dict[str, Any]]:
+        from tqdm import tqdm
+
+        args = self.args
+        self.out.mkdir(parents=True, exist_ok=True)
+        if args.resume and self.load_latest():
+            # Drop metrics of steps after the checkpoint (an interrupted run may have logged them).
+            path = self.out / "metrics.jsonl"
+            if path.exists() and self.rank == 0:
+                kept = [ln for ln in path.read_text().splitlines() if json.loads(ln)["step"] <= self.step]
+                atomic_write_json_lines(path, kept)
+        elif self.rank == 0 and (self.out / "metrics.jsonl").exists():
+            (self.out / "metrics.jsonl").unlink()
+        if args.tensorboard and self.rank == 0:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as err:
+                raise ValueError("--tensorboard needs the tensorboard package (pip install tensorboard)") from err
+
+            self.writer = SummaryWriter(str(self.out / "tensorboard"))
+        records = []
+        bar = tqdm(total=args.steps, initial=self.step, desc="train", disable=not args.progress or self.rank != 0)
+        while self.step < args.steps:
+            record = self.train_step()
+            records.append(record)
+            if self.step % max(1, args.log_every) == 0 or self.step == args.steps:
+                self.log(record)
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.4f}", acc0=f"{record['acc_0']:.3f}")
+            if args.save_every and self.step % args.save_every == 0:
+                self.save()
+        bar.close()
+        self.save(final=True)
+        return records
+
+
+def atomic_write_json_lines(path: Path, lines: list[str]) -> None:
+    from peagle.model.checkpoint import atomic_write_bytes
+
+    atomic_write_bytes(path, "".join(line + "\n" for line in lines).encode())
+
+
+def train(args: TrainArgs) -> list[dict[str, Any]]:
+    trainer = Trainer(args)
+    try:
+        return trainer.run()
+    finally:
+        if trainer.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,85 @@
+"""Checkpoint compatibility with speculators 0.9.0 (the format vLLM serves): its config class parses our config.json,
+and a checkpoint written by speculators' own P-EAGLE model loads into ours weight for weight."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from peagle.model import DrafterConfig, PEagleDrafter, from_pretrained, save_pretrained
+
+try:
+    from peagle.testing import import_speculators_peagle
+
+    SPEC = import_speculators_peagle()
+except ImportError as err:  # speculators is a comparison dependency, installed --no-deps beside peagle
+    pytest.skip(f"speculators 0.9.0 is not importable: {err}", allow_module_level=True)
+
+
+CONFIGS = [
+    dict(),
+    dict(layer_style="qwen3", draft_vocab_size=50, num_kv_heads=1),
+    dict(fc_norm=True, norm_before_residual=True, num_layers=1),
+    dict(norm_before_fc=True, num_depths=1),
+]
+
+
+def config(**changes) -> DrafterConfig:
+    base = dict(hidden_size=128, vocab_size=100, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=64,
+                intermediate_size=256, mask_token_id=99, num_depths=5, aux_layer_ids=[1, 2, 3],
+                verifier_name_or_path="/models/target")  # fmt: skip
+    base.update(changes)
+    return DrafterConfig(**base)
+
+
+@pytest.mark.parametrize("changes", CONFIGS)
+def test_speculators_config_class_parses_ours(tmp_path, changes):
+    ours = config(**changes)
+    model = PEagleDrafter(ours)
+    save_pretrained(model, tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    parsed = SPEC.PEagleSpeculatorConfig.model_validate(written)
+    assert parsed.speculators_model_type == "peagle"
+    assert parsed.mask_token_id == ours.mask_token_id
+    assert parsed.draft_vocab_size == ours.draft_vocab_size
+    assert parsed.eagle_aux_hidden_state_layer_ids == ours.aux_layer_ids
+    assert parsed.speculators_config.proposal_methods[0].speculative_tokens == ours.num_depths
+    layer = parsed.transformer_layer_config
+    assert (layer.model_type, layer.hidden_size, layer.head_dim) == (ours.layer_style, 128, 64)
+    assert (layer.num_attention_heads, layer.num_key_value_heads) == (ours.num_heads, ours.num_kv_heads)
+    assert (parsed.fc_norm, parsed.norm_before_fc, parsed.norm_before_residual) == (
+        ours.fc_norm,
+        ours.norm_before_fc,
+        ours.norm_before_residual,
+    )
+    # And back: what speculators writes from it is the same drafter for us.
+    assert DrafterConfig.from_speculators_dict(json.loads(parsed.to_json_string())) == ours
+
+
+@pytest.mark.parametrize("changes", CONFIGS)
+def test_speculators_written_checkpoint_loads(tmp_path, changes):
+    ours = config(**changes)
+    layer_config = ours.to_speculators_dict()
+    layer_config["transformer_layer_config"]["attn_implementation"] = "sdpa"
+    theirs = SPEC.PEagleDraftModel(SPEC.PEagleSpeculatorConfig.model_validate(layer_config))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for tensor in theirs.state_dict().values():
+            if tensor.is_floating_point():
+                tensor.copy_(torch.randn_like(tensor))
+        if theirs.t2d is not None:
+            ids = torch.randperm(ours.vocab_size)[: ours.draft_vocab_size].sort().values
+            theirs.t2d.zero_()
+            theirs.t2d[ids] = True
+            theirs.d2t.copy_(ids - torch.arange(ids.numel()))
+    theirs.save_pretrained(str(tmp_path))
+    loaded = from_pretrained(tmp_path)
+    assert loaded.config.mask_token_id == ours.mask_token_id
+    assert loaded.config.num_depths == ours.num_depths
+    state = loaded.state_dict()
+    reference = {k: v for k, v in theirs.state_dict().items() if not k.startswith("verifier_")}
+    assert set(state) == set(reference)
+    for name, tensor in reference.items():
+        assert torch.equal(state[name], tensor.reshape(state[name].shape)), name

@@ -1,0 +1,345 @@
+"""The four training steps on a tiny random Llama target: CLI end to end, resume exactness, DDP == single process,
+sequence partitioning inside the trainer, data preparation, extraction and mask-token resolution."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from peagle.cli import main
+from peagle.testing import tiny_chat_jsonl, tiny_llama, tiny_tokenizer
+from peagle.train.data import MASK_TOKEN, MaskTokenError, load_tokenizer, resolve_mask_token, tokenize_record
+from peagle.train.dataset import ExtractedData
+from peagle.train.trainer import TrainArgs, Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+SEQ_LEN = 128
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices: one thread is faster than two contending ones (and the DDP test runs two processes)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, one_thread) -> Path:
+    """Tokenizer + tiny Llama target (4 free embedding slots) + prepared and extracted train / held-out data."""
+    root = tmp_path_factory.mktemp("train")
+    tok = tiny_tokenizer(root / "target")
+    tiny_llama(root / "target", vocab_size=len(tok) + 4, seed=1)
+    tiny_chat_jsonl(root / "train.jsonl", 120, seed=2)
+    tiny_chat_jsonl(root / "held.jsonl", 30, seed=3)
+    for name in ("train", "held"):
+        assert main(["prepare-data", "--input", str(root / f"{name}.jsonl"), "--tokenizer", str(root / "target"),
+                     "--out", str(root / f"prep-{name}"), "--seq-len", str(SEQ_LEN), "--rows-per-shard", "8",
+                     "--quiet"]) == 0  # fmt: skip
+        assert main(["extract", "--data", str(root / f"prep-{name}"), "--target", str(root / "target"), "--out",
+                     str(root / f"ext-{name}"), "--dtype", "float32", "--rows-per-shard", "8", "--layers", "1,2,4",
+                     "--quiet"]) == 0  # fmt: skip
+    return root
+
+
+def read_metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_cli(work: Path, out: Path, *extra: str) -> None:
+    args = ["train", "--data", str(work / "ext-train"), "--out", str(out), "--layers", "1", "--depths", "3",
+            "--quiet", *extra]  # fmt: skip
+    assert main(args) == 0
+
+
+def majority_baseline(data_dir: Path) -> float:
+    """Accuracy of always predicting the most common target argmax (the best input-blind guess) on trained labels."""
+    data = ExtractedData(data_dir)
+    head = load_file(data_dir / "target_head.safetensors")["lm_head.weight"]
+    labels = []
+    for i in range(len(data)):
+        row = data.row(i)
+        labels.append((row.target_hidden[row.loss_mask] @ head.T).argmax(-1))
+    labels = torch.cat(labels)
+    return float(torch.bincount(labels).max()) / labels.numel()
+
+
+def test_cli_end_to_end_lowers_loss_and_lifts_depth0_accuracy(work):
+    run = work / "run-e2e"
+    train_cli(work, run, "--steps", "150", "--batch-size", "2", "--lr", "3e-3", "--warmup-steps", "5")
+    metrics = read_metrics(run)
+    assert len(metrics) == 150
+    first = sum(m["loss"] for m in metrics[:5]) / 5
+    last = sum(m["loss"] for m in metrics[-5:]) / 5
+    print(f"loss {first:.4f} -> {last:.4f}")
+    assert last < 0.6 * first
+    config = json.loads((run / "final" / "config.json").read_text())
+    assert config["speculators_model_type"] == "peagle"
+    assert (run / "final" / "model.safetensors").exists()
+    # Held-out offline evaluation from the CLI.
+    assert main(["eval", "--checkpoint", str(run / "final"), "--data", str(work / "ext-held"), "--json",
+                 str(run / "eval.json")]) == 0  # fmt: skip
+    result = json.loads((run / "eval.json").read_text())
+    baseline = majority_baseline(work / "ext-held")
+    acc0 = result["top1_accuracy"][0]
+    print(f"held-out depth-0 accuracy {acc0:.3f}, majority baseline {baseline:.3f}, result {result}")
+    # The drafter must beat the best input-blind guess on unseen rows by a wide margin: 2x the majority-class rate
+    # (and at least 10 points above it) can only come from using the target's hidden states and the tokens.
+    assert acc0 > max(2 * baseline, baseline + 0.10)
+    # Acceptance bookkeeping: AL = 1 + sum over d of the product of the conditional rates up to d.
+    expected, running = 1.0, 1.0
+    for rate in result["conditional_acceptance"]:
+        running *= rate
+        expected += running
+    assert result["acceptance_length"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_resume_continues_exactly(work, tmp_path):
+    common = dict(data=str(work / "ext-train"), num_layers=1, num_depths=3, steps=8, batch_size=2, lr=3e-3,
+                  warmup_steps=2, progress=False)  # fmt: skip
+    full = Trainer(TrainArgs(out=str(tmp_path / "full"), **common))
+    full.run()
+    # Interrupted run: 4 steps, a checkpoint, then the process "dies" (the trainer object is dropped).
+    part = Trainer(TrainArgs(out=str(tmp_path / "part"), save_every=4, **common))
+    (tmp_path / "part").mkdir()
+    for _ in range(4):
+        part.log(part.train_step())
+    part.save()
+    part.log(part.train_step())  # a step after the checkpoint that the resumed run must redo
+    del part
+    resumed = Trainer(TrainArgs(out=str(tmp_path / "part"), resume=True, **common))
+    resumed.run()
+    a, b = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "part")
+    assert [m["step"] for m in b] == list(range(1, 9))
+    with pytest.raises(ValueError, match=r"lr: 0\.003 -> 0\.001"):
+        Trainer(TrainArgs(out=str(tmp_path / "part"), resume=True, **{**common, "lr": 1e-3})).run()
+    assert [m["loss"] for m in a] == [m["loss"] for m in b]
+    for key, value in full.model.state_dict().items():
+        assert torch.equal(value, resumed.model.state_dict()[key]), key
+
+
+@pytest.mark.parametrize("split", [dict(segments=3), dict(memory_budget_mb=1.0)])
+def test_sequence_partitioning_gives_the_same_gradients(work, tmp_path, split):
+    from peagle.train.trainer import choose_segments
+
+    grads = []
+    for name, options in (("whole", {}), ("split", split)):
+        trainer = Trainer(TrainArgs(data=str(work / "ext-train"), out=str(tmp_path / name), num_layers=2,
+                                    num_depths=4, steps=1, batch_size=2, save_grads_step=0, ratio=0.9,
+                                    progress=False, **options))  # fmt: skip
+        trainer.out.mkdir(parents=True)
+        trainer.train_step()
+        grads.append(torch.load(tmp_path / name / "grads-0.pt"))
+    if "memory_budget_mb" in split:
+        assert choose_segments(300, trainer.config, 1.0) > 1  # the budget really splits these rows
+        assert choose_segments(300, trainer.config, 1e6) == 1
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_ddp_two_gloo_processes_equal_single_process(work, tmp_path):
+    base = [sys.executable, "-m", "peagle.cli", "train", "--data", str(work / "ext-train"), "--layers", "1",
+            "--depths", "3", "--steps", "1", "--batch-size", "4", "--save-grads-step", "0", "--quiet"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    single = subprocess.run([*base, "--out", str(tmp_path / "one")], env=env, capture_output=True, text=True)
+    assert single.returncode == 0, single.stderr[-3000:]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    ddp = subprocess.run([*torchrun, *base[1:], "--out", str(tmp_path / "two")], env=env, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    one, two = torch.load(tmp_path / "one" / "grads-0.pt"), torch.load(tmp_path / "two" / "grads-0.pt")
+    assert one.keys() == two.keys()
+    for name, g in one.items():
+        assert g.abs().sum() > 0 or name.startswith("embed"), name
+        torch.testing.assert_close(two[name], g, rtol=1e-5, atol=1e-7, msg=name)
+    a, b = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert a[0]["loss"] == pytest.approx(b[0]["loss"], rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# prepare-data / extract
+
+
+def test_chat_loss_mask_is_the_assistant_turns(tmp_path):
+    tok = tiny_tokenizer(tmp_path)
+    record = {"messages": [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3 w4 w5"},
+                           {"role": "user", "content": "w6"}, {"role": "assistant", "content": "w7"}]}  # fmt: skip
+    doc = tokenize_record(tok, record)
+    words = tok.convert_ids_to_tokens(doc.ids)
+    trained = [w for w, m in zip(words, doc.loss, strict=True) if m]
+    assert trained == ["w3", "w4", "w5", "<|end|>", "w7", "<|end|>"]
+    text = tokenize_record(tok, {"text": "w1 w2 w3"})
+    assert all(text.loss) and len(text.ids) == 3
+
+
+def test_prepare_data_packs_rows_and_counts_tokens(work):
+    from peagle.train.data import iter_prepared_rows, read_manifest
+
+    manifest = read_manifest(work / "prep-train", "peagle-prepared")
+    rows = list(iter_prepared_rows(work / "prep-train"))
+    assert len(rows) == manifest["num_rows"] > 1
+    counts = torch.zeros(manifest["vocab_size"], dtype=torch.long)
+    for row in rows:
+        docs = row["document_ids"].long()
+        used = docs >= 0
+        # Documents are contiguous, numbered from 0 in order, and padding only at the tail.
+        assert torch.equal(used, torch.arange(SEQ_LEN) < int(used.sum()))
+        assert bool((docs[used][1:] - docs[used][:-1] >= 0).all()) and int(docs[0]) == 0
+        trained = row["loss_mask"].bool() & used
+        counts += torch.bincount(row["input_ids"].long()[trained], minlength=counts.numel())
+    freq = load_file(work / "prep-train" / "token_freq.safetensors")["counts"]
+    assert torch.equal(freq, counts)
+
+
+def test_extract_matches_the_target_and_resumes(work, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    data = ExtractedData(work / "ext-train")
+    raw = data.raw(0)
+    docs = raw["document_ids"]
+    end = int((docs == 0).sum())
+    target = AutoModelForCausalLM.from_pretrained(str(work / "target"))
+    with torch.no_grad():
+        out = target(raw["input_ids"][:end].long()[None], output_hidden_states=True)
+    ids = data.manifest["aux_layer_ids"]
+    expected = torch.cat([out.hidden_states[i][0] for i in ids], -1)
+    torch.testing.assert_close(raw["aux_hidden"][:end], expected, rtol=1e-4, atol=1e-5)
+    logits = raw["final_hidden"][:end] @ load_file(work / "ext-train" / "target_head.safetensors")["lm_head.weight"].T
+    torch.testing.assert_close(logits, out.logits[0], rtol=1e-4, atol=1e-5)
+    # Resume: forget the last shard, run again, get the same files.
+    copy = tmp_path / "ext"
+    shutil.copytree(work / "ext-train", copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    dropped = manifest["shards"].pop()
+    manifest["complete"] = False
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    (copy / dropped["file"]).unlink()
+    assert main(["extract", "--data", str(work / "prep-train"), "--target", str(work / "target"), "--out", str(copy),
+                 "--dtype", "float32", "--rows-per-shard", "8", "--layers", "1,2,4", "--quiet"]) == 0  # fmt: skip
+    again, original = load_file(copy / dropped["file"]), load_file(work / "ext-train" / dropped["file"])
+    for key in original:
+        assert torch.equal(again[key], original[key]), key
+
+
+def test_cli_errors_are_clear(work, tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["prepare-data", "--input", str(tmp_path / "nope.jsonl"), "--tokenizer", str(work / "target"),
+              "--out", str(tmp_path / "x")])  # fmt: skip
+    assert info.value.code == 2
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--data", str(work / "prep-train"), "--out", str(tmp_path / "y"), "--quiet"])
+    assert "expected 'peagle-extracted'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["extract", "--data", str(work / "prep-train"), "--target", str(work / "target"), "--out",
+              str(tmp_path / "z"), "--layers", "1,2,99", "--quiet"])  # fmt: skip
+    assert "outside the target's layers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_cli(work, tmp_path / "w", "--depths", "3", "--depth-weights", "1,1")
+    assert "--depth-weights" in capsys.readouterr().err
+    # A drafter for another target: clear refusal instead of a shape error deep inside the forward.
+    from peagle.model import DrafterConfig, PEagleDrafter, save_pretrained
+
+    other = DrafterConfig(hidden_size=64, vocab_size=300, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=64,
+                          aux_layer_ids=[1, 2, 3])  # fmt: skip
+    save_pretrained(PEagleDrafter(other), tmp_path / "other")
+    with pytest.raises(SystemExit):
+        main(["eval", "--checkpoint", str(tmp_path / "other"), "--data", str(work / "ext-held")])
+    err = capsys.readouterr().err
+    assert "does not match this data's target" in err and "hidden size 64 != the target's 128" in err
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# mask token resolution
+
+
+def test_mask_token_resolution_paths(tmp_path):
+    plain = tiny_tokenizer(tmp_path / "plain")
+    size = len(plain)
+    assert resolve_mask_token(plain, size + 2, mask_token_id=5) == (5, "explicit")
+    with pytest.raises(MaskTokenError, match="outside the target vocabulary"):
+        resolve_mask_token(plain, size, mask_token_id=size)
+    masked = tiny_tokenizer(tmp_path / "masked", mask_token=True)
+    assert resolve_mask_token(masked, len(masked)) == (masked.mask_token_id, "tokenizer mask token")
+    # An unused embedding slot: a new token is added there and the tokenizer records it.
+    token_id, how = resolve_mask_token(plain, size + 2)
+    assert token_id == size and MASK_TOKEN in how
+    plain.save_pretrained(str(tmp_path / "saved"))
+    assert load_tokenizer(tmp_path / "saved").convert_tokens_to_ids(MASK_TOKEN) == size
+    # No slot left: an error, unless reusing a special token is explicitly allowed.
+    full = tiny_tokenizer(tmp_path / "full")
+    with pytest.raises(MaskTokenError, match="reuse-special-token-as-mask"):
+        resolve_mask_token(full, len(full))
+    assert resolve_mask_token(full, len(full), allow_special_reuse=True) == (full.pad_token_id, "reused pad_token")
+
+
+def test_trainer_saves_the_added_mask_token(work, tmp_path):
+    trainer = Trainer(TrainArgs(data=str(work / "ext-train"), out=str(tmp_path), num_layers=1, num_depths=2, steps=1,
+                                progress=False))  # fmt: skip
+    vocab_words = len(load_tokenizer(work / "target"))
+    assert trainer.config.mask_token_id == vocab_words and MASK_TOKEN in trainer.mask_how
+    trainer.run()
+    saved = load_tokenizer(tmp_path / "final" / "tokenizer")
+    assert saved.convert_tokens_to_ids(MASK_TOKEN) == trainer.config.mask_token_id
+    assert json.loads((tmp_path / "final" / "config.json").read_text())["mask_token_id"] == vocab_words
+
+
+def test_weighted_kl_matches_autograd_of_the_plain_formula():
+    from peagle.train.trainer import element_loss, weighted_kl
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 11, generator=gen, dtype=torch.float64, requires_grad=True)
+    target = torch.randn(3, 11, generator=gen, dtype=torch.float64)
+    inverse = torch.tensor([0, 2, 1, 1, 0, 2, 2])
+    weight = torch.rand(7, generator=gen, dtype=torch.float64)
+    ours = weighted_kl(logits, torch.log_softmax(target, -1), inverse, weight)
+    (g_ours,) = torch.autograd.grad(ours, logits)
+    plain = (element_loss(logits, target[inverse], "kl") * weight).sum()
+    (g_plain,) = torch.autograd.grad(plain, logits)
+    torch.testing.assert_close(ours, plain)
+    torch.testing.assert_close(g_ours, g_plain)
+
+
+def test_train_row_equals_the_plain_loss_over_all_elements():
+    """train_row (element pruning, document-blocked attention, distinct-label targets, fused KL) == the plain
+    weighted-mean KL over every COD element with one dense N x N mask, in loss and in every gradient (float64)."""
+    from peagle.model import DrafterConfig, PEagleDrafter
+    from peagle.ops import cod_sample
+    from peagle.testing import random_packed_row
+    from peagle.train.dataset import TrainRow
+    from peagle.train.trainer import element_loss, train_row
+
+    gen = torch.Generator().manual_seed(5)
+    cfg = DrafterConfig(hidden_size=32, vocab_size=40, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
+                        intermediate_size=48, mask_token_id=39, num_depths=4, aux_layer_ids=[1, 2, 3])  # fmt: skip
+    torch.manual_seed(0)
+    model = PEagleDrafter(cfg).double()
+    length = 160
+    packed = random_packed_row(gen, length, mean_document_length=30)
+    row = TrainRow(torch.randint(0, 39, (length,), generator=gen), torch.randn(length, 96, generator=gen).double(),
+                   torch.randn(length, 32, generator=gen).double(), packed.document_ids, packed.loss_mask)  # fmt: skip
+    head = torch.randn(40, 32, generator=gen).double()
+    anchors, depths = cod_sample(row.loss_mask, row.document_ids, 4, 0.8, 0.3, None, 1)
+    weights = torch.tensor([1.0, 0.9, 0.7, 0.5], dtype=torch.float64)
+    stats = train_row(model, row, anchors, depths, head, model.draft_ids(), weights)
+    ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    out = model.forward_train(row.input_ids, row.hidden, anchors, depths, row.document_ids, attention="sdpa-full")
+    label = anchors + depths
+    docs = row.document_ids
+    w = (row.loss_mask[label] & (docs[anchors] >= 0)).double() * weights[depths]
+    target = row.target_hidden[label] @ head.T
+    loss = (element_loss(out.logits, target, "kl") * w).sum() / w.sum()
+    loss.backward()
+    assert stats["loss"] == pytest.approx(float(loss), rel=1e-10)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(ours[name], p.grad, rtol=1e-8, atol=1e-10, msg=name)
