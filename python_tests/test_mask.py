@@ -180,7 +180,8 @@ def test_builder_reuses_buffers_across_samples(generator):
     # Samples with the same window share one mask_mod over the same (max-length) buffers.
     assert mods[0] is mods[2] and builder._capacity == capacity == 4000
     # A longer sample grows the buffers (to whole blocks) and still gives the right attention.
-    a, d, docs = sample(generator, 900, 8, 1.0, 1.0, 2000.0)
+    docs = torch.zeros(900, dtype=torch.long)  # one fully trained document: ~7.2K elements at K = 8, ratio 1
+    a, d = cod_sample(torch.ones(900, dtype=torch.bool), docs, 8, 1.0, 1.0, None, 0)
     assert a.numel() > capacity
     flex_vs_sdpa(a, d, docs, 32, None, generator, builder=builder)
     assert builder._capacity >= a.numel() and builder._capacity % 32 == 0
