@@ -208,10 +208,16 @@ def test_extract_matches_the_target_and_resumes(work, tmp_path):
     docs = raw["document_ids"]
     end = int((docs == 0).sum())
     target = AutoModelForCausalLM.from_pretrained(str(work / "target"))
+    # Layer id i = the residual stream after i decoder layers (vLLM's aux hidden states): transformers' last
+    # hidden_states entry is after the final norm, so the last layer's is read at the norm's input.
+    final_input = []
+    target.model.norm.register_forward_pre_hook(lambda module, args: final_input.append(args[0]))
     with torch.no_grad():
         out = target(raw["input_ids"][:end].long()[None], output_hidden_states=True)
     ids = data.manifest["aux_layer_ids"]
-    expected = torch.cat([out.hidden_states[i][0] for i in ids], -1)
+    layers = target.config.num_hidden_layers
+    assert layers in ids
+    expected = torch.cat([(final_input[0] if i == layers else out.hidden_states[i])[0] for i in ids], -1)
     torch.testing.assert_close(raw["aux_hidden"][:end], expected, rtol=1e-4, atol=1e-5)
     logits = raw["final_hidden"][:end] @ load_file(work / "ext-train" / "target_head.safetensors")["lm_head.weight"].T
     torch.testing.assert_close(logits, out.logits[0], rtol=1e-4, atol=1e-5)

