@@ -171,6 +171,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Print the `vllm serve` command that serves a drafter beside its target, then run it (unless --dry-run)."""
+    import os
+    import subprocess
+
+    from peagle.vllm.serve import format_command, serve_command
+
+    argv = serve_command(args.drafter, args.target, args.num_speculative_tokens, args.vllm_args)
+    print(format_command(argv, args.peagle_verify), flush=True)
+    if args.dry_run:
+        return 0
+    env = {**os.environ, **({"PEAGLE_VLLM_VERIFY": "1"} if args.peagle_verify else {})}
+    return subprocess.call(argv, env=env)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="peagle", description="P-EAGLE parallel-drafting speculative decoding toolkit"
@@ -302,6 +317,15 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-rows", type=int, default=None, help="evaluate the first N rows only")
     ev.add_argument("--json", default=None, help="also write the result to this JSON file")
     ev.set_defaults(func=cmd_eval)
+
+    sv = commands.add_parser("serve", help=cmd_serve.__doc__, description=cmd_serve.__doc__)
+    sv.add_argument("--drafter", required=True, help="drafter checkpoint directory (e.g. OUT/final)")
+    sv.add_argument("--target", default=None, help="target model (default: the verifier named in the drafter)")
+    sv.add_argument("--num-speculative-tokens", type=int, default=None, help="K (default: the drafter's depths)")
+    sv.add_argument("--peagle-verify", action="store_true", help="verify drafts with peagle's kernels (vLLM plugin)")
+    sv.add_argument("--dry-run", action="store_true", help="print the command only")
+    sv.add_argument("vllm_args", nargs=argparse.REMAINDER, help="further `vllm serve` arguments, after --")
+    sv.set_defaults(func=cmd_serve)
     return parser
 
 
