@@ -11,13 +11,6 @@ from peagle.testing import fresh_seed, random_packed_row
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.fixture
-def generator() -> torch.Generator:
-    seed = fresh_seed()
-    print(f"input seed {seed}")
-    return torch.Generator().manual_seed(seed)
-
-
 @pytest.mark.parametrize("length", [1, 2, 17, 300, 2048, 16384])
 @pytest.mark.parametrize(
     "num_depths,ratio,ratio_min,max_anchors",

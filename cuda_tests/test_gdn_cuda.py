@@ -14,19 +14,12 @@ from peagle.ops import (
     gdn_tree_verify_reference,
 )
 from peagle.ops.gdn import tree_path
-from peagle.testing import fresh_seed, random_gdn_inputs, random_tree
+from peagle.testing import random_gdn_inputs, random_tree
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 KINDS = ["chain", "star", "deep", "random", "forest"]
 SHAPES = [(1, 1, 16, 8), (2, 4, 16, 24), (4, 8, 128, 128), (2, 4, 64, 200), (1, 2, 256, 64)]  # H, HV, K, V
-
-
-@pytest.fixture
-def generator() -> torch.Generator:
-    seed = fresh_seed()
-    print(f"input seed {seed}")
-    return torch.Generator().manual_seed(seed)
 
 
 def rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:

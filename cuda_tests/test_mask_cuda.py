@@ -8,7 +8,7 @@ import torch
 
 from peagle.ops import BlockMaskBuilder, block_kinds, block_kinds_from_predicate, cod_sample, mask_block, mask_dense
 from peagle.ops.mask import EMPTY, FULL
-from peagle.testing import fresh_seed, random_packed_row
+from peagle.testing import random_packed_row
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -25,13 +25,6 @@ CASES = [
     (2048, 8, 0.8, 0.2, 600.0, 256, 128),
     (4096, 8, 0.8, 0.2, 1500.0, None, 128),
 ]
-
-
-@pytest.fixture
-def generator() -> torch.Generator:
-    seed = fresh_seed()
-    print(f"input seed {seed}")
-    return torch.Generator().manual_seed(seed)
 
 
 def sample(generator, length, num_depths, ratio, ratio_min, mean_doc, *, shuffle=False):

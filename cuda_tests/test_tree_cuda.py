@@ -23,13 +23,6 @@ from peagle.testing import fresh_seed, random_tree_batch, random_tree_probs
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.fixture
-def generator() -> torch.Generator:
-    seed = fresh_seed()
-    print(f"input seed {seed}")
-    return torch.Generator().manual_seed(seed)
-
-
 def cuda(*tensors):
     return [None if t is None else t.cuda() for t in tensors]
 

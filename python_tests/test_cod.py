@@ -29,13 +29,6 @@ SAMPLE_CONFIGS = [
 LENGTHS = [1, 2, 3, 17, 300, 2048]
 
 
-@pytest.fixture
-def generator() -> torch.Generator:
-    seed = fresh_seed()
-    print(f"input seed {seed}")
-    return torch.Generator().manual_seed(seed)
-
-
 def check_cod_properties(loss_mask, document_ids, anchors, depths, num_depths, ratio, ratio_min, max_anchors):
     """Asserts the COD contract from first principles (no reference implementation involved)."""
     length = loss_mask.shape[0]

@@ -21,7 +21,7 @@ from peagle.ops import (
     mask_dense_reference,
 )
 from peagle.ops.mask import EMPTY, FULL, PARTIAL
-from peagle.testing import fresh_seed, random_packed_row
+from peagle.testing import random_packed_row
 
 # T, num_depths, ratio, ratio_min, mean document length, window, block size
 CASES = [
@@ -36,13 +36,6 @@ CASES = [
     (1024, 8, 0.8, 0.2, 400.0, 256, 128),
     (1500, 3, 0.3, 0.3, 8.0, None, 128),
 ]
-
-
-@pytest.fixture
-def generator() -> torch.Generator:
-    seed = fresh_seed()
-    print(f"input seed {seed}")
-    return torch.Generator().manual_seed(seed)
 
 
 def sample(generator, length, num_depths, ratio, ratio_min, mean_doc, *, shuffle=False, int32=False):

@@ -9,16 +9,9 @@ import torch
 
 from peagle.model import DrafterConfig, PEagleDrafter, from_pretrained, save_pretrained
 from peagle.ops import cod_sample
-from peagle.testing import fresh_seed, random_packed_row
+from peagle.testing import random_packed_row
 
 VOCAB = 97
-
-
-@pytest.fixture
-def generator() -> torch.Generator:
-    seed = fresh_seed()
-    print(f"input seed {seed}")
-    return torch.Generator().manual_seed(seed)
 
 
 def tiny_config(**changes) -> DrafterConfig:

@@ -9,18 +9,11 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 from peagle.ops import cod_gather, cod_sample, mask_dense
-from peagle.testing import fresh_seed, random_packed_row
+from peagle.testing import random_packed_row
 from peagle.train import partition_elements, segment_boundaries, segment_masks
 from peagle.train.stack import DrafterLikeStack
 
 HIDDEN, FEATURES, VOCAB, HEADS = 32, 24, 50, 4
-
-
-@pytest.fixture
-def generator() -> torch.Generator:
-    seed = fresh_seed()
-    print(f"input seed {seed}")
-    return torch.Generator().manual_seed(seed)
 
 
 def make_row(generator, length, num_depths, mean_doc, ratio=0.8, ratio_min=0.2):

@@ -27,13 +27,6 @@ from peagle.ops import (
 from peagle.testing import fresh_seed, random_tree_batch
 
 
-@pytest.fixture
-def generator() -> torch.Generator:
-    seed = fresh_seed()
-    print(f"input seed {seed}")
-    return torch.Generator().manual_seed(seed)
-
-
 def assert_outputs_equal(actual, expected):
     for name, a, e in zip(actual._fields, actual, expected, strict=True):
         assert a.dtype == torch.long, name
