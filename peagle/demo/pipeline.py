@@ -32,9 +32,9 @@ class DemoSpec:
     depths: int = 5  # K of the P-EAGLE drafter (the baseline drafts K tokens autoregressively with a K = 1 drafter)
     drafter_layers: int = 1
     seq_len: int = 512  # T of a packed training row
-    train_chars: int = 600_000  # text the drafters train on (a prefix of the training split)
+    train_chars: int = 400_000  # text the drafters train on (a prefix of the training split)
     heldout_chars: int = 120_000
-    steps: int = 300
+    steps: int = 200
     batch_size: int = 2
     lr: float = 1e-3
     max_anchors: int | None = 256
@@ -45,14 +45,16 @@ class DemoSpec:
     target: TargetSpec = field(default_factory=TargetSpec)
 
     def drafter_key(self) -> str:
-        fields = {k: v for k, v in asdict(self).items() if k not in ("target", "prompts", "prompt_tokens", "max_tokens")}
+        fields = {
+            k: v for k, v in asdict(self).items() if k not in ("target", "prompts", "prompt_tokens", "max_tokens")
+        }
         return f"{zlib.crc32(json.dumps(fields, sort_keys=True).encode()):08x}"
 
 
 QUICK = DemoSpec(
     depths=4,
     seq_len=128,
-    train_chars=60_000,
+    train_chars=30_000,
     heldout_chars=20_000,
     steps=60,
     batch_size=2,
@@ -154,7 +156,10 @@ def _serve(name: str, request: dict[str, Any], out: Path, log: Path) -> dict[str
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     with log.open("w") as f:
         proc = subprocess.run(
-            [sys.executable, "-m", "peagle.demo.serve", str(req_path), str(out)], stdout=f, stderr=subprocess.STDOUT, env=env
+            [sys.executable, "-m", "peagle.demo.serve", str(req_path), str(out)],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
     if proc.returncode != 0 or not out.exists():
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
@@ -259,12 +264,16 @@ def run_demo(
         stages.run(
             f"prepare-data ({split})",
             _complete(prepared),
-            lambda: prepare_data(str(texts / f"{split}.jsonl"), target_dir, prepared, spec.seq_len, 256, None, progress),
+            lambda split=split, prepared=prepared: prepare_data(
+                str(texts / f"{split}.jsonl"), target_dir, prepared, spec.seq_len, 256, None, progress
+            ),
         )
         stages.run(
             f"extract ({split})",
             _complete(states),
-            lambda: extract(prepared, target_dir, states, layer_ids, "bfloat16", 64, "cpu", progress),
+            lambda prepared=prepared, states=states: extract(
+                prepared, target_dir, states, layer_ids, "bfloat16", 64, "cpu", progress
+            ),
         )
 
     # --- 3. train P-EAGLE and the EAGLE-3 baseline with the same budget ---------------------------------------------

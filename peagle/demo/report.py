@@ -164,7 +164,9 @@ def write_report(
     ]
     for row in table:
         cells = _cells(row["conditional_acceptance"], k)
-        lines.append(f"| {row['drafter']} | {row['measured']} | " + " | ".join(cells) + f" | {row['acceptance_length']:.3f} |")
+        lines.append(
+            f"| {row['drafter']} | {row['measured']} | " + " | ".join(cells) + f" | {row['acceptance_length']:.3f} |"
+        )
     if serving:
         lines += [
             "",

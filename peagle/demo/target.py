@@ -39,8 +39,8 @@ class TargetSpec:
     num_kv_heads: int = 2
     intermediate_size: int = 768
     seq_len: int = 256
-    batch_size: int = 16
-    lr: float = 2e-3
+    batch_size: int = 8
+    lr: float = 3e-3
     train_seconds: float = 240.0  # wall-clock budget of target training
     max_steps: int = 3000
     seed: int = 0
@@ -59,8 +59,8 @@ QUICK_TARGET = TargetSpec(
     num_kv_heads=1,
     intermediate_size=384,
     seq_len=128,
-    batch_size=16,
-    lr=3e-3,
+    batch_size=8,
+    lr=4e-3,
     train_seconds=25.0,
     max_steps=600,
 )
@@ -161,7 +161,12 @@ def build_tokenizer(corpus: Path, out: Path, spec: TargetSpec) -> None:
     )
     core.train_from_iterator(_texts(corpus / "train.jsonl"), trainer=trainer)
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>", mask_token="<mask>"
+        tokenizer_object=core,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        mask_token="<mask>",
     )
     tok.save_pretrained(str(out))
     _mark_done(out, {"vocab_size": len(tok)})
@@ -239,7 +244,7 @@ def train_target(corpus: Path, tokenizer_dir: Path, out: Path, spec: TargetSpec,
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         step += 1
-        loss_value = float(loss)
+        loss_value = float(loss.detach())
         now = min(int(time.perf_counter() - start), int(spec.train_seconds))
         bar.update(now - shown)
         shown = now
