@@ -83,7 +83,7 @@ def test_demo_user_target_and_data(tmp_path):
 
     tok = tiny_tokenizer(tmp_path / "target")
     tiny_llama(tmp_path / "target", vocab_size=len(tok) + 4)
-    tiny_chat_jsonl(tmp_path / "chats.jsonl", 200)
+    tiny_chat_jsonl(tmp_path / "chats.jsonl", 80)
     report = run_demo(
         workdir=tmp_path / "work",
         quick=True,

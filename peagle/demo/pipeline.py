@@ -31,14 +31,14 @@ class DemoSpec:
 
     depths: int = 5  # K of the P-EAGLE drafter (the baseline drafts K tokens autoregressively with a K = 1 drafter)
     drafter_layers: int = 1
-    seq_len: int = 512  # T of a packed training row
+    seq_len: int = 256  # T of a packed training row
     train_chars: int = 400_000  # text the drafters train on (a prefix of the training split)
-    heldout_chars: int = 120_000
-    steps: int = 200
+    heldout_chars: int = 50_000
+    steps: int = 150
     batch_size: int = 2
     lr: float = 1e-3
-    max_anchors: int | None = 256
-    eval_rows: int = 32
+    max_anchors: int | None = 128
+    eval_rows: int = 48
     prompts: int = 8
     prompt_tokens: int = 64
     max_tokens: int = 128

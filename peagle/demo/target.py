@@ -39,8 +39,8 @@ class TargetSpec:
     num_kv_heads: int = 2
     intermediate_size: int = 768
     seq_len: int = 256
-    batch_size: int = 8
-    lr: float = 3e-3
+    batch_size: int = 4  # small batches: more steps in a few CPU minutes
+    lr: float = 4e-3
     train_seconds: float = 240.0  # wall-clock budget of target training
     max_steps: int = 3000
     seed: int = 0
