@@ -34,9 +34,9 @@ class DemoSpec:
     seq_len: int = 256  # T of a packed training row
     train_chars: int = 400_000  # text the drafters train on (a prefix of the training split)
     heldout_chars: int = 50_000
-    steps: int = 150
+    steps: int = 600
     batch_size: int = 2
-    lr: float = 1e-3
+    lr: float = 2e-3
     max_anchors: int | None = 128
     eval_rows: int = 48
     prompts: int = 8
