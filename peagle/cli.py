@@ -186,6 +186,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return subprocess.call(argv, env=env)
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The main job on an embedded default (or --target/--data): target -> prepare-data -> extract -> train P-EAGLE
+    and an EAGLE-3 baseline -> eval -> serve with vLLM -> report (markdown, JSON, plots)."""
+    from peagle.demo import run_demo
+
+    report = run_demo(
+        workdir=args.workdir,
+        quick=args.quick,
+        target=args.target,
+        data=args.data,
+        depths=args.depths,
+        fresh=args.fresh,
+        serve=not args.no_serve,
+        progress=not args.quiet,
+    )
+    return 0 if report["lossless"] in (True, None) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="peagle", description="P-EAGLE parallel-drafting speculative decoding toolkit"
@@ -326,6 +344,19 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--dry-run", action="store_true", help="print the command only")
     sv.add_argument("vllm_args", nargs=argparse.REMAINDER, help="further `vllm serve` arguments, after --")
     sv.set_defaults(func=cmd_serve)
+
+    demo = commands.add_parser("demo", help=cmd_demo.__doc__, description=cmd_demo.__doc__)
+    demo.add_argument("--quick", action="store_true", help="a smaller target and budgets (about 2-3 minutes)")
+    demo.add_argument("--target", default=None, help="your target model directory (Hugging Face format)")
+    demo.add_argument(
+        "--data", default=None, help="your .jsonl data (messages / conversations / text records); with --target"
+    )
+    demo.add_argument("--workdir", default=None, help="cache and output directory (default ~/.cache/peagle)")
+    demo.add_argument("--depths", type=int, default=None, help="P-EAGLE parallel depths K (default 5; --quick 4)")
+    demo.add_argument("--fresh", action="store_true", help="ignore the cache and redo every stage")
+    demo.add_argument("--no-serve", action="store_true", help="skip the vLLM measurement")
+    demo.add_argument("--quiet", action="store_true", help="no progress bars")
+    demo.set_defaults(func=cmd_demo)
     return parser
 
 

@@ -1,0 +1,192 @@
+"""The demo's report: the per-position acceptance table (offline and measured by vLLM), the greedy lossless check,
+tokens/s and speedup in vLLM, as markdown, JSON and PNG plots."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+__all__ = ["served_acceptance", "write_report"]
+
+
+def served_acceptance(result: dict[str, Any], depths: int) -> dict[str, Any] | None:
+    """vLLM's counters as the published tables report them: the conditional acceptance at position i (accepted at i
+    given 1..i-1 accepted) and the acceptance length 1 + accepted / drafts."""
+    drafts = result.get("drafts", 0)
+    if not drafts:
+        return None
+    per_pos = list(result["accepted_per_pos"])[:depths] + [0] * max(0, depths - len(result["accepted_per_pos"]))
+    conditional, previous = [], drafts
+    for v in per_pos:
+        conditional.append(v / previous if previous else 0.0)
+        previous = v
+    return {
+        "drafts": drafts,
+        "conditional_acceptance": conditional,
+        "acceptance_length": 1.0 + result["accepted_tokens"] / drafts,
+    }
+
+
+def _cells(values: list[float], k: int) -> list[str]:
+    return [f"{v:.3f}" for v in values] + ["-"] * (k - len(values))
+
+
+def _plots(out: Path, table: list[dict[str, Any]], serving: list[dict[str, Any]], k: int) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    width = 0.8 / max(1, len(table))
+    for i, row in enumerate(table):
+        xs = [p + 1 + (i - (len(table) - 1) / 2) * width for p in range(len(row["conditional_acceptance"]))]
+        ax.bar(xs, row["conditional_acceptance"], width, label=f"{row['drafter']} ({row['measured']})")
+    ax.set_xticks(range(1, k + 1), [f"Pos {p}" for p in range(1, k + 1)])
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("conditional acceptance")
+    ax.set_title("Per-position acceptance on the held-out split")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "acceptance.png", dpi=110)
+    plt.close(fig)
+    files.append("acceptance.png")
+    if serving:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        names = [s["config"] for s in serving]
+        ax.bar(names, [s["tokens_per_second"] for s in serving], color=["#888", "#1f77b4", "#ff7f0e"][: len(names)])
+        for i, s in enumerate(serving):
+            ax.text(i, s["tokens_per_second"], f"{s['speedup']:.2f}x", ha="center", va="bottom")
+        ax.set_ylabel("generated tokens / s")
+        ax.set_title("vLLM-CPU greedy decoding")
+        fig.tight_layout()
+        fig.savefig(out / "throughput.png", dpi=110)
+        plt.close(fig)
+        files.append("throughput.png")
+    return files
+
+
+def write_report(
+    out: Path,
+    spec,
+    target_info: dict[str, Any],
+    offline: dict[str, dict[str, Any]],
+    served: dict[str, dict[str, Any]],
+    stages: dict[str, float],
+    cached: list[str],
+    total_seconds: float,
+    train_seconds: dict[str, float],
+) -> dict[str, Any]:
+    from peagle.model.checkpoint import atomic_write_bytes, atomic_write_json
+
+    out.mkdir(parents=True, exist_ok=True)
+    k = spec.depths
+    table = []
+    for name in ("P-EAGLE", "EAGLE-3"):
+        if name in offline:
+            r = offline[name]
+            table.append(
+                {
+                    "drafter": name,
+                    "measured": "offline",
+                    "conditional_acceptance": r["conditional_acceptance"],
+                    "acceptance_length": r["acceptance_length"],
+                    "chains": r["chains"],
+                }
+            )
+        if name in served:
+            s = served_acceptance(served[name], k)
+            if s is not None:
+                table.append({"drafter": name, "measured": "vLLM", **s})
+    serving = []
+    reference = served.get("no speculation")
+    for name, r in served.items():
+        entry = {
+            "config": name,
+            "tokens_per_second": r["tokens_per_second"],
+            "generated_tokens": r["generated_tokens"],
+            "seconds": r["seconds"],
+            "startup_seconds": r["startup_seconds"],
+            "speedup": r["tokens_per_second"] / reference["tokens_per_second"] if reference else None,
+        }
+        if reference is not None and name != "no speculation":
+            same = [a == b for a, b in zip(r["outputs"], reference["outputs"], strict=True)]
+            entry["lossless"] = all(same)
+            entry["identical_outputs"] = f"{sum(same)}/{len(same)}"
+        acc = served_acceptance(r, k)
+        entry["acceptance_length"] = acc["acceptance_length"] if acc else None
+        serving.append(entry)
+    report = {
+        "depths": k,
+        "target": target_info,
+        "settings": {key: v for key, v in asdict(spec).items() if key != "target"},
+        "acceptance": table,
+        "offline": offline,
+        "serving": serving,
+        "lossless": all(s.get("lossless", True) for s in serving) if serving else None,
+        "train_seconds": train_seconds,
+        "stage_seconds": stages,
+        "cached_stages": cached,
+        "total_seconds": total_seconds,
+    }
+    report["plots"] = _plots(out, table, serving, k)
+    atomic_write_json(out / "report.json", report)
+
+    lines = ["# peagle demo report", ""]
+    t = target_info
+    if t["kind"] == "embedded default":
+        c = t["config"]
+        lines += [
+            f"Target: the embedded default, a Llama-style model ({t['parameters'] / 1e6:.2f} M parameters: "
+            f"{c['num_layers']} layers, hidden {c['hidden_size']}, head_dim {c['hidden_size'] // c['num_heads']}, "
+            f"vocabulary {c['vocab_size']} byte-level BPE) trained {t['steps']} steps ({t['seconds']:.0f} s) on "
+            f"{t['corpus']['files']['train']} Python standard-library files; held-out loss {t['heldout_loss']:.3f} "
+            f"on {t['corpus']['files']['heldout']} held-out files.",
+        ]
+    else:
+        lines += [f"Target: {t['path']}; data: {t['data']} (every 10th record held out)."]
+    lines += [
+        "",
+        f"Drafters: P-EAGLE (K = {k} parallel depths) and an EAGLE-3 baseline (K = 1, drafting {k} tokens "
+        f"autoregressively when served), both {spec.drafter_layers} layer(s), {spec.steps} steps x "
+        f"{spec.batch_size} rows of T = {spec.seq_len}.",
+        "",
+        "## Acceptance on the held-out split",
+        "",
+        "Conditional acceptance at position i (accepted given positions 1..i-1 accepted) and the average acceptance "
+        "length (AL = 1 + accepted drafts per verification). Offline: teacher-forced chains on held-out rows (the "
+        "EAGLE-3 drafter is evaluated offline at its own K = 1). vLLM: counters of greedy serving on held-out prompts.",
+        "",
+        "| Drafter | Measured | " + " | ".join(f"Pos {p}" for p in range(1, k + 1)) + " | AL |",
+        "|---|---|" + "---|" * k + "---|",
+    ]
+    for row in table:
+        cells = _cells(row["conditional_acceptance"], k)
+        lines.append(
+            f"| {row['drafter']} | {row['measured']} | " + " | ".join(cells) + f" | {row['acceptance_length']:.3f} |"
+        )
+    if serving:
+        lines += [
+            "",
+            "## vLLM-CPU serving (greedy)",
+            "",
+            f"{len(reference['outputs']) if reference else '?'} held-out prompts, {spec.max_tokens} generated tokens "
+            "each, float32, enforce_eager; engine start-up not included.",
+            "",
+            "| Config | tokens/s | speedup | AL | lossless (output == no speculation) |",
+            "|---|---|---|---|---|",
+        ]
+        for s in serving:
+            speed = f"{s['speedup']:.2f}x" if s["speedup"] is not None else "-"
+            al = f"{s['acceptance_length']:.3f}" if s["acceptance_length"] else "-"
+            lossless = "reference" if "lossless" not in s else f"{s['lossless']} ({s['identical_outputs']})"
+            lines.append(f"| {s['config']} | {s['tokens_per_second']:.1f} | {speed} | {al} | {lossless} |")
+    lines += ["", "## Timings", "", "| Stage | seconds |", "|---|---|"]
+    for name, sec in stages.items():
+        lines.append(f"| {name} | {'cached' if name in cached else f'{sec:.1f}'} |")
+    lines.append(f"| total | {total_seconds:.1f} |")
+    lines += [""] + [f"![{p}]({p})" for p in report["plots"]] + [""]
+    atomic_write_bytes(out / "report.md", "\n".join(lines).encode())
+    return report

