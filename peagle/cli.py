@@ -79,7 +79,7 @@ def cmd_prepare_data(args: argparse.Namespace) -> int:
 
 
 def cmd_extract(args: argparse.Namespace) -> int:
-    """Step 2: run the target (Hugging Face) over prepared rows; store aux-layer hidden states and target outputs."""
+    """Step 2: run the target (transformers or vLLM) over prepared rows; store aux-layer hidden states and outputs."""
     from peagle.train.extract import extract
 
     manifest = extract(
@@ -91,6 +91,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
         args.rows_per_shard,
         args.device,
         not args.quiet,
+        args.backend,
     )
     print(f"extracted {manifest['num_rows']} rows (aux layers {manifest['aux_layer_ids']}) into {args.out}")
     return 0
@@ -252,7 +253,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="storage dtype of hidden states (default bfloat16)",
     )
     ext.add_argument("--rows-per-shard", type=int, default=64, help="rows per shard (default 64)")
-    ext.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="target device")
+    ext.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="target device (hf)")
+    ext.add_argument(
+        "--backend",
+        default="hf",
+        choices=["hf", "vllm"],
+        help="hf: transformers in this process; vllm: vLLM's hidden-state extraction (default hf)",
+    )
     ext.add_argument("--quiet", action="store_true", help="no progress bar")
     ext.set_defaults(func=cmd_extract)
 
