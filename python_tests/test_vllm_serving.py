@@ -7,40 +7,19 @@ recipe) and evaluates it offline; each vLLM configuration then runs in its own p
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 from scipy import stats
+from vllm_runner import acceptance_length, run_vllm
 
 from peagle.cli import main
 from peagle.testing import tiny_llama, tiny_tokenizer
 
 K = 3
 ANSWER_TOKENS = 48
-RUNNER = Path(__file__).with_name("vllm_runner.py")
-
-
-def run_vllm(config: dict) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "result.json"
-        proc = subprocess.run(
-            [sys.executable, str(RUNNER), json.dumps({**config, "result_file": str(result)})],
-            capture_output=True,
-            text=True,
-            timeout=900,
-            check=False,
-        )
-        assert proc.returncode == 0 and result.exists(), (proc.stdout + proc.stderr)[-4000:]
-        return json.loads(result.read_text())["runs"]
-
-
-def acceptance_length(metrics: dict) -> float:
-    return 1.0 + metrics["vllm:spec_decode_num_accepted_tokens"] / metrics["vllm:spec_decode_num_drafts"]
 
 
 @pytest.fixture(scope="module")

