@@ -6,6 +6,7 @@
 #include <cub/device/device_scan.cuh>
 
 #include "cod_kernels.h"
+#include "float_convert.cuh"
 #include "peagle/cod.h"
 
 namespace peagle {
@@ -152,38 +153,6 @@ cudaError_t gather_by_alignment(const void* input_ids, const void* hidden, const
   if (aligned(4)) return PEAGLE_GATHER(uint32_t);
   return PEAGLE_GATHER(uint16_t);
 #undef PEAGLE_GATHER
-}
-
-template <typename T>
-struct AccOf {
-  using type = float;
-};
-template <>
-struct AccOf<double> {
-  using type = double;
-};
-
-__device__ __forceinline__ float to_acc(float v) { return v; }
-__device__ __forceinline__ double to_acc(double v) { return v; }
-__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
-template <typename T>
-__device__ __forceinline__ T from_acc(typename AccOf<T>::type v);
-template <>
-__device__ __forceinline__ float from_acc<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ double from_acc<double>(double v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) {
-  return __float2bfloat16(v);
-}
-template <>
-__device__ __forceinline__ __half from_acc<__half>(float v) {
-  return __float2half(v);
 }
 
 constexpr int kBackwardRows = 64;  // rows per block of the backward kernel

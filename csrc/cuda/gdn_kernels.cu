@@ -12,6 +12,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "float_convert.cuh"
 #include "gdn_kernels.h"
 #include "peagle/gdn.h"
 
@@ -20,24 +21,6 @@ namespace cuda {
 namespace {
 
 constexpr int kColumns = 64;  // value columns per verification block (one per thread)
-
-__device__ __forceinline__ float to_f(float x) { return x; }
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
-template <typename T>
-__device__ __forceinline__ T from_f(float x);
-template <>
-__device__ __forceinline__ float from_f<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
-  return __float2bfloat16(x);
-}
-template <>
-__device__ __forceinline__ __half from_f<__half>(float x) {
-  return __float2half(x);
-}
 
 constexpr int kChunk = 32;           // K rows of q/k/S0 staged per step
 constexpr int kStride = kChunk + 1;  // padded rows: Gram reads of different nodes hit different banks
@@ -92,7 +75,7 @@ __global__ void __launch_bounds__(kColumns)
       for (int i = 0; i < n; ++i) {
         const int64_t out = ((b * n + i) * HV + hv) * V + col;
         u[out] = __int_as_float(0x7fc00000);
-        o[out] = from_f<T>(__int_as_float(0x7fc00000));
+        o[out] = from_acc<T>(__int_as_float(0x7fc00000));
       }
     }
     return;
@@ -105,8 +88,8 @@ __global__ void __launch_bounds__(kColumns)
     for (int idx = tid; idx < n * kChunk; idx += blockDim.x) {
       const int i = idx / kChunk, r = idx - (idx / kChunk) * kChunk;
       const int64_t row = ((b * n + i) * H + h) * K + r0 + r;
-      q_c[i * kStride + r] = r < width ? to_f(q[row]) : 0.0f;
-      k_c[i * kStride + r] = r < width ? to_f(k[row]) : 0.0f;
+      q_c[i * kStride + r] = r < width ? to_acc(q[row]) : 0.0f;
+      k_c[i * kStride + r] = r < width ? to_acc(k[row]) : 0.0f;
     }
     __syncthreads();
     for (int i = tid; i < n; i += blockDim.x) {
@@ -163,7 +146,7 @@ __global__ void __launch_bounds__(kColumns)
     for (int i = 0; i < n; ++i) {
       u_s[i * kColumns + tid] *= inv_k[i];
       o_s[i * kColumns + tid] *= inv_q[i];
-      v_s[i * kColumns + tid] = to_f(v[((b * n + i) * HV + hv) * V + col]);
+      v_s[i * kColumns + tid] = to_acc(v[((b * n + i) * HV + hv) * V + col]);
     }
   }
   __syncthreads();
@@ -172,7 +155,7 @@ __global__ void __launch_bounds__(kColumns)
   for (int i = 0; i < n; ++i) {
     const int64_t out = ((b * n + i) * HV + hv) * V + col;
     u[out] = u_s[i * kColumns + tid];
-    o[out] = from_f<T>(o_s[i * kColumns + tid]);
+    o[out] = from_acc<T>(o_s[i * kColumns + tid]);
   }
 }
 
@@ -204,7 +187,7 @@ __global__ void __launch_bounds__(kCommitThreads)
     if (((path >> j) & 1ull) == 0) continue;
     const T* kj = k + ((b * n + j) * H + h) * K;
     float sk = 0.0f;
-    for (int64_t r = 0; r < K; ++r) sk += to_f(kj[r]) * to_f(kj[r]);
+    for (int64_t r = 0; r < K; ++r) sk += to_acc(kj[r]) * to_acc(kj[r]);
     coef[j] = expf(gate_sum[a] - gate_sum[j]) * gdn::inv_l2(sk, l2norm);
   }
   __syncthreads();
@@ -217,7 +200,7 @@ __global__ void __launch_bounds__(kCommitThreads)
     while (bits != 0) {
       const int j = __ffsll(static_cast<long long>(bits)) - 1;
       bits &= bits - 1;
-      value += coef[j] * to_f(k[((b * n + j) * H + h) * K + r]) * u[((b * n + j) * HV + hv) * V + c];
+      value += coef[j] * to_acc(k[((b * n + j) * H + h) * K + r]) * u[((b * n + j) * HV + hv) * V + c];
     }
     state[e] = value;
   }
@@ -235,16 +218,16 @@ __global__ void __launch_bounds__(kConvThreads)
   if (c >= channels) return;
   int src[gdn::kMaxConvWidth];
   if (!gdn::conv_window(parent + b * nodes, static_cast<int>(i), width, src)) {
-    out[(b * nodes + i) * channels + c] = from_f<T>(__int_as_float(0x7fc00000));
+    out[(b * nodes + i) * channels + c] = from_acc<T>(__int_as_float(0x7fc00000));
     return;
   }
   float acc = bias == nullptr ? 0.0f : bias[c];
   for (int w = 0; w < width; ++w) {
-    const float value = src[w] >= 0 ? to_f(x[(b * nodes + src[w]) * channels + c])
-                                    : to_f(conv_state[(b * channels + c) * (width - 1) + (-src[w] - 1)]);
+    const float value = src[w] >= 0 ? to_acc(x[(b * nodes + src[w]) * channels + c])
+                                    : to_acc(conv_state[(b * channels + c) * (width - 1) + (-src[w] - 1)]);
     acc += weight[c * width + w] * value;
   }
-  out[(b * nodes + i) * channels + c] = from_f<T>(activation == 1 ? gdn::silu(acc) : acc);
+  out[(b * nodes + i) * channels + c] = from_acc<T>(activation == 1 ? gdn::silu(acc) : acc);
 }
 
 template <typename T>
