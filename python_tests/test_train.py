@@ -181,6 +181,42 @@ def test_chat_loss_mask_is_the_assistant_turns(tmp_path):
     assert all(text.loss) and len(text.ids) == 3
 
 
+def test_token_id_records_train_the_completion_only(tmp_path):
+    from peagle.train.data import iter_prepared_rows
+
+    tok = tiny_tokenizer(tmp_path / "tok")
+    gen = torch.Generator().manual_seed(5)
+    records = []
+    for _ in range(12):
+        prompt = torch.randint(0, len(tok), (int(torch.randint(0, 9, (1,), generator=gen)),), generator=gen)
+        completion = torch.randint(0, len(tok), (int(torch.randint(1, 14, (1,), generator=gen)),), generator=gen)
+        records.append({"prompt_ids": prompt.tolist(), "completion_ids": completion.tolist()})
+    records.append({"completion_ids": [9, 10, 11]})  # no prompt: every token trained
+    doc = tokenize_record(tok, records[-1])
+    assert doc.ids == [9, 10, 11] and doc.loss == [True, True, True]  # ids as given, no BOS added
+    with open(tmp_path / "ids.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    assert main(["prepare-data", "--input", str(tmp_path / "ids.jsonl"), "--tokenizer", str(tmp_path / "tok"),
+                 "--out", str(tmp_path / "prep"), "--seq-len", "32", "--quiet"]) == 0  # fmt: skip
+    # Unpack the rows into documents: each is prompt + completion, in order, trained exactly on the completion.
+    docs = []
+    for row in iter_prepared_rows(tmp_path / "prep"):
+        ids, loss, doc_ids = row["input_ids"].tolist(), row["loss_mask"].tolist(), row["document_ids"].tolist()
+        for d in sorted(set(doc_ids) - {-1}):
+            docs.append(([i for i, k in zip(ids, doc_ids, strict=True) if k == d],
+                         [m for m, k in zip(loss, doc_ids, strict=True) if k == d]))  # fmt: skip
+    expected = [(r.get("prompt_ids", []) + r["completion_ids"], [0] * len(r.get("prompt_ids", [])) +
+                 [1] * len(r["completion_ids"])) for r in records]  # fmt: skip
+    assert docs == [e for e in expected if len(e[0]) >= 2]
+    for bad, message in (({"prompt_ids": [1, 2]}, "needs completion_ids"),
+                         ({"completion_ids": [1, len(tok)]}, "outside the tokenizer"),
+                         ({"completion_ids": [1, -1]}, "outside the tokenizer"),
+                         ({"completion_ids": "1 2"}, "list of integer token ids"),
+                         ({"prompt_ids": [1.5], "completion_ids": [1]}, "list of integer token ids")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            tokenize_record(tok, bad)
+
+
 def test_prepare_data_packs_rows_and_counts_tokens(work):
     from peagle.train.data import iter_prepared_rows, read_manifest
 
