@@ -335,6 +335,45 @@ def test_trainer_saves_the_added_mask_token(work, tmp_path):
     assert json.loads((tmp_path / "final" / "config.json").read_text())["mask_token_id"] == vocab_words
 
 
+def test_autoregressive_eval_counts_the_served_chains(work, tmp_path):
+    """`peagle eval --autoregressive` on a K = 1 drafter: Pos 1 equals the parallel evaluation's, and Pos 1..K and
+    the acceptance length equal a per-chain count over the chains drafted step by step."""
+    from peagle.model import from_pretrained
+    from peagle.train.evaluate import chain_drafts, chain_elements, evaluate
+
+    args = TrainArgs(data=str(work / "ext-train"), out=str(tmp_path / "k1"), num_layers=1, num_depths=1, steps=40,
+                     batch_size=2, lr=3e-3, warmup_steps=2, progress=False)  # fmt: skip
+    Trainer(args).run()
+    assert main(["eval", "--checkpoint", str(tmp_path / "k1" / "final"), "--data", str(work / "ext-held"),
+                 "--depths", "3", "--autoregressive", "--json", str(tmp_path / "ar.json")]) == 0  # fmt: skip
+    ar = json.loads((tmp_path / "ar.json").read_text())
+    model = from_pretrained(tmp_path / "k1" / "final", dtype=torch.float32)
+    parallel = evaluate(model, str(work / "ext-held"), depth=3)
+    assert ar["drafting"] == "autoregressive" and ar["depths"] == 3 and ar["chains"] == parallel["chains"] > 0
+    assert ar["top1_accuracy"][0] == parallel["top1_accuracy"][0]
+    assert ar["conditional_acceptance"][0] == pytest.approx(parallel["conditional_acceptance"][0], abs=1e-12)
+    # Per-chain count: accepted drafts of each chain = the length of its matching prefix against the target argmax.
+    data = ExtractedData(work / "ext-held")
+    head = load_file(work / "ext-held" / "target_head.safetensors")["lm_head.weight"]
+    reach, chains = [0, 0, 0], 0
+    for i in range(len(data)):
+        row = data.row(i)
+        _, _, anchors = chain_elements(row.document_ids, row.loss_mask, 3)
+        if anchors.numel() == 0:
+            continue
+        _, drafts = chain_drafts(model, row.input_ids, row.hidden, row.document_ids, anchors, 3)
+        for a, chain in zip(anchors.tolist(), drafts.tolist(), strict=True):
+            for d in range(3):
+                if chain[d] != int((row.target_hidden[a + d] @ head.T).argmax()):
+                    break
+                reach[d] += 1
+            chains += 1
+    conditional = [reach[0] / chains, reach[1] / reach[0], reach[2] / reach[1]]
+    print(f"autoregressive {ar}; parallel {parallel}")
+    assert ar["conditional_acceptance"] == pytest.approx(conditional, abs=1e-9)
+    assert ar["acceptance_length"] == pytest.approx(1 + sum(reach) / chains, abs=1e-9)
+
+
 def test_weighted_kl_matches_autograd_of_the_plain_formula():
     from peagle.train.trainer import element_loss, weighted_kl
 
