@@ -372,6 +372,21 @@ def test_autoregressive_eval_counts_the_served_chains(work, tmp_path):
     print(f"autoregressive {ar}; parallel {parallel}")
     assert ar["conditional_acceptance"] == pytest.approx(conditional, abs=1e-9)
     assert ar["acceptance_length"] == pytest.approx(1 + sum(reach) / chains, abs=1e-9)
+    walk = ar["serving_walk"]
+    assert 0 < walk["drafts"] < chains and 1.0 <= walk["acceptance_length"] <= 4.0
+
+
+def test_serving_walk_drafts_where_a_greedy_server_drafts():
+    from peagle.train.evaluate import _serving_walk
+
+    # Two documents; trained labels at 2..7 (document 0) and 8..10 (document 1, a new request).
+    docs = torch.tensor([0] * 8 + [1] * 4)
+    trained = torch.tensor([0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0], dtype=torch.bool)
+    accepted = torch.tensor([-1, -1, -1, 0, 0, 1, -1, -1, -1, 1, -1, -1])
+    # Document 0: the target makes the token of anchor 2 itself; drafts from 3 (0 accepted: next 4), 4 (next 5),
+    # 5 (1 accepted: next 7), 7 has no full chain. Document 1: drafts from 9 (1 accepted: next 11, none).
+    assert _serving_walk(accepted, trained, docs) == [0, 0, 1, 1]
+    assert _serving_walk(torch.full((12,), -1), trained, docs) == []
 
 
 def test_weighted_kl_matches_autograd_of_the_plain_formula():

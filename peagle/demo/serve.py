@@ -3,7 +3,8 @@ fresh interpreter): greedy generation of fixed-length continuations, tokens/s, a
 
     python -m peagle.demo.serve REQUEST.json RESULT.json
 
-REQUEST: {"target", "prompts": [[ids]], "max_tokens", "max_model_len", "speculative_config" (or null), "warmup"}.
+REQUEST: {"target", "prompts": [[ids]], "max_tokens", "max_model_len", "speculative_config" (or null), "warmup",
+"ignore_eos" (default true), "max_num_seqs" (requests decoded at once; default vLLM's)}.
 """
 
 from __future__ import annotations
@@ -61,15 +62,18 @@ def measure(request: dict[str, Any]) -> dict[str, Any]:
         disable_log_stats=False,
         seed=0,
         speculative_config=request.get("speculative_config"),
+        **({"max_num_seqs": request["max_num_seqs"]} if request.get("max_num_seqs") else {}),
     )
     startup = time.perf_counter() - started
-    params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=request.get("ignore_eos", True)
+    )
     prompts = [{"prompt_token_ids": ids} for ids in request["prompts"]]
     if request.get("warmup", True):
         llm.generate(prompts[:1], params, use_tqdm=False)
     before = spec_counters(llm.get_metrics())
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=True)
+    outputs = llm.generate(prompts, params, use_tqdm=request.get("progress", True))
     seconds = time.perf_counter() - t0
     counters = _diff(spec_counters(llm.get_metrics()), before)
     tokens = [list(o.outputs[0].token_ids) for o in outputs]

@@ -12,7 +12,10 @@ target's own greedy continuation, this is the text a server verifies). Two ways 
   the same passes (K passes over a row).
 
 Reported: per-depth top-1 accuracy (every valid element), the conditional acceptance rate at position d + 1
-(accepted at d given all of 0..d-1 accepted) and the average acceptance length 1 + E[accepted drafts].
+(accepted at d given all of 0..d-1 accepted) and the average acceptance length 1 + E[accepted drafts], over every
+chain start (the papers' offline measure) and, as ``serving_walk``, over only the chains a greedy server would draft
+on the same text: from the first draft after the target's own first token, the next chain starting after the
+accepted drafts and the bonus token. On the target's own greedy text the walk drafts where the server drafts.
 """
 
 from __future__ import annotations
@@ -122,6 +125,8 @@ def evaluate(
     count = torch.zeros(k, dtype=torch.float64)
     accepted_at = torch.zeros(k, dtype=torch.float64)  # chains with depths 0..d all accepted
     chains_total = 0
+    walk_reached = torch.zeros(k, dtype=torch.float64)  # the same over the drafts of a simulated serving walk
+    walk_drafts = 0
     for index in rows if rows is not None else range(len(data)):
         row = data.row(index)
         anchors, depths, chains = chain_elements(row.document_ids, row.loss_mask, k)
@@ -145,22 +150,51 @@ def evaluate(
         # hits of every chain, [chains, K]: depth 0 from the T leading rows, deeper from the chain blocks.
         n = chains.numel()
         grid = torch.stack([hit[chains], *(hit[ids.numel() + (j - 1) * n :][:n] for j in range(1, k))], dim=1)
-        accepted_at += grid.long().cumprod(1).sum(0).double().cpu()
+        reached = grid.long().cumprod(1)
+        accepted_at += reached.sum(0).double().cpu()
         chains_total += n
+        accepted = torch.full((ids.numel(),), -1, dtype=torch.long)
+        accepted[chains.cpu()] = reached.sum(1).cpu()
+        for count_walk in _serving_walk(accepted, row.loss_mask, row.document_ids):
+            walk_reached[:count_walk] += 1
+            walk_drafts += 1
     acc = (correct / count.clamp(min=1)).tolist()
-    conditional = []
-    previous = float(chains_total)
-    for d in range(k):
-        conditional.append(float(accepted_at[d]) / previous if previous else 0.0)
-        previous = float(accepted_at[d])
     return {
         "depths": k,
         "drafting": "autoregressive" if autoregressive else "parallel",
         "chains": chains_total,
         "top1_accuracy": acc,
-        "conditional_acceptance": conditional,
-        "acceptance_length": 1.0 + float(accepted_at.sum()) / max(1, chains_total),
+        **_acceptance(accepted_at, chains_total),
+        "serving_walk": {"drafts": walk_drafts, **_acceptance(walk_reached, walk_drafts)},
     }
+
+
+def _acceptance(reached: torch.Tensor, drafts: int) -> dict[str, Any]:
+    """Conditional acceptance per position and AL from the number of chains that reached each position."""
+    conditional, previous = [], float(drafts)
+    for value in reached.tolist():
+        conditional.append(value / previous if previous else 0.0)
+        previous = value
+    return {"conditional_acceptance": conditional, "acceptance_length": 1.0 + float(reached.sum()) / max(1, drafts)}
+
+
+def _serving_walk(accepted: torch.Tensor, loss_mask: torch.Tensor, document_ids: torch.Tensor) -> list[int]:
+    """Accepted drafts of each verification a server runs over the row's text (greedy, one request per run of
+    trained labels): the target generates a run's first token itself, so drafting starts at the anchor after the
+    run's first one, and after accepting n drafts the next draft starts n + 1 anchors later (the bonus token).
+    ``accepted`` [T]: the accepted drafts of the chain from each anchor, -1 where no full chain starts. The walk
+    stops at the first anchor without a full chain (the end of the run's text)."""
+    trained = (loss_mask.bool() & (document_ids >= 0)).tolist()
+    docs, accepted = document_ids.tolist(), accepted.tolist()
+    counts = []
+    for start in range(len(trained)):
+        if not trained[start] or (start > 0 and trained[start - 1] and docs[start - 1] == docs[start]):
+            continue  # not the first anchor of a run
+        a = start + 1
+        while a < len(trained) and accepted[a] >= 0:
+            counts.append(accepted[a])
+            a += accepted[a] + 1
+    return counts
 
 
 def format_table(result: dict[str, Any]) -> str:
