@@ -361,9 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help=cmd_demo.__doc__, description=cmd_demo.__doc__)
     demo.add_argument("--quick", action="store_true", help="a smaller target and budgets (about 2-3 minutes)")
     demo.add_argument("--target", default=None, help="your target model directory (Hugging Face format)")
-    demo.add_argument(
-        "--data", default=None, help="your .jsonl data (messages / conversations / text records); with --target"
-    )
+    demo.add_argument("--data", default=None, help="your .jsonl data (chat, text or token-id records); with --target")
     demo.add_argument("--workdir", default=None, help="cache and output directory (default ~/.cache/peagle)")
     demo.add_argument("--depths", type=int, default=None, help="P-EAGLE parallel depths K (default 5; --quick 4)")
     demo.add_argument("--fresh", action="store_true", help="ignore the cache and redo every stage")

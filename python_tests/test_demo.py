@@ -52,13 +52,23 @@ def test_demo_quick_end_to_end(tmp_path):
     k = report["depths"]
     assert 4 <= k <= 8
     rows = {(r["drafter"], r["measured"]): r for r in report["acceptance"]}
-    assert set(rows) == {("P-EAGLE", "offline"), ("P-EAGLE", "vLLM"), ("EAGLE-3", "offline"), ("EAGLE-3", "vLLM")}
-    assert len(rows["P-EAGLE", "offline"]["conditional_acceptance"]) == k
-    assert len(rows["P-EAGLE", "vLLM"]["conditional_acceptance"]) == k
-    assert len(rows["EAGLE-3", "offline"]["conditional_acceptance"]) == 1
-    assert rows["P-EAGLE", "offline"]["chains"] > 0 and rows["P-EAGLE", "vLLM"]["drafts"] > 0
+    measured = ("offline", "offline (serving walk)", "vLLM")
+    assert set(rows) == {(d, m) for d in ("P-EAGLE", "EAGLE-3") for m in measured}
+    # Both drafters have Pos 1..K offline (EAGLE-3 drafted autoregressively) and in vLLM.
     for row in rows.values():
+        assert len(row["conditional_acceptance"]) == k
         _check_acceptance_row(row, k)
+    assert rows["EAGLE-3", "offline"]["drafting"] == "autoregressive"
+    assert rows["P-EAGLE", "offline"]["drafting"] == "parallel"
+    assert rows["P-EAGLE", "offline"]["chains"] > 0 and rows["P-EAGLE", "vLLM"]["drafts"] > 0
+    # Self-distilled: vLLM's greedy output is the held-out text the offline evaluation scores, so the serving walk
+    # (offline, drafting where a server drafts) measures what vLLM measures.
+    assert report["served_equals_offline_text"] == f"{report['settings']['prompts']}/{report['settings']['prompts']}"
+    for drafter in ("P-EAGLE", "EAGLE-3"):
+        walk, served = rows[drafter, "offline (serving walk)"], rows[drafter, "vLLM"]
+        print(f"{drafter}: AL offline walk {walk['acceptance_length']:.3f}, vLLM {served['acceptance_length']:.3f}")
+        assert served["acceptance_length"] == pytest.approx(walk["acceptance_length"], rel=0.05)
+    assert report["distill"]["train"]["records"] > 0 and report["distill"]["heldout"]["records"] > 0
     serving = {s["config"]: s for s in report["serving"]}
     assert set(serving) == {"no speculation", "P-EAGLE", "EAGLE-3"}
     for s in serving.values():
@@ -94,10 +104,12 @@ def test_demo_user_target_and_data(tmp_path):
     )
     assert report["target"]["kind"] == "user model"
     rows = {(r["drafter"], r["measured"]): r for r in report["acceptance"]}
-    assert set(rows) == {("P-EAGLE", "offline"), ("EAGLE-3", "offline")}
+    assert set(rows) == {(d, m) for d in ("P-EAGLE", "EAGLE-3") for m in ("offline", "offline (serving walk)")}
     for row in rows.values():
-        assert row["chains"] > 0
+        assert row.get("chains", row.get("drafts")) > 0
         _check_acceptance_row(row, report["depths"])
+    # Self-distilled from the chats' prompts (the conversation up to the assistant turn), ended at the target's EOS.
+    assert report["distill"]["ignore_eos"] is False and report["distill"]["train"]["records"] > 0
     assert (tmp_path / "work").glob("demo-user-*/report/report.md")
 
 

@@ -387,6 +387,11 @@ def test_serving_walk_drafts_where_a_greedy_server_drafts():
     # 5 (1 accepted: next 7), 7 has no full chain. Document 1: drafts from 9 (1 accepted: next 11, none).
     assert _serving_walk(accepted, trained, docs) == [0, 0, 1, 1]
     assert _serving_walk(torch.full((12,), -1), trained, docs) == []
+    # A server generating 3 tokens per request drafts from anchors 3 (1 token out) and 4 (2 out) of document 0, then
+    # has its 3 tokens; with 2, only from 3; with 1 (the target's own first token), never.
+    assert _serving_walk(accepted, trained, docs, max_tokens=3) == [0, 0, 1]
+    assert _serving_walk(accepted, trained, docs, max_tokens=2) == [0, 1]
+    assert _serving_walk(accepted, trained, docs, max_tokens=1) == []
 
 
 def test_weighted_kl_matches_autograd_of_the_plain_formula():

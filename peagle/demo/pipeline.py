@@ -36,17 +36,21 @@ class DemoSpec:
     seq_len: int = 256  # T of a packed training row: a prompt and its continuation
     prompt_tokens: int = 64  # prompts (self-distillation and serving): windows of a split's text
     completion_tokens: int = 192  # the target's greedy continuation of each prompt
-    train_prompts: int = 512  # self-distilled training records
-    heldout_prompts: int = 64  # self-distilled held-out records (the offline evaluation)
-    train_chars: int = 1_000_000  # text of the training split the prompts are spread over
+    train_prompts: int = 1024  # self-distilled training records
+    heldout_prompts: int = 32  # self-distilled held-out records (the offline evaluation)
+    train_chars: int = 2_000_000  # text of the training split the prompts are spread over
     heldout_chars: int = 200_000
-    steps: int = 600
+    steps: int = 1200
     batch_size: int = 2
     lr: float = 2e-3
     max_anchors: int | None = 128
-    prompts: int = 64  # served prompts: the first held-out prompts (all of them: vLLM and offline see the same text)
-    max_tokens: int = 192  # served tokens per prompt (= completion_tokens: vLLM and offline score the same text)
-    concurrency: int = 8  # requests vLLM decodes at once (max_num_seqs)
+    prompts: int = 32  # served prompts: the first held-out prompts (all of them: vLLM and offline see the same text)
+    # Served tokens per prompt. A server drafts full K-chains until it has max_tokens, so the continuations run up to
+    # completion_tokens - max_tokens + 1 = 9 >= K tokens further: the offline serving walk then sees every token the
+    # server verifies.
+    max_tokens: int = 184
+    concurrency: int = 1  # requests vLLM decodes at once (max_num_seqs): 1 = the latency setting speculation is for
+    repeats: int = 2  # timed passes over the prompts per configuration; tokens/s of the fastest
     target: TargetSpec = field(default_factory=TargetSpec)
 
     def data_key(self) -> str:
@@ -57,7 +61,7 @@ class DemoSpec:
 
     def drafter_key(self) -> str:
         # K names the P-EAGLE run and the eval / serving outputs, so the K = 1 baseline is shared across --depths.
-        serving = ("prompts", "max_tokens", "concurrency")
+        serving = ("prompts", "max_tokens", "concurrency", "repeats")
         fields = {k: v for k, v in asdict(self).items() if k not in ("target", "depths", *serving)}
         return f"{zlib.crc32(json.dumps(fields, sort_keys=True).encode()):08x}"
 
@@ -76,8 +80,8 @@ QUICK = DemoSpec(
     lr=2e-3,
     max_anchors=64,
     prompts=16,
-    max_tokens=96,
-    concurrency=4,
+    max_tokens=88,
+    repeats=1,
     target=QUICK_TARGET,
 )
 
@@ -353,13 +357,14 @@ def run_demo(
     # --- 4. offline eval on the held-out continuations: P-EAGLE drafts K in parallel, EAGLE-3 one after another ------
     offline = {}
     for name, (out, k) in runs.items():
-        path = drafter_root / f"eval-{'peagle' if k > 1 else 'eagle3'}-k{spec.depths}.json"
+        path = drafter_root / f"eval-{'peagle' if k > 1 else 'eagle3'}-k{spec.depths}-g{spec.max_tokens}.json"
 
         def run_eval(out=out, path=path, k=k):
             from peagle.model.checkpoint import atomic_write_json
 
             model = from_pretrained(out / "final", dtype=torch.float32)
-            result = evaluate(model, str(data_root / "states-heldout"), None, spec.depths, autoregressive=k == 1)
+            states = str(data_root / "states-heldout")
+            result = evaluate(model, states, None, spec.depths, autoregressive=k == 1, max_tokens=spec.max_tokens)
             atomic_write_json(path, result)
 
         stages.run(f"eval {name} (held-out)", path.exists(), run_eval)
@@ -377,6 +382,7 @@ def run_demo(
             "max_model_len": max(len(p) for p in prompts) + spec.max_tokens + 2 * spec.depths + 16,
             "ignore_eos": ignore_eos,
             "max_num_seqs": spec.concurrency,
+            "repeats": spec.repeats,
         }
         configs = {
             "no speculation": None,
@@ -392,7 +398,8 @@ def run_demo(
                 "num_speculative_tokens": spec.depths,
             },
         }
-        serve_dir = drafter_root / f"vllm-k{spec.depths}-p{spec.prompts}-g{spec.max_tokens}-c{spec.concurrency}"
+        serve_key = f"k{spec.depths}-p{spec.prompts}-g{spec.max_tokens}-c{spec.concurrency}x{spec.repeats}"
+        serve_dir = drafter_root / f"vllm-{serve_key}"
         serve_dir.mkdir(parents=True, exist_ok=True)
         for name, config in configs.items():
             slug = name.lower().replace(" ", "-")

@@ -196,7 +196,9 @@ def write_report(
         "",
         f"Drafters: P-EAGLE (K = {k} parallel depths) and an EAGLE-3 baseline (K = 1, drafting {k} tokens "
         f"autoregressively), both {spec.drafter_layers} layer(s), {spec.steps} steps x {spec.batch_size} rows of "
-        f"T = {spec.seq_len}.",
+        f"T = {spec.seq_len}. The baseline is trained on its first draft only (`peagle train --depths 1`, no "
+        "training-time-test unrolling), so from its second step on it reads its own hidden states, which it never saw "
+        "in training: EAGLE-3 as published also trains those steps, and would accept more at Pos 2+.",
         "",
         "## Acceptance on the held-out split",
         "",
@@ -235,8 +237,9 @@ def write_report(
         ]
         lines += [
             "",
-            "AL measured by vLLM divided by the offline AL: " + "; ".join(parts) + ". A server drafts again where "
-            "the last verification stopped, often a hard spot, so the every-position average runs higher.",
+            "AL measured by vLLM divided by the offline AL: " + "; ".join(parts) + ". A server drafts only where "
+            "its last verification ended (often a hard spot), so the every-position average can run higher; the "
+            "serving walk drafts where the server drafts.",
         ]
     if serving:
         lines += [
@@ -244,7 +247,16 @@ def write_report(
             "## vLLM-CPU serving (greedy)",
             "",
             f"{len(reference['outputs']) if reference else '?'} held-out prompts, {spec.max_tokens} generated tokens "
-            f"each, {spec.concurrency} requests decoded at once, float32, enforce_eager; engine start-up not included.",
+            "each, "
+            + ("one request at a time" if spec.concurrency == 1 else f"{spec.concurrency} requests decoded at once")
+            + " (vLLM's max_num_seqs), float32, enforce_eager; tokens/s of "
+            + (
+                f"the fastest of {spec.repeats} timed passes over the prompts (on a shared machine other processes "
+                "only ever slow a pass down)"
+                if spec.repeats > 1
+                else "one timed pass over the prompts"
+            )
+            + ", engine start-up not included.",
             "",
             "| Config | tokens/s | speedup | AL | lossless (output == no speculation) |",
             "|---|---|---|---|---|",

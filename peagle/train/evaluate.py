@@ -108,9 +108,11 @@ def evaluate(
     rows: list[int] | None = None,
     depth: int | None = None,
     autoregressive: bool = False,
+    max_tokens: int | None = None,
 ) -> dict:
     """Offline acceptance on extracted rows: K = ``depth`` (default the drafter's K) tokens drafted in parallel, or
-    one after another with ``autoregressive`` (how vLLM serves a drafter without parallel drafting)."""
+    one after another with ``autoregressive`` (how vLLM serves a drafter without parallel drafting). ``max_tokens``:
+    the serving walk stops where a server generating that many tokens per request stops drafting."""
     data = ExtractedData(data_dir)
     cfg = model.config
     check_compatible(cfg, data.manifest)
@@ -155,7 +157,7 @@ def evaluate(
         chains_total += n
         accepted = torch.full((ids.numel(),), -1, dtype=torch.long)
         accepted[chains.cpu()] = reached.sum(1).cpu()
-        for count_walk in _serving_walk(accepted, row.loss_mask, row.document_ids):
+        for count_walk in _serving_walk(accepted, row.loss_mask, row.document_ids, max_tokens):
             walk_reached[:count_walk] += 1
             walk_drafts += 1
     acc = (correct / count.clamp(min=1)).tolist()
@@ -178,20 +180,24 @@ def _acceptance(reached: torch.Tensor, drafts: int) -> dict[str, Any]:
     return {"conditional_acceptance": conditional, "acceptance_length": 1.0 + float(reached.sum()) / max(1, drafts)}
 
 
-def _serving_walk(accepted: torch.Tensor, loss_mask: torch.Tensor, document_ids: torch.Tensor) -> list[int]:
+def _serving_walk(
+    accepted: torch.Tensor, loss_mask: torch.Tensor, document_ids: torch.Tensor, max_tokens: int | None = None
+) -> list[int]:
     """Accepted drafts of each verification a server runs over the row's text (greedy, one request per run of
     trained labels): the target generates a run's first token itself, so drafting starts at the anchor after the
     run's first one, and after accepting n drafts the next draft starts n + 1 anchors later (the bonus token).
     ``accepted`` [T]: the accepted drafts of the chain from each anchor, -1 where no full chain starts. The walk
-    stops at the first anchor without a full chain (the end of the run's text)."""
+    stops at the first anchor without a full chain (the end of the run's text) or, with ``max_tokens``, once the
+    request has generated that many tokens (a server drafts full chains until then: give the text K - 1 more)."""
     trained = (loss_mask.bool() & (document_ids >= 0)).tolist()
     docs, accepted = document_ids.tolist(), accepted.tolist()
     counts = []
     for start in range(len(trained)):
         if not trained[start] or (start > 0 and trained[start - 1] and docs[start - 1] == docs[start]):
             continue  # not the first anchor of a run
-        a = start + 1
-        while a < len(trained) and accepted[a] >= 0:
+        a = start + 1  # tokens generated before drafting from anchor a: a - start
+        limit = len(trained) if max_tokens is None else min(len(trained), start + max_tokens)
+        while a < limit and accepted[a] >= 0:
             counts.append(accepted[a])
             a += accepted[a] + 1
     return counts
