@@ -87,23 +87,39 @@ QUICK = DemoSpec(
 
 
 class Stages:
-    """Prints one line per stage with its time, and keeps the timings for the report."""
+    """Prints one line per stage with its time, and keeps the timings for the report. The time of every stage that
+    ran is also recorded in ``root/stage_seconds.json`` under its output path, so a rerun that takes a stage from the
+    cache still reports how long it took when it ran."""
 
     def __init__(self) -> None:
         self.times: dict[str, float] = {}
         self.cached: list[str] = []
+        self.when_run: dict[str, float] = {}
+        self.root: Path | None = None
 
-    def run(self, name: str, done: bool, fn):
+    def _record_path(self) -> Path | None:
+        return self.root / "stage_seconds.json" if self.root is not None else None
+
+    def run(self, name: str, out: Path, done: bool, fn):
+        record_path = self._record_path()
+        record = json.loads(record_path.read_text()) if record_path and record_path.exists() else {}
+        key = os.path.relpath(out, self.root) if self.root is not None else str(out)
         if done:
             print(f"[peagle demo] {name}: cached", flush=True)
             self.cached.append(name)
             self.times[name] = 0.0
+            if key in record:
+                self.when_run[name] = record[key]
             return None
         print(f"[peagle demo] {name} ...", flush=True)
         start = time.perf_counter()
         result = fn()
-        self.times[name] = time.perf_counter() - start
+        self.times[name] = self.when_run[name] = time.perf_counter() - start
         print(f"[peagle demo] {name}: {self.times[name]:.1f} s", flush=True)
+        if record_path is not None:
+            from peagle.model.checkpoint import atomic_write_json
+
+            atomic_write_json(record_path, {**record, key: self.times[name]})
         return result
 
 
@@ -235,19 +251,24 @@ def run_demo(
         root = base / f"demo-{'quick' if quick else 'default'}-{spec.target.key()}"
         if fresh and root.exists():
             shutil.rmtree(root)
+        root.mkdir(parents=True, exist_ok=True)
+        stages.root = root
         corpus, target_dir = root / "corpus", root / "target"
         stages.run(
             "corpus (Python standard library)",
+            corpus,
             _complete(corpus, "done.json"),
             lambda: build_corpus(corpus, spec.target, progress),
         )
         stages.run(
             "tokenizer (byte-level BPE)",
+            root / "tokenizer",
             _complete(root / "tokenizer", "done.json"),
             lambda: build_tokenizer(corpus, root / "tokenizer", spec.target),
         )
         stages.run(
             f"target (Llama, trained {spec.target.train_seconds:.0f} s)",
+            target_dir,
             _complete(target_dir, "done.json"),
             lambda: train_target(corpus, root / "tokenizer", target_dir, spec.target, progress),
         )
@@ -276,6 +297,8 @@ def run_demo(
         root = base / f"demo-user-{key:08x}"
         if fresh and root.exists():
             shutil.rmtree(root)
+        root.mkdir(parents=True, exist_ok=True)
+        stages.root = root
         target_info = {"kind": "user model", "path": str(target_dir.resolve()), "data": str(data_path.resolve())}
         heldout_source = train_source = data_path
         # Every 10th record is held out.
@@ -294,6 +317,7 @@ def run_demo(
     distill = data_root / "distill"
     stages.run(
         f"self-distill ({spec.train_prompts} + {spec.heldout_prompts} prompts x {spec.completion_tokens} tokens)",
+        distill,
         _complete(distill, "done.json"),
         lambda: _self_distill(
             spec,
@@ -312,6 +336,7 @@ def run_demo(
         prepared, states = data_root / f"prepared-{split}", data_root / f"states-{split}"
         stages.run(
             f"prepare-data ({split})",
+            prepared,
             _complete(prepared),
             lambda split=split, prepared=prepared: prepare_data(
                 str(distill / f"{split}.jsonl"), target_dir, prepared, spec.seq_len, 256, None, progress
@@ -320,6 +345,7 @@ def run_demo(
         # Held-out states in float32: the offline verification takes the target's argmax from them.
         stages.run(
             f"extract ({split})",
+            states,
             _complete(states),
             lambda prepared=prepared, states=states, split=split: extract(
                 prepared,
@@ -351,8 +377,8 @@ def run_demo(
             progress=progress,
         )
         label = f"train {name} (K = {k}, {spec.steps} steps x {spec.batch_size} rows)"
-        stages.run(label, _complete(out / "final", "config.json"), lambda args=args: train(args))
-        train_seconds[name] = stages.times[label]
+        stages.run(label, out, _complete(out / "final", "config.json"), lambda args=args: train(args))
+        train_seconds[name] = stages.when_run.get(label, 0.0)
 
     # --- 4. offline eval on the held-out continuations: P-EAGLE drafts K in parallel, EAGLE-3 one after another ------
     offline = {}
@@ -367,7 +393,7 @@ def run_demo(
             result = evaluate(model, states, None, spec.depths, autoregressive=k == 1, max_tokens=spec.max_tokens)
             atomic_write_json(path, result)
 
-        stages.run(f"eval {name} (held-out)", path.exists(), run_eval)
+        stages.run(f"eval {name} (held-out)", path, path.exists(), run_eval)
         offline[name] = json.loads(path.read_text())
 
     # --- serving with vLLM: the first held-out prompts ----------------------------------------------------------------
@@ -406,6 +432,7 @@ def run_demo(
             out = serve_dir / f"{slug}.json"
             stages.run(
                 f"vLLM-CPU serve: {name}",
+                out,
                 out.exists(),
                 lambda name=name, config=config, out=out, slug=slug: _serve(
                     name, {**common, "speculative_config": config}, out, serve_dir / f"{slug}.log"
@@ -424,6 +451,7 @@ def run_demo(
         served=served,
         stages=stages.times,
         cached=stages.cached,
+        when_run=stages.when_run,
         total_seconds=time.perf_counter() - total_start,
         train_seconds=train_seconds,
         distill=distill_info,

@@ -81,6 +81,7 @@ def write_report(
     distill: dict[str, Any] | None = None,
     heldout_completions: list[list[int]] | None = None,
     load: dict[str, Any] | None = None,
+    when_run: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     from peagle.model.checkpoint import atomic_write_bytes, atomic_write_json
 
@@ -164,6 +165,7 @@ def write_report(
         "train_seconds": train_seconds,
         "stage_seconds": stages,
         "cached_stages": cached,
+        "stage_seconds_when_run": when_run or {},
         "total_seconds": total_seconds,
     }
     report["plots"] = _plots(out, table, serving, k)
@@ -277,8 +279,14 @@ def write_report(
         ]
     lines += ["| Stage | seconds |", "|---|---|"]
     for name, sec in stages.items():
-        lines.append(f"| {name} | {'cached' if name in cached else f'{sec:.1f}'} |")
-    lines.append(f"| total | {total_seconds:.1f} |")
+        if name not in cached:
+            lines.append(f"| {name} | {sec:.1f} |")
+        else:
+            earlier = (when_run or {}).get(name)
+            lines.append(f"| {name} | cached" + (f" ({earlier:.1f} when it ran)" if earlier is not None else "") + " |")
+    lines.append(f"| total (this run) | {total_seconds:.1f} |")
+    if cached and when_run and all(name in when_run for name in stages):
+        lines.append(f"| stages when they ran | {sum(when_run[name] for name in stages):.1f} |")
     lines += [""] + [f"![{p}]({p})" for p in report["plots"]] + [""]
     atomic_write_bytes(out / "report.md", "\n".join(lines).encode())
     return report
