@@ -39,16 +39,23 @@ def _plots(out: Path, table: list[dict[str, Any]], serving: list[dict[str, Any]]
     import matplotlib.pyplot as plt
 
     files = []
-    fig, ax = plt.subplots(figsize=(7.5, 4))
+    fig, ax = plt.subplots(figsize=(8, 4.6))
     width = 0.8 / max(1, len(table))
+    # A colour family per drafter (blues: P-EAGLE, oranges: EAGLE-3), darker = offline, lighter = vLLM.
+    shades = {"P-EAGLE": ["#08519c", "#4292c6", "#9ecae1"], "EAGLE-3": ["#a63603", "#f16913", "#fdae6b"]}
+    used: dict[str, int] = {}
     for i, row in enumerate(table):
         xs = [p + 1 + (i - (len(table) - 1) / 2) * width for p in range(len(row["conditional_acceptance"]))]
-        ax.bar(xs, row["conditional_acceptance"], width, label=f"{row['drafter']} ({row['measured']})")
+        family = shades.get(row["drafter"], ["#555", "#888", "#bbb"])
+        color = family[min(used.get(row["drafter"], 0), len(family) - 1)]
+        used[row["drafter"]] = used.get(row["drafter"], 0) + 1
+        label = f"{row['drafter']} ({row['measured']}, AL {row['acceptance_length']:.2f})"
+        ax.bar(xs, row["conditional_acceptance"], width, label=label, color=color)
     ax.set_xticks(range(1, k + 1), [f"Pos {p}" for p in range(1, k + 1)])
     ax.set_ylim(0, 1)
     ax.set_ylabel("conditional acceptance")
     ax.set_title("Per-position acceptance on the held-out split")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7.5, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.1), frameon=False)
     fig.tight_layout()
     fig.savefig(out / "acceptance.png", dpi=110)
     plt.close(fig)
