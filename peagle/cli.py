@@ -161,7 +161,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         from peagle.train.dataset import ExtractedData
 
         rows = rows[: len(ExtractedData(args.data))]
-    result = evaluate(model, args.data, rows, args.depths)
+    result = evaluate(model, args.data, rows, args.depths, autoregressive=args.autoregressive)
     print(format_table(result))
     if args.json:
         from peagle.model.checkpoint import atomic_write_json
@@ -339,6 +339,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--checkpoint", required=True, help="a drafter checkpoint directory (e.g. OUT/final)")
     ev.add_argument("--data", required=True, help="held-out extract output directory")
     ev.add_argument("--depths", type=int, default=None, help="chain length K (default: the drafter's)")
+    ev.add_argument(
+        "--autoregressive",
+        action="store_true",
+        help="draft the K tokens one after another, feeding back the drafter's own hidden state and token (vLLM's "
+        "eagle3 proposer without parallel_drafting: how an EAGLE-3 / K = 1 drafter is served)",
+    )
     ev.add_argument("--max-rows", type=int, default=None, help="evaluate the first N rows only")
     ev.add_argument("--json", default=None, help="also write the result to this JSON file")
     ev.set_defaults(func=cmd_eval)
@@ -355,9 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help=cmd_demo.__doc__, description=cmd_demo.__doc__)
     demo.add_argument("--quick", action="store_true", help="a smaller target and budgets (about 2-3 minutes)")
     demo.add_argument("--target", default=None, help="your target model directory (Hugging Face format)")
-    demo.add_argument(
-        "--data", default=None, help="your .jsonl data (messages / conversations / text records); with --target"
-    )
+    demo.add_argument("--data", default=None, help="your .jsonl data (chat, text or token-id records); with --target")
     demo.add_argument("--workdir", default=None, help="cache and output directory (default ~/.cache/peagle)")
     demo.add_argument("--depths", type=int, default=None, help="P-EAGLE parallel depths K (default 5; --quick 4)")
     demo.add_argument("--fresh", action="store_true", help="ignore the cache and redo every stage")

@@ -52,13 +52,23 @@ def test_demo_quick_end_to_end(tmp_path):
     k = report["depths"]
     assert 4 <= k <= 8
     rows = {(r["drafter"], r["measured"]): r for r in report["acceptance"]}
-    assert set(rows) == {("P-EAGLE", "offline"), ("P-EAGLE", "vLLM"), ("EAGLE-3", "offline"), ("EAGLE-3", "vLLM")}
-    assert len(rows["P-EAGLE", "offline"]["conditional_acceptance"]) == k
-    assert len(rows["P-EAGLE", "vLLM"]["conditional_acceptance"]) == k
-    assert len(rows["EAGLE-3", "offline"]["conditional_acceptance"]) == 1
-    assert rows["P-EAGLE", "offline"]["chains"] > 0 and rows["P-EAGLE", "vLLM"]["drafts"] > 0
+    measured = ("offline", "offline (serving walk)", "vLLM")
+    assert set(rows) == {(d, m) for d in ("P-EAGLE", "EAGLE-3") for m in measured}
+    # Both drafters have Pos 1..K offline (EAGLE-3 drafted autoregressively) and in vLLM.
     for row in rows.values():
+        assert len(row["conditional_acceptance"]) == k
         _check_acceptance_row(row, k)
+    assert rows["EAGLE-3", "offline"]["drafting"] == "autoregressive"
+    assert rows["P-EAGLE", "offline"]["drafting"] == "parallel"
+    assert rows["P-EAGLE", "offline"]["chains"] > 0 and rows["P-EAGLE", "vLLM"]["drafts"] > 0
+    # Self-distilled: vLLM's greedy output is the held-out text the offline evaluation scores, so the serving walk
+    # (offline, drafting where a server drafts) measures what vLLM measures.
+    assert report["served_equals_offline_text"] == f"{report['settings']['prompts']}/{report['settings']['prompts']}"
+    for drafter in ("P-EAGLE", "EAGLE-3"):
+        walk, served = rows[drafter, "offline (serving walk)"], rows[drafter, "vLLM"]
+        print(f"{drafter}: AL offline walk {walk['acceptance_length']:.3f}, vLLM {served['acceptance_length']:.3f}")
+        assert served["acceptance_length"] == pytest.approx(walk["acceptance_length"], rel=0.05)
+    assert report["distill"]["train"]["records"] > 0 and report["distill"]["heldout"]["records"] > 0
     serving = {s["config"]: s for s in report["serving"]}
     assert set(serving) == {"no speculation", "P-EAGLE", "EAGLE-3"}
     for s in serving.values():
@@ -94,10 +104,12 @@ def test_demo_user_target_and_data(tmp_path):
     )
     assert report["target"]["kind"] == "user model"
     rows = {(r["drafter"], r["measured"]): r for r in report["acceptance"]}
-    assert set(rows) == {("P-EAGLE", "offline"), ("EAGLE-3", "offline")}
+    assert set(rows) == {(d, m) for d in ("P-EAGLE", "EAGLE-3") for m in ("offline", "offline (serving walk)")}
     for row in rows.values():
-        assert row["chains"] > 0
+        assert row.get("chains", row.get("drafts")) > 0
         _check_acceptance_row(row, report["depths"])
+    # Self-distilled from the chats' prompts (the conversation up to the assistant turn), ended at the target's EOS.
+    assert report["distill"]["ignore_eos"] is False and report["distill"]["train"]["records"] > 0
     assert (tmp_path / "work").glob("demo-user-*/report/report.md")
 
 
@@ -108,3 +120,59 @@ def test_demo_rejects_half_a_user_setup(tmp_path):
         run_demo(workdir=tmp_path, target=str(tmp_path), serve=False, progress=False)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         run_demo(workdir=tmp_path, target=str(tmp_path / "nope"), data=str(tmp_path / "x.jsonl"), progress=False)
+
+
+def test_split_prompts_text_chats_and_record_split(tmp_path):
+    from peagle.demo.distill import split_prompts
+
+    tok = tiny_tokenizer(tmp_path / "tok")
+    with open(tmp_path / "text.jsonl", "w") as f:
+        for r in range(10):
+            f.write(json.dumps({"text": " ".join(f"w{(r * 7 + i) % 60}" for i in range(50))}) + "\n")
+    prompts = split_prompts(tmp_path / "text.jsonl", tok, 12, 8, 10**6)
+    # 10 records x 6 non-overlapping 8-token windows (the last partial window dropped), 12 picked evenly.
+    windows = []
+    for r in range(10):
+        ids = tok(" ".join(f"w{(r * 7 + i) % 60}" for i in range(50)), add_special_tokens=True)["input_ids"]
+        windows += [ids[lo : lo + 8] for lo in range(0, len(ids) - 8, 8)]
+    assert len(prompts) == 12 and all(p in windows for p in prompts)
+    assert prompts[0] == windows[0] and prompts[-1] == windows[-1]
+    # Every 10th record held out: record index % 10 == 0 only.
+    held = split_prompts(tmp_path / "text.jsonl", tok, 100, 8, 10**6, every=10, keep=0)
+    assert held == windows[:6]
+    tiny_chat_jsonl(tmp_path / "chats.jsonl", 6)
+    chats = [json.loads(line)["messages"] for line in open(tmp_path / "chats.jsonl")]
+    prompts = split_prompts(tmp_path / "chats.jsonl", tok, 10, 64, 10**6)
+    expected = [
+        tok(tok.apply_chat_template(m[:1], tokenize=False, add_generation_prompt=True), add_special_tokens=False)[
+            "input_ids"
+        ]
+        for m in chats
+    ]
+    assert prompts == expected
+
+
+def test_generate_hf_is_the_greedy_continuation(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from peagle.demo.distill import generate_hf
+
+    tok = tiny_tokenizer(tmp_path / "target")
+    tiny_llama(tmp_path / "target", vocab_size=len(tok), seed=3)
+    prompts = [[9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34], [5], [0, 1, 2]]
+    out = generate_hf(tmp_path / "target", prompts, 12, batch_size=2, progress=False)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "target")).eval()
+    for prompt, got in zip(prompts, out, strict=True):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(12):  # no cache: the whole sequence each step
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        assert got == ids[len(prompt) :]
+    # Without ignore_eos a continuation ends at (and keeps) the first end-of-sequence token.
+    eos = model.config.eos_token_id
+    assert any(eos in o[:-1] for o in out), "the successor target continues [0, 1, 2] with its EOS (id 3)"
+    cut = generate_hf(tmp_path / "target", prompts, 12, ignore_eos=False, progress=False)
+    for full, short in zip(out, cut, strict=True):
+        end = full.index(eos) + 1 if eos in full else len(full)
+        assert short == full[:end]

@@ -142,6 +142,60 @@ def test_k1_is_eagle3_autoregressive(generator):
         torch.testing.assert_close(out[lo:hi], ref, rtol=1e-10, atol=1e-10)
 
 
+def eagle3_serving_reference(model, input_ids, hidden, lo, a, k, feedback=None):
+    """What vLLM's eagle3 proposer runs for one request, step by step with a plain causal mask: the real (token,
+    fc(target states)) pairs of the document prefix lo..a, then per step one new element whose token is the last
+    draft and whose features are the previous step's output hidden state (vLLM's ``aux_output``: the residual stream
+    before the final norm, the normed one with ``norm_output``)."""
+    feedback = feedback or ("normed" if model.config.norm_output else "prenorm")
+    ids = input_ids[lo : a + 1].long()
+    feats = model.project(hidden[lo : a + 1])
+    drafts = []
+    for _ in range(k):
+        embeds = model.embed_tokens(ids)
+        cos, sin = model.rotary(torch.arange(lo, lo + ids.numel()), feats.dtype)
+        x = feats
+        for layer in model.layers:
+            x = layer(x, cos, sin, None, embeds)
+        normed = model.norm(x)
+        token = model.draft_ids()[model.lm_head(normed[-1]).argmax()]
+        fed = normed[-1] if feedback == "normed" else x[-1]
+        drafts.append(int(token))
+        ids = torch.cat([ids, token.view(1)])
+        feats = torch.cat([feats, fed[None]])
+    return drafts
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [dict(), dict(norm_output=True, draft_vocab_size=40, layer_style="qwen3"), dict(fc_norm=True, num_layers=3)],
+    ids=["base", "norm_output,draft_vocab,qwen3", "fc_norm,3_layers"],
+)
+def test_chain_drafts_equal_step_by_step_eagle3_serving(generator, changes):
+    from peagle.train.evaluate import chain_drafts
+
+    k = 5
+    model = make_drafter(generator, num_depths=1, **changes)
+    cfg = model.config
+    row, input_ids, hidden, _, _ = make_row(generator, 80, 1, cfg.num_aux * cfg.hidden_size)
+    docs = row.document_ids
+    anchors = torch.nonzero(docs >= 0).squeeze(1)
+    anchors = anchors[torch.randperm(anchors.numel(), generator=generator)[:16]].sort().values
+    with torch.no_grad():
+        first, drafts = chain_drafts(model, input_ids, hidden, docs, anchors, k)
+        assert drafts.shape == (anchors.numel(), k)
+        wrong_feedback = 0
+        for i, a in enumerate(anchors.tolist()):
+            lo = int(torch.nonzero(docs == docs[a])[0])
+            ref = eagle3_serving_reference(model, input_ids, hidden, lo, a, k)
+            assert drafts[i].tolist() == ref, f"anchor {a}"
+            assert int(first[a]) == ref[0]
+            other = "prenorm" if cfg.norm_output else "normed"
+            wrong_feedback += eagle3_serving_reference(model, input_ids, hidden, lo, a, k, other) != ref
+    # The check can fail: feeding back the other hidden state (normed vs not) changes later drafts.
+    assert wrong_feedback > 0
+
+
 def test_gradients_reach_every_parameter(generator):
     model = make_drafter(generator, dtype=torch.float32, fc_norm=True)
     cfg = model.config

@@ -181,6 +181,42 @@ def test_chat_loss_mask_is_the_assistant_turns(tmp_path):
     assert all(text.loss) and len(text.ids) == 3
 
 
+def test_token_id_records_train_the_completion_only(tmp_path):
+    from peagle.train.data import iter_prepared_rows
+
+    tok = tiny_tokenizer(tmp_path / "tok")
+    gen = torch.Generator().manual_seed(5)
+    records = []
+    for _ in range(12):
+        prompt = torch.randint(0, len(tok), (int(torch.randint(0, 9, (1,), generator=gen)),), generator=gen)
+        completion = torch.randint(0, len(tok), (int(torch.randint(1, 14, (1,), generator=gen)),), generator=gen)
+        records.append({"prompt_ids": prompt.tolist(), "completion_ids": completion.tolist()})
+    records.append({"completion_ids": [9, 10, 11]})  # no prompt: every token trained
+    doc = tokenize_record(tok, records[-1])
+    assert doc.ids == [9, 10, 11] and doc.loss == [True, True, True]  # ids as given, no BOS added
+    with open(tmp_path / "ids.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    assert main(["prepare-data", "--input", str(tmp_path / "ids.jsonl"), "--tokenizer", str(tmp_path / "tok"),
+                 "--out", str(tmp_path / "prep"), "--seq-len", "32", "--quiet"]) == 0  # fmt: skip
+    # Unpack the rows into documents: each is prompt + completion, in order, trained exactly on the completion.
+    docs = []
+    for row in iter_prepared_rows(tmp_path / "prep"):
+        ids, loss, doc_ids = row["input_ids"].tolist(), row["loss_mask"].tolist(), row["document_ids"].tolist()
+        for d in sorted(set(doc_ids) - {-1}):
+            docs.append(([i for i, k in zip(ids, doc_ids, strict=True) if k == d],
+                         [m for m, k in zip(loss, doc_ids, strict=True) if k == d]))  # fmt: skip
+    expected = [(r.get("prompt_ids", []) + r["completion_ids"], [0] * len(r.get("prompt_ids", [])) +
+                 [1] * len(r["completion_ids"])) for r in records]  # fmt: skip
+    assert docs == [e for e in expected if len(e[0]) >= 2]
+    for bad, message in (({"prompt_ids": [1, 2]}, "needs completion_ids"),
+                         ({"completion_ids": [1, len(tok)]}, "outside the tokenizer"),
+                         ({"completion_ids": [1, -1]}, "outside the tokenizer"),
+                         ({"completion_ids": "1 2"}, "list of integer token ids"),
+                         ({"prompt_ids": [1.5], "completion_ids": [1]}, "list of integer token ids")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            tokenize_record(tok, bad)
+
+
 def test_prepare_data_packs_rows_and_counts_tokens(work):
     from peagle.train.data import iter_prepared_rows, read_manifest
 
@@ -297,6 +333,65 @@ def test_trainer_saves_the_added_mask_token(work, tmp_path):
     saved = load_tokenizer(tmp_path / "final" / "tokenizer")
     assert saved.convert_tokens_to_ids(MASK_TOKEN) == trainer.config.mask_token_id
     assert json.loads((tmp_path / "final" / "config.json").read_text())["mask_token_id"] == vocab_words
+
+
+def test_autoregressive_eval_counts_the_served_chains(work, tmp_path):
+    """`peagle eval --autoregressive` on a K = 1 drafter: Pos 1 equals the parallel evaluation's, and Pos 1..K and
+    the acceptance length equal a per-chain count over the chains drafted step by step."""
+    from peagle.model import from_pretrained
+    from peagle.train.evaluate import chain_drafts, chain_elements, evaluate
+
+    args = TrainArgs(data=str(work / "ext-train"), out=str(tmp_path / "k1"), num_layers=1, num_depths=1, steps=40,
+                     batch_size=2, lr=3e-3, warmup_steps=2, progress=False)  # fmt: skip
+    Trainer(args).run()
+    assert main(["eval", "--checkpoint", str(tmp_path / "k1" / "final"), "--data", str(work / "ext-held"),
+                 "--depths", "3", "--autoregressive", "--json", str(tmp_path / "ar.json")]) == 0  # fmt: skip
+    ar = json.loads((tmp_path / "ar.json").read_text())
+    model = from_pretrained(tmp_path / "k1" / "final", dtype=torch.float32)
+    parallel = evaluate(model, str(work / "ext-held"), depth=3)
+    assert ar["drafting"] == "autoregressive" and ar["depths"] == 3 and ar["chains"] == parallel["chains"] > 0
+    assert ar["top1_accuracy"][0] == parallel["top1_accuracy"][0]
+    assert ar["conditional_acceptance"][0] == pytest.approx(parallel["conditional_acceptance"][0], abs=1e-12)
+    # Per-chain count: accepted drafts of each chain = the length of its matching prefix against the target argmax.
+    data = ExtractedData(work / "ext-held")
+    head = load_file(work / "ext-held" / "target_head.safetensors")["lm_head.weight"]
+    reach, chains = [0, 0, 0], 0
+    for i in range(len(data)):
+        row = data.row(i)
+        _, _, anchors = chain_elements(row.document_ids, row.loss_mask, 3)
+        if anchors.numel() == 0:
+            continue
+        _, drafts = chain_drafts(model, row.input_ids, row.hidden, row.document_ids, anchors, 3)
+        for a, chain in zip(anchors.tolist(), drafts.tolist(), strict=True):
+            for d in range(3):
+                if chain[d] != int((row.target_hidden[a + d] @ head.T).argmax()):
+                    break
+                reach[d] += 1
+            chains += 1
+    conditional = [reach[0] / chains, reach[1] / reach[0], reach[2] / reach[1]]
+    print(f"autoregressive {ar}; parallel {parallel}")
+    assert ar["conditional_acceptance"] == pytest.approx(conditional, abs=1e-9)
+    assert ar["acceptance_length"] == pytest.approx(1 + sum(reach) / chains, abs=1e-9)
+    walk = ar["serving_walk"]
+    assert 0 < walk["drafts"] < chains and 1.0 <= walk["acceptance_length"] <= 4.0
+
+
+def test_serving_walk_drafts_where_a_greedy_server_drafts():
+    from peagle.train.evaluate import _serving_walk
+
+    # Two documents; trained labels at 2..7 (document 0) and 8..10 (document 1, a new request).
+    docs = torch.tensor([0] * 8 + [1] * 4)
+    trained = torch.tensor([0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0], dtype=torch.bool)
+    accepted = torch.tensor([-1, -1, -1, 0, 0, 1, -1, -1, -1, 1, -1, -1])
+    # Document 0: the target makes the token of anchor 2 itself; drafts from 3 (0 accepted: next 4), 4 (next 5),
+    # 5 (1 accepted: next 7), 7 has no full chain. Document 1: drafts from 9 (1 accepted: next 11, none).
+    assert _serving_walk(accepted, trained, docs) == [0, 0, 1, 1]
+    assert _serving_walk(torch.full((12,), -1), trained, docs) == []
+    # A server generating 3 tokens per request drafts from anchors 3 (1 token out) and 4 (2 out) of document 0, then
+    # has its 3 tokens; with 2, only from 3; with 1 (the target's own first token), never.
+    assert _serving_walk(accepted, trained, docs, max_tokens=3) == [0, 0, 1]
+    assert _serving_walk(accepted, trained, docs, max_tokens=2) == [0, 1]
+    assert _serving_walk(accepted, trained, docs, max_tokens=1) == []
 
 
 def test_weighted_kl_matches_autograd_of_the_plain_formula():

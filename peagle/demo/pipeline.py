@@ -1,5 +1,7 @@
-"""`peagle demo`: the whole workflow - target, prepare-data -> extract -> train (P-EAGLE and an EAGLE-3 baseline with
-the same budget) -> offline eval -> vLLM serving (with and without speculation) -> report.
+"""`peagle demo`: the whole workflow - target, self-distillation (the target's greedy continuations of prompts from
+the train and held-out splits) -> prepare-data -> extract -> train (P-EAGLE and an EAGLE-3 baseline with the same
+budget) -> offline eval on the held-out continuations -> vLLM serving of held-out prompts (with and without
+speculation) -> report.
 
 Each stage writes its output directory under the work directory and is skipped when that output is complete, so a
 rerun only redoes what is missing (``--fresh`` starts over).
@@ -31,61 +33,93 @@ class DemoSpec:
 
     depths: int = 5  # K of the P-EAGLE drafter (the baseline drafts K tokens autoregressively with a K = 1 drafter)
     drafter_layers: int = 1
-    seq_len: int = 256  # T of a packed training row
-    train_chars: int = 400_000  # text the drafters train on (a prefix of the training split)
-    heldout_chars: int = 50_000
-    steps: int = 600
+    seq_len: int = 256  # T of a packed training row: a prompt and its continuation
+    prompt_tokens: int = 64  # prompts (self-distillation and serving): windows of a split's text
+    completion_tokens: int = 192  # the target's greedy continuation of each prompt
+    train_prompts: int = 1024  # self-distilled training records
+    heldout_prompts: int = 32  # self-distilled held-out records (the offline evaluation)
+    train_chars: int = 2_000_000  # text of the training split the prompts are spread over
+    heldout_chars: int = 200_000
+    steps: int = 1200
     batch_size: int = 2
     lr: float = 2e-3
     max_anchors: int | None = 128
-    eval_rows: int = 48
-    prompts: int = 8
-    prompt_tokens: int = 64
-    max_tokens: int = 128
+    prompts: int = 32  # served prompts: the first held-out prompts (all of them: vLLM and offline see the same text)
+    # Served tokens per prompt. A server drafts full K-chains until it has max_tokens, so the continuations run up to
+    # completion_tokens - max_tokens + 1 = 9 >= K tokens further: the offline serving walk then sees every token the
+    # server verifies.
+    max_tokens: int = 184
+    concurrency: int = 1  # requests vLLM decodes at once (max_num_seqs): 1 = the latency setting speculation is for
+    repeats: int = 2  # timed passes over the prompts per configuration; tokens/s of the fastest
     target: TargetSpec = field(default_factory=TargetSpec)
 
+    def data_key(self) -> str:
+        """Key of the self-distilled, prepared and extracted data (not of the drafter settings)."""
+        names = ("seq_len", "prompt_tokens", "completion_tokens", "train_prompts", "heldout_prompts")
+        fields = {k: getattr(self, k) for k in (*names, "train_chars", "heldout_chars")}
+        return f"{zlib.crc32(json.dumps(fields, sort_keys=True).encode()):08x}"
+
     def drafter_key(self) -> str:
-        fields = {
-            k: v for k, v in asdict(self).items() if k not in ("target", "prompts", "prompt_tokens", "max_tokens")
-        }
+        # K names the P-EAGLE run and the eval / serving outputs, so the K = 1 baseline is shared across --depths.
+        serving = ("prompts", "max_tokens", "concurrency", "repeats")
+        fields = {k: v for k, v in asdict(self).items() if k not in ("target", "depths", *serving)}
         return f"{zlib.crc32(json.dumps(fields, sort_keys=True).encode()):08x}"
 
 
 QUICK = DemoSpec(
     depths=4,
     seq_len=128,
-    train_chars=30_000,
-    heldout_chars=20_000,
+    prompt_tokens=32,
+    completion_tokens=96,
+    train_prompts=64,
+    heldout_prompts=16,
+    train_chars=100_000,
+    heldout_chars=40_000,
     steps=60,
     batch_size=2,
     lr=2e-3,
     max_anchors=64,
-    eval_rows=16,
-    prompts=4,
-    prompt_tokens=32,
-    max_tokens=48,
+    prompts=16,
+    max_tokens=88,
+    repeats=1,
     target=QUICK_TARGET,
 )
 
 
 class Stages:
-    """Prints one line per stage with its time, and keeps the timings for the report."""
+    """Prints one line per stage with its time, and keeps the timings for the report. The time of every stage that
+    ran is also recorded in ``root/stage_seconds.json`` under its output path, so a rerun that takes a stage from the
+    cache still reports how long it took when it ran."""
 
     def __init__(self) -> None:
         self.times: dict[str, float] = {}
         self.cached: list[str] = []
+        self.when_run: dict[str, float] = {}
+        self.root: Path | None = None
 
-    def run(self, name: str, done: bool, fn):
+    def _record_path(self) -> Path | None:
+        return self.root / "stage_seconds.json" if self.root is not None else None
+
+    def run(self, name: str, out: Path, done: bool, fn):
+        record_path = self._record_path()
+        record = json.loads(record_path.read_text()) if record_path and record_path.exists() else {}
+        key = os.path.relpath(out, self.root) if self.root is not None else str(out)
         if done:
             print(f"[peagle demo] {name}: cached", flush=True)
             self.cached.append(name)
             self.times[name] = 0.0
+            if key in record:
+                self.when_run[name] = record[key]
             return None
         print(f"[peagle demo] {name} ...", flush=True)
         start = time.perf_counter()
         result = fn()
-        self.times[name] = time.perf_counter() - start
+        self.times[name] = self.when_run[name] = time.perf_counter() - start
         print(f"[peagle demo] {name}: {self.times[name]:.1f} s", flush=True)
+        if record_path is not None:
+            from peagle.model.checkpoint import atomic_write_json
+
+            atomic_write_json(record_path, {**record, key: self.times[name]})
         return result
 
 
@@ -106,50 +140,52 @@ def _complete(directory: Path, marker: str = "manifest.json") -> bool:
     return True
 
 
-def _write_capped(source: Path, out: Path, max_chars: int, every: int | None = None, keep: int = 0) -> int:
-    """Copies jsonl records until ``max_chars`` of text; with ``every``, only records whose index % every == keep
-    (a deterministic record split of user data). Returns the records written."""
-    written, used = 0, 0
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with source.open() as f, out.open("w") as g:
-        for index, line in enumerate(f):
-            if not line.strip():
-                continue
-            if every is not None and (index % every == 0) != (keep == 0):
-                continue
-            record = json.loads(line)
-            size = len(json.dumps(record))
-            if "text" in record:
-                record = {"text": record["text"][: max(200, max_chars - used)]}
-                size = len(record["text"])
-            g.write(json.dumps(record) + "\n")
-            written += 1
-            used += size
-            if used >= max_chars:
-                break
-    return written
-
-
-def _prompts(heldout_jsonl: Path, target_dir: Path, spec: DemoSpec) -> list[list[int]]:
-    """Prompts from held-out records: the first ``prompt_tokens`` tokens of a text / the rendered chat's first user
-    turn."""
-    from peagle.train.data import load_tokenizer, tokenize_record
+def _self_distill(
+    spec: DemoSpec,
+    target_dir: Path,
+    sources: dict[str, tuple[Path, dict[str, Any]]],
+    out: Path,
+    ignore_eos: bool,
+    device: str,
+    progress: bool,
+) -> dict[str, Any]:
+    """Prompts from each split and the target's greedy continuations of them -> ``out/{split}.jsonl`` token-id
+    records (train / heldout) and ``done.json``."""
+    from peagle.demo.distill import generate_hf, split_prompts, write_records
+    from peagle.model.checkpoint import atomic_write_json
+    from peagle.train.data import load_tokenizer
 
     tokenizer = load_tokenizer(target_dir)
-    prompts = []
-    with heldout_jsonl.open() as f:
-        for line in f:
-            if not line.strip():
-                continue
-            ids = tokenize_record(tokenizer, json.loads(line)).ids
-            # Several prompts per long held-out document, taken at different offsets.
-            for lo in range(0, len(ids) - spec.prompt_tokens, 4 * spec.prompt_tokens):
-                prompts.append(ids[lo : lo + spec.prompt_tokens])
-                if len(prompts) == spec.prompts:
-                    return prompts
-    if not prompts:
-        raise ValueError(f"no held-out record in {heldout_jsonl} has {spec.prompt_tokens} tokens for a prompt")
-    return prompts
+    counts = {"train": spec.train_prompts, "heldout": spec.heldout_prompts}
+    chars = {"train": spec.train_chars, "heldout": spec.heldout_chars}
+    prompts = {
+        split: split_prompts(source, tokenizer, counts[split], spec.prompt_tokens, chars[split], **kw)
+        for split, (source, kw) in sources.items()
+    }
+    everything = prompts["train"] + prompts["heldout"]
+    start = time.perf_counter()
+    completions = generate_hf(
+        target_dir, everything, spec.completion_tokens, ignore_eos=ignore_eos, device=device, progress=progress
+    )
+    seconds = time.perf_counter() - start
+    n = len(prompts["train"])
+    info: dict[str, Any] = {
+        "backend": "transformers (greedy, KV cache)",
+        "seconds": seconds,
+        "tokens_per_second": sum(len(c) for c in completions) / seconds,
+        "prompt_tokens": spec.prompt_tokens,
+        "completion_tokens": spec.completion_tokens,
+        "ignore_eos": ignore_eos,
+    }
+    for split, part in (("train", slice(0, n)), ("heldout", slice(n, None))):
+        info[split] = write_records(out / f"{split}.jsonl", prompts[split], completions[part], len(tokenizer))
+    atomic_write_json(out / "done.json", info)
+    return info
+
+
+def _read_records(path: Path) -> list[dict[str, Any]]:
+    with path.open() as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def _serve(name: str, request: dict[str, Any], out: Path, log: Path) -> dict[str, Any]:
@@ -203,6 +239,7 @@ def run_demo(
     total_start = time.perf_counter()
     stages = Stages()
     torch.set_flush_denormal(True)
+    load_start = os.getloadavg()
     threads = _threads()
     torch.set_num_threads(threads)
     print(
@@ -214,19 +251,24 @@ def run_demo(
         root = base / f"demo-{'quick' if quick else 'default'}-{spec.target.key()}"
         if fresh and root.exists():
             shutil.rmtree(root)
+        root.mkdir(parents=True, exist_ok=True)
+        stages.root = root
         corpus, target_dir = root / "corpus", root / "target"
         stages.run(
             "corpus (Python standard library)",
+            corpus,
             _complete(corpus, "done.json"),
             lambda: build_corpus(corpus, spec.target, progress),
         )
         stages.run(
             "tokenizer (byte-level BPE)",
+            root / "tokenizer",
             _complete(root / "tokenizer", "done.json"),
             lambda: build_tokenizer(corpus, root / "tokenizer", spec.target),
         )
         stages.run(
             f"target (Llama, trained {spec.target.train_seconds:.0f} s)",
+            target_dir,
             _complete(target_dir, "done.json"),
             lambda: train_target(corpus, root / "tokenizer", target_dir, spec.target, progress),
         )
@@ -255,6 +297,8 @@ def run_demo(
         root = base / f"demo-user-{key:08x}"
         if fresh and root.exists():
             shutil.rmtree(root)
+        root.mkdir(parents=True, exist_ok=True)
+        stages.root = root
         target_info = {"kind": "user model", "path": str(target_dir.resolve()), "data": str(data_path.resolve())}
         heldout_source = train_source = data_path
         # Every 10th record is held out.
@@ -262,29 +306,56 @@ def run_demo(
         heldout_kw = {"every": 10, "keep": 0}
         layer_ids = None
 
+    data_root = root / f"data-{spec.data_key()}"
     drafter_root = root / f"drafters-{spec.drafter_key()}"
-    texts = drafter_root / "text"
-    if not (texts / "heldout.jsonl").exists():
-        _write_capped(train_source, texts / "train.jsonl.tmp", spec.train_chars, **split_kw)
-        _write_capped(heldout_source, texts / "heldout.jsonl.tmp", spec.heldout_chars, **heldout_kw)
-        os.replace(texts / "train.jsonl.tmp", texts / "train.jsonl")
-        os.replace(texts / "heldout.jsonl.tmp", texts / "heldout.jsonl")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # The embedded target continues text to a fixed length (as the serving measurement does); a user's chat model
+    # stops at its end-of-sequence token.
+    ignore_eos = target is None
+
+    # --- 0. self-distillation: the target's own greedy continuations of train / held-out prompts -------------------
+    distill = data_root / "distill"
+    stages.run(
+        f"self-distill ({spec.train_prompts} + {spec.heldout_prompts} prompts x {spec.completion_tokens} tokens)",
+        distill,
+        _complete(distill, "done.json"),
+        lambda: _self_distill(
+            spec,
+            target_dir,
+            {"train": (train_source, split_kw), "heldout": (heldout_source, heldout_kw)},
+            distill,
+            ignore_eos,
+            device,
+            progress,
+        ),
+    )
+    distill_info = json.loads((distill / "done.json").read_text())
 
     # --- 1. prepare-data, 2. extract --------------------------------------------------------------------------------
     for split in ("train", "heldout"):
-        prepared, states = drafter_root / f"data-{split}", drafter_root / f"states-{split}"
+        prepared, states = data_root / f"prepared-{split}", data_root / f"states-{split}"
         stages.run(
             f"prepare-data ({split})",
+            prepared,
             _complete(prepared),
             lambda split=split, prepared=prepared: prepare_data(
-                str(texts / f"{split}.jsonl"), target_dir, prepared, spec.seq_len, 256, None, progress
+                str(distill / f"{split}.jsonl"), target_dir, prepared, spec.seq_len, 256, None, progress
             ),
         )
+        # Held-out states in float32: the offline verification takes the target's argmax from them.
         stages.run(
             f"extract ({split})",
+            states,
             _complete(states),
-            lambda prepared=prepared, states=states: extract(
-                prepared, target_dir, states, layer_ids, "bfloat16", 64, "cpu", progress
+            lambda prepared=prepared, states=states, split=split: extract(
+                prepared,
+                target_dir,
+                states,
+                layer_ids,
+                "float32" if split == "heldout" else "bfloat16",
+                64,
+                device,
+                progress,
             ),
         )
 
@@ -293,7 +364,7 @@ def run_demo(
     train_seconds = {}
     for name, (out, k) in runs.items():
         args = TrainArgs(
-            data=str(drafter_root / "states-train"),
+            data=str(data_root / "states-train"),
             out=str(out),
             num_layers=spec.drafter_layers,
             num_depths=k,
@@ -306,34 +377,38 @@ def run_demo(
             progress=progress,
         )
         label = f"train {name} (K = {k}, {spec.steps} steps x {spec.batch_size} rows)"
-        stages.run(label, _complete(out / "final", "config.json"), lambda args=args: train(args))
-        train_seconds[name] = stages.times[label]
+        stages.run(label, out, _complete(out / "final", "config.json"), lambda args=args: train(args))
+        train_seconds[name] = stages.when_run.get(label, 0.0)
 
-    # --- 4. offline eval on the held-out split ----------------------------------------------------------------------
+    # --- 4. offline eval on the held-out continuations: P-EAGLE drafts K in parallel, EAGLE-3 one after another ------
     offline = {}
     for name, (out, k) in runs.items():
-        path = drafter_root / f"eval-{'peagle' if k > 1 else 'eagle3'}.json"
+        path = drafter_root / f"eval-{'peagle' if k > 1 else 'eagle3'}-k{spec.depths}-g{spec.max_tokens}.json"
 
-        def run_eval(out=out, path=path):
+        def run_eval(out=out, path=path, k=k):
             from peagle.model.checkpoint import atomic_write_json
-            from peagle.train.dataset import ExtractedData
 
             model = from_pretrained(out / "final", dtype=torch.float32)
-            rows = list(range(min(spec.eval_rows, len(ExtractedData(drafter_root / "states-heldout")))))
-            atomic_write_json(path, evaluate(model, str(drafter_root / "states-heldout"), rows))
+            states = str(data_root / "states-heldout")
+            result = evaluate(model, states, None, spec.depths, autoregressive=k == 1, max_tokens=spec.max_tokens)
+            atomic_write_json(path, result)
 
-        stages.run(f"eval {name} (held-out)", path.exists(), run_eval)
+        stages.run(f"eval {name} (held-out)", path, path.exists(), run_eval)
         offline[name] = json.loads(path.read_text())
 
-    # --- serving with vLLM --------------------------------------------------------------------------------------------
+    # --- serving with vLLM: the first held-out prompts ----------------------------------------------------------------
     served: dict[str, Any] = {}
+    heldout_records = _read_records(distill / "heldout.jsonl")
     if serve:
-        prompts = _prompts(texts / "heldout.jsonl", target_dir, spec)
+        prompts = [r["prompt_ids"] for r in heldout_records[: spec.prompts]]
         common = {
             "target": str(target_dir.resolve()),
             "prompts": prompts,
             "max_tokens": spec.max_tokens,
-            "max_model_len": spec.prompt_tokens + spec.max_tokens + 2 * spec.depths + 16,
+            "max_model_len": max(len(p) for p in prompts) + spec.max_tokens + 2 * spec.depths + 16,
+            "ignore_eos": ignore_eos,
+            "max_num_seqs": spec.concurrency,
+            "repeats": spec.repeats,
         }
         configs = {
             "no speculation": None,
@@ -349,13 +424,15 @@ def run_demo(
                 "num_speculative_tokens": spec.depths,
             },
         }
-        serve_dir = drafter_root / f"vllm-p{spec.prompts}x{spec.prompt_tokens}-g{spec.max_tokens}"
+        serve_key = f"k{spec.depths}-p{spec.prompts}-g{spec.max_tokens}-c{spec.concurrency}x{spec.repeats}"
+        serve_dir = drafter_root / f"vllm-{serve_key}"
         serve_dir.mkdir(parents=True, exist_ok=True)
         for name, config in configs.items():
             slug = name.lower().replace(" ", "-")
             out = serve_dir / f"{slug}.json"
             stages.run(
                 f"vLLM-CPU serve: {name}",
+                out,
                 out.exists(),
                 lambda name=name, config=config, out=out, slug=slug: _serve(
                     name, {**common, "speculative_config": config}, out, serve_dir / f"{slug}.log"
@@ -364,6 +441,8 @@ def run_demo(
             served[name] = json.loads(out.read_text())
 
     report_dir = root / "report"
+    # The machine may be shared: its load beside the timings (1-, 5-, 15-minute load averages at start and end).
+    load = {"cores": os.cpu_count(), "threads": threads, "loadavg_start": load_start, "loadavg_end": os.getloadavg()}
     report = write_report(
         report_dir,
         spec=spec,
@@ -372,8 +451,12 @@ def run_demo(
         served=served,
         stages=stages.times,
         cached=stages.cached,
+        when_run=stages.when_run,
         total_seconds=time.perf_counter() - total_start,
         train_seconds=train_seconds,
+        distill=distill_info,
+        heldout_completions=[r["completion_ids"] for r in heldout_records[: spec.prompts]],
+        load=load,
     )
     print(f"[peagle demo] report: {report_dir / 'report.md'}", flush=True)
     return report

@@ -39,16 +39,23 @@ def _plots(out: Path, table: list[dict[str, Any]], serving: list[dict[str, Any]]
     import matplotlib.pyplot as plt
 
     files = []
-    fig, ax = plt.subplots(figsize=(7.5, 4))
+    fig, ax = plt.subplots(figsize=(8, 4.6))
     width = 0.8 / max(1, len(table))
+    # A colour family per drafter (blues: P-EAGLE, oranges: EAGLE-3), darker = offline, lighter = vLLM.
+    shades = {"P-EAGLE": ["#08519c", "#4292c6", "#9ecae1"], "EAGLE-3": ["#a63603", "#f16913", "#fdae6b"]}
+    used: dict[str, int] = {}
     for i, row in enumerate(table):
         xs = [p + 1 + (i - (len(table) - 1) / 2) * width for p in range(len(row["conditional_acceptance"]))]
-        ax.bar(xs, row["conditional_acceptance"], width, label=f"{row['drafter']} ({row['measured']})")
+        family = shades.get(row["drafter"], ["#555", "#888", "#bbb"])
+        color = family[min(used.get(row["drafter"], 0), len(family) - 1)]
+        used[row["drafter"]] = used.get(row["drafter"], 0) + 1
+        label = f"{row['drafter']} ({row['measured']}, AL {row['acceptance_length']:.2f})"
+        ax.bar(xs, row["conditional_acceptance"], width, label=label, color=color)
     ax.set_xticks(range(1, k + 1), [f"Pos {p}" for p in range(1, k + 1)])
     ax.set_ylim(0, 1)
     ax.set_ylabel("conditional acceptance")
     ax.set_title("Per-position acceptance on the held-out split")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7.5, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.1), frameon=False)
     fig.tight_layout()
     fig.savefig(out / "acceptance.png", dpi=110)
     plt.close(fig)
@@ -78,6 +85,10 @@ def write_report(
     cached: list[str],
     total_seconds: float,
     train_seconds: dict[str, float],
+    distill: dict[str, Any] | None = None,
+    heldout_completions: list[list[int]] | None = None,
+    load: dict[str, Any] | None = None,
+    when_run: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     from peagle.model.checkpoint import atomic_write_bytes, atomic_write_json
 
@@ -91,11 +102,24 @@ def write_report(
                 {
                     "drafter": name,
                     "measured": "offline",
+                    "drafting": r.get("drafting", "parallel"),
                     "conditional_acceptance": r["conditional_acceptance"],
                     "acceptance_length": r["acceptance_length"],
                     "chains": r["chains"],
                 }
             )
+            if "serving_walk" in r:
+                walk = r["serving_walk"]
+                table.append(
+                    {
+                        "drafter": name,
+                        "measured": "offline (serving walk)",
+                        "drafting": r.get("drafting", "parallel"),
+                        "conditional_acceptance": walk["conditional_acceptance"],
+                        "acceptance_length": walk["acceptance_length"],
+                        "drafts": walk["drafts"],
+                    }
+                )
         if name in served:
             s = served_acceptance(served[name], k)
             if s is not None:
@@ -118,8 +142,27 @@ def write_report(
         acc = served_acceptance(r, k)
         entry["acceptance_length"] = acc["acceptance_length"] if acc else None
         serving.append(entry)
+    # The served text is the offline text when vLLM's greedy output (no speculation) equals the self-distilled
+    # continuation of the same held-out prompt (compared over the served length).
+    same_text = None
+    if reference is not None and heldout_completions:
+        outs = reference["outputs"]
+        same_text = sum(o == c[: len(o)] for o, c in zip(outs, heldout_completions, strict=False))
+    agreement = {}
+    for name in ("P-EAGLE", "EAGLE-3"):
+        rows = {row["measured"]: row for row in table if row["drafter"] == name}
+        if "vLLM" in rows:
+            agreement[name] = {
+                measured: rows["vLLM"]["acceptance_length"] / rows[measured]["acceptance_length"]
+                for measured in ("offline", "offline (serving walk)")
+                if measured in rows
+            }
     report = {
         "depths": k,
+        "distill": distill,
+        "served_equals_offline_text": f"{same_text}/{len(reference['outputs'])}" if same_text is not None else None,
+        "al_vllm_over_offline": agreement,
+        "machine_load": load,
         "target": target_info,
         "settings": {key: v for key, v in asdict(spec).items() if key != "target"},
         "acceptance": table,
@@ -129,6 +172,7 @@ def write_report(
         "train_seconds": train_seconds,
         "stage_seconds": stages,
         "cached_stages": cached,
+        "stage_seconds_when_run": when_run or {},
         "total_seconds": total_seconds,
     }
     report["plots"] = _plots(out, table, serving, k)
@@ -147,17 +191,45 @@ def write_report(
         ]
     else:
         lines += [f"Target: {t['path']}; data: {t['data']} (every 10th record held out)."]
+    if distill is not None:
+        lines += [
+            "",
+            f"Text: self-distilled. Prompts of {distill['prompt_tokens']} tokens from the training split "
+            f"({distill['train']['records']}) and, separately, the held-out split ({distill['heldout']['records']}), "
+            f"each continued by the target itself (greedy, {distill['completion_tokens']} tokens: "
+            f"{distill['train']['completion_tokens'] + distill['heldout']['completion_tokens']} tokens in "
+            f"{distill['seconds']:.0f} s). The drafters train on the training continuations (loss on the generated "
+            "tokens only), since a served drafter drafts against the target's own output.",
+        ]
     lines += [
         "",
         f"Drafters: P-EAGLE (K = {k} parallel depths) and an EAGLE-3 baseline (K = 1, drafting {k} tokens "
-        f"autoregressively when served), both {spec.drafter_layers} layer(s), {spec.steps} steps x "
-        f"{spec.batch_size} rows of T = {spec.seq_len}.",
+        f"autoregressively), both {spec.drafter_layers} layer(s), {spec.steps} steps x {spec.batch_size} rows of "
+        f"T = {spec.seq_len}. The baseline is trained on its first draft only (`peagle train --depths 1`, no "
+        "training-time-test unrolling), so from its second step on it reads its own hidden states, which it never saw "
+        "in training: EAGLE-3 as published also trains those steps, and would accept more at Pos 2+.",
         "",
         "## Acceptance on the held-out split",
         "",
         "Conditional acceptance at position i (accepted given positions 1..i-1 accepted) and the average acceptance "
-        "length (AL = 1 + accepted drafts per verification). Offline: teacher-forced chains on held-out rows (the "
-        "EAGLE-3 drafter is evaluated offline at its own K = 1). vLLM: counters of greedy serving on held-out prompts.",
+        "length (AL = 1 + accepted drafts per verification).",
+        "",
+        f"- Offline: chains of {k} drafts on the {distill['heldout']['records'] if distill else ''} held-out "
+        "continuations, verified greedily against the target's argmax (teacher-forced on the target's own text, so "
+        "an accepted draft is the token the target would generate). P-EAGLE drafts a chain in one pass; EAGLE-3 "
+        "drafts it one token after another as vLLM's eagle3 proposer does (each step feeds back the drafted token "
+        "and the drafter's own hidden state). *offline*: a chain from every position (the papers' offline measure); "
+        "*offline (serving walk)*: only the chains a greedy server drafts on the same text (the next chain starts "
+        "after the accepted drafts and the bonus token).",
+        f"- vLLM: the speculative-decoding counters of greedy serving of "
+        f"{len(reference['outputs']) if reference else '?'} held-out prompts (the first of the offline records' "
+        f"prompts), {spec.max_tokens} tokens each"
+        + (
+            f"; vLLM's output without speculation equals the offline continuation for {same_text}/"
+            f"{len(reference['outputs'])} prompts, so both measure the same text."
+            if same_text is not None
+            else "."
+        ),
         "",
         "| Drafter | Measured | " + " | ".join(f"Pos {p}" for p in range(1, k + 1)) + " | AL |",
         "|---|---|" + "---|" * k + "---|",
@@ -167,13 +239,33 @@ def write_report(
         lines.append(
             f"| {row['drafter']} | {row['measured']} | " + " | ".join(cells) + f" | {row['acceptance_length']:.3f} |"
         )
+    if agreement:
+        parts = [
+            f"{name} {' / '.join(f'{ratio:.2f} ({measured})' for measured, ratio in ratios.items())}"
+            for name, ratios in agreement.items()
+        ]
+        lines += [
+            "",
+            "AL measured by vLLM divided by the offline AL: " + "; ".join(parts) + ". A server drafts only where "
+            "its last verification ended (often a hard spot), so the every-position average can run higher; the "
+            "serving walk drafts where the server drafts.",
+        ]
     if serving:
         lines += [
             "",
             "## vLLM-CPU serving (greedy)",
             "",
             f"{len(reference['outputs']) if reference else '?'} held-out prompts, {spec.max_tokens} generated tokens "
-            "each, float32, enforce_eager; engine start-up not included.",
+            "each, "
+            + ("one request at a time" if spec.concurrency == 1 else f"{spec.concurrency} requests decoded at once")
+            + " (vLLM's max_num_seqs), float32, enforce_eager; tokens/s of "
+            + (
+                f"the fastest of {spec.repeats} timed passes over the prompts (on a shared machine other processes "
+                "only ever slow a pass down)"
+                if spec.repeats > 1
+                else "one timed pass over the prompts"
+            )
+            + ", engine start-up not included.",
             "",
             "| Config | tokens/s | speedup | AL | lossless (output == no speculation) |",
             "|---|---|---|---|---|",
@@ -183,10 +275,25 @@ def write_report(
             al = f"{s['acceptance_length']:.3f}" if s["acceptance_length"] else "-"
             lossless = "reference" if "lossless" not in s else f"{s['lossless']} ({s['identical_outputs']})"
             lines.append(f"| {s['config']} | {s['tokens_per_second']:.1f} | {speed} | {al} | {lossless} |")
-    lines += ["", "## Timings", "", "| Stage | seconds |", "|---|---|"]
+    lines += ["", "## Timings", ""]
+    if load is not None:
+        start, end = load["loadavg_start"], load["loadavg_end"]
+        lines += [
+            f"{load['cores']} CPU cores, {load['threads']} torch thread(s); the machine's load average (1 / 5 / 15 "
+            f"min) was {start[0]:.2f} / {start[1]:.2f} / {start[2]:.2f} at the start and {end[0]:.2f} / {end[1]:.2f} / "
+            f"{end[2]:.2f} at the end (other processes share the cores: timings and tokens/s vary with it).",
+            "",
+        ]
+    lines += ["| Stage | seconds |", "|---|---|"]
     for name, sec in stages.items():
-        lines.append(f"| {name} | {'cached' if name in cached else f'{sec:.1f}'} |")
-    lines.append(f"| total | {total_seconds:.1f} |")
+        if name not in cached:
+            lines.append(f"| {name} | {sec:.1f} |")
+        else:
+            earlier = (when_run or {}).get(name)
+            lines.append(f"| {name} | cached" + (f" ({earlier:.1f} when it ran)" if earlier is not None else "") + " |")
+    lines.append(f"| total (this run) | {total_seconds:.1f} |")
+    if cached and when_run and all(name in when_run for name in stages):
+        lines.append(f"| stages when they ran | {sum(when_run[name] for name in stages):.1f} |")
     lines += [""] + [f"![{p}]({p})" for p in report["plots"]] + [""]
     atomic_write_bytes(out / "report.md", "\n".join(lines).encode())
     return report

@@ -33,13 +33,15 @@ class TargetSpec:
     heldout_chars: int = 400_000
     heldout_every: int = 10  # a file is held out when crc32(relative path) % heldout_every == 0
     vocab_size: int = 2048
-    hidden_size: int = 256
+    # Small and fast: in a few CPU minutes a 1.3 M-parameter model sees ~3 M tokens and reaches a held-out loss of
+    # ~4.1 (its greedy text reads like Python); hidden 256 (4.2 M) saw 4x fewer tokens and stayed near 5.2.
+    hidden_size: int = 128
     num_layers: int = 4
-    num_heads: int = 4  # head_dim 64
-    num_kv_heads: int = 2
-    intermediate_size: int = 768
+    num_heads: int = 2  # head_dim 64
+    num_kv_heads: int = 1
+    intermediate_size: int = 384
     seq_len: int = 256
-    batch_size: int = 4  # small batches: more steps in a few CPU minutes
+    batch_size: int = 8
     lr: float = 4e-3
     train_seconds: float = 240.0  # wall-clock budget of target training
     max_steps: int = 3000

@@ -266,7 +266,9 @@ class PEagleDrafter(nn.Module):
             hidden = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)
         return self.fc(hidden)
 
-    def _trunk(self, embeds: Tensor, feats: Tensor, position_ids: Tensor, mask: object) -> Tensor:
+    def _trunk(
+        self, embeds: Tensor, feats: Tensor, position_ids: Tensor, mask: object, with_hidden: bool = False
+    ) -> Tensor | tuple[Tensor, Tensor]:
         blocks = isinstance(mask, DocumentBlocks)
         if blocks:  # work in document order; back to element order at the end
             embeds, feats, position_ids = embeds[mask.order], feats[mask.order], position_ids[mask.order]
@@ -274,8 +276,14 @@ class PEagleDrafter(nn.Module):
         x = feats
         for layer in self.layers:
             x = layer(x, cos, sin, mask, embeds)
-        x = self.norm(x)
-        return x[mask.inverse] if blocks else x
+        out = self.norm(x)
+        if blocks:
+            out, x = out[mask.inverse], x[mask.inverse]
+        if not with_hidden:
+            return out
+        # The hidden state an EAGLE-3 server feeds back to the next drafting step: the residual stream before the
+        # final norm (vLLM's Eagle3 models return it beside the normed states), after it with norm_output.
+        return out, out if self.config.norm_output else x
 
     def forward_train(
         self,
@@ -339,6 +347,16 @@ class PEagleDrafter(nn.Module):
         diagonal = mask.diagonal()
         diagonal |= ~mask.any(1)
         return mask
+
+    def forward_features(
+        self, input_ids: Tensor, feats: Tensor, position_ids: Tensor, mask: object = None
+    ) -> tuple[Tensor, Tensor]:
+        """The drafter on elements whose H-wide features are given (``project`` of target states, or hidden states the
+        drafter itself produced): logits [N, draft_vocab] and the hidden state [N, H] that autoregressive (EAGLE-3)
+        drafting feeds back as the features of the next step. ``mask``: None (causal over the N elements), a dense
+        [N, N] bool mask, or :class:`DocumentBlocks`."""
+        out, hidden = self._trunk(self.embed_tokens(input_ids.long()), feats, position_ids, mask, with_hidden=True)
+        return self.lm_head(out), hidden
 
     def forward_inference(self, input_ids: Tensor, hidden: Tensor, num_mask: int, start_position: int = 0) -> Tensor:
         """What a server runs: L real (token, hidden) elements then ``num_mask`` mask elements, plain causal mask.

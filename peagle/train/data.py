@@ -1,4 +1,11 @@
-"""Step 1, prepare-data: conversations or text -> tokenized documents with loss masks, packed into T-length rows.
+"""Step 1, prepare-data: conversations, text or token ids -> tokenized documents with loss masks, packed into T-length
+rows.
+
+Records (one JSON object a line): ``{"messages": [...]}`` / ShareGPT ``{"conversations": [...]}`` (assistant turns
+trained), ``{"text": ...}`` (every token trained), or pre-tokenized ``{"prompt_ids": [...], "completion_ids": [...]}``
+(``prompt_ids`` optional; the completion tokens are trained, the prompt is context only). Token ids are taken as they
+are, no special tokens added: the form for the target's own generations (self-distillation), which decoded text would
+not reproduce exactly since BPE decoding does not round-trip.
 
 Output directory: ``rows-XXXXX.safetensors`` shards (``input_ids`` int32 [R, T], ``loss_mask`` uint8 [R, T],
 ``document_ids`` int32 [R, T], -1 = padding), ``token_freq.safetensors`` (counts of trained tokens, for a draft
@@ -87,13 +94,31 @@ def _messages(record: dict[str, Any]) -> list[dict[str, str]] | None:
     return None
 
 
+def _token_ids(record: dict[str, Any], key: str, vocab: int) -> list[int]:
+    ids = record.get(key, [])
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError(f"record {key!r} must be a list of integer token ids, got {str(ids)[:80]}")
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"record {key!r} has token ids outside the tokenizer's [0, {vocab}): {bad[:5]}")
+    return ids
+
+
 def tokenize_record(tokenizer, record: dict[str, Any]) -> Document:
     """Tokens and loss mask of one record: assistant turns only for chats (rendered by the chat template), every
-    token for ``{"text": ...}``."""
+    token for ``{"text": ...}``, the completion for ``{"prompt_ids", "completion_ids"}`` (ids used as given)."""
+    if "completion_ids" in record or "prompt_ids" in record:
+        if "completion_ids" not in record:
+            raise ValueError("a record with prompt_ids needs completion_ids (the trained tokens)")
+        prompt = _token_ids(record, "prompt_ids", len(tokenizer))
+        completion = _token_ids(record, "completion_ids", len(tokenizer))
+        return Document(prompt + completion, [False] * len(prompt) + [True] * len(completion))
     messages = _messages(record)
     if messages is None:
         if "text" not in record:
-            raise ValueError(f"record has neither messages/conversations nor text: keys {sorted(record)}")
+            raise ValueError(
+                f"record has neither messages/conversations, text nor completion_ids: keys {sorted(record)}"
+            )
         ids = tokenizer(record["text"], add_special_tokens=True)["input_ids"]
         return Document(list(ids), [True] * len(ids))
     if getattr(tokenizer, "chat_template", None) is None:

@@ -1,10 +1,21 @@
 """Step 4, eval: offline acceptance of a drafter on held-out extracted rows.
 
-For every anchor a whose K-chain lies in one document with trained labels, the drafter drafts K tokens in one pass
-(depth d from the element (a, d), exactly what the server runs) and the chain is verified greedily against the
-target's argmax at a + d (teacher-forced context, the offline proxy used by the P-EAGLE papers). Reported: per-depth
-top-1 accuracy (every valid element), the conditional acceptance rate at position d + 1 (accepted at d given all of
-0..d-1 accepted) and the average acceptance length 1 + E[accepted drafts].
+For every anchor a whose K-chain lies in one document with trained labels, the drafter drafts K tokens and the chain
+is verified greedily against the target's argmax at a + d (teacher-forced context: on self-distilled data, the
+target's own greedy continuation, this is the text a server verifies). Two ways of drafting, as vLLM serves them:
+
+- parallel (P-EAGLE, ``parallel_drafting``): all K tokens in one pass, depth d from the element (a, d);
+- autoregressive (EAGLE-3, vLLM's eagle3 proposer without parallel drafting): step 0 is the drafter on the real
+  (token, target state) pairs up to a; step j >= 1 adds one element at position a + j whose token is the drafted
+  token t_j and whose features are the hidden state the drafter output at step j - 1 (before its final norm; after
+  it with ``norm_output``), attending to the real prefix and the chain's earlier steps. Every anchor's chain runs in
+  the same passes (K passes over a row).
+
+Reported: per-depth top-1 accuracy (every valid element), the conditional acceptance rate at position d + 1
+(accepted at d given all of 0..d-1 accepted) and the average acceptance length 1 + E[accepted drafts], over every
+chain start (the papers' offline measure) and, as ``serving_walk``, over only the chains a greedy server would draft
+on the same text: from the first draft after the target's own first token, the next chain starting after the
+accepted drafts and the bonus token. On the target's own greedy text the walk drafts where the server drafts.
 """
 
 from __future__ import annotations
@@ -14,10 +25,11 @@ from typing import Any
 import torch
 
 from peagle.model import PEagleDrafter
+from peagle.model.drafter import document_blocks
 from peagle.train.dataset import ExtractedData
 from peagle.train.extract import load_target_head
 
-__all__ = ["check_compatible", "evaluate", "format_table"]
+__all__ = ["chain_drafts", "check_compatible", "evaluate", "format_table"]
 
 
 def chain_elements(document_ids: torch.Tensor, loss_mask: torch.Tensor, depth: int) -> tuple[torch.Tensor, ...]:
@@ -51,11 +63,62 @@ def check_compatible(config, manifest: dict[str, Any]) -> None:
 
 
 @torch.no_grad()
-def evaluate(model: PEagleDrafter, data_dir: str, rows: list[int] | None = None, depth: int | None = None) -> dict:
+def chain_drafts(
+    model: PEagleDrafter, input_ids: torch.Tensor, hidden: torch.Tensor, document_ids: torch.Tensor,
+    anchors: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Autoregressive drafting (vLLM's eagle3 proposer) of K tokens from every anchor of one row.
+
+    ``input_ids`` [T], ``hidden`` [T, num_aux * H], ``document_ids`` [T] are a row in the index layout (hidden row i
+    pairs token x_{i+1} with the target states g_i). Returns the depth-0 draft (a target token id) at each of the T
+    positions and the drafts [n, K] of the chains from ``anchors`` [n].
+
+    Step j runs the T real elements plus the chain elements (a, s), s = 1..j, under the P-EAGLE mask, whose predicate
+    is exactly what a KV-cached server computes: (a, s) sees the real prefix up to a and (a, 1..s). Earlier outputs do
+    not change when elements are added, so each pass recomputes them instead of keeping a cache.
+    """
+    draft_ids = model.draft_ids()
+    dtype = model.fc.weight.dtype
+    length = input_ids.numel()
+    positions = torch.arange(length, device=input_ids.device)
+    zeros = torch.zeros_like(positions)
+    real = model.project(hidden.to(dtype))
+    logits, out = model.forward_features(input_ids, real, positions, document_blocks(positions, zeros, document_ids))
+    first = draft_ids[logits.argmax(-1)]
+    n = anchors.numel()
+    tokens, fed = [first[anchors]], [out[anchors]]  # t_1 and the features of step 1
+    for j in range(1, k):
+        depths = torch.arange(1, j + 1, device=anchors.device).repeat_interleave(n)
+        elem_anchors = torch.cat([positions, anchors.repeat(j)])
+        elem_depths = torch.cat([zeros, depths])
+        mask = document_blocks(elem_anchors, elem_depths, document_ids)
+        logits, out = model.forward_features(
+            torch.cat([input_ids, *tokens]), torch.cat([real, *fed]), elem_anchors + elem_depths, mask
+        )
+        last = slice(length + (j - 1) * n, length + j * n)  # the elements (a, j)
+        tokens.append(draft_ids[logits[last].argmax(-1)])
+        fed.append(out[last])
+    return first, torch.stack(tokens, dim=1)
+
+
+@torch.no_grad()
+def evaluate(
+    model: PEagleDrafter,
+    data_dir: str,
+    rows: list[int] | None = None,
+    depth: int | None = None,
+    autoregressive: bool = False,
+    max_tokens: int | None = None,
+) -> dict:
+    """Offline acceptance on extracted rows: K = ``depth`` (default the drafter's K) tokens drafted in parallel, or
+    one after another with ``autoregressive`` (how vLLM serves a drafter without parallel drafting). ``max_tokens``:
+    the serving walk stops where a server generating that many tokens per request stops drafting."""
     data = ExtractedData(data_dir)
     cfg = model.config
     check_compatible(cfg, data.manifest)
     k = depth or cfg.num_depths
+    if k < 1:
+        raise ValueError(f"depth must be >= 1, got {k}")
     lm_head = load_target_head(data_dir)["lm_head.weight"]
     device = next(model.parameters()).device
     draft_ids = model.draft_ids()
@@ -64,45 +127,80 @@ def evaluate(model: PEagleDrafter, data_dir: str, rows: list[int] | None = None,
     count = torch.zeros(k, dtype=torch.float64)
     accepted_at = torch.zeros(k, dtype=torch.float64)  # chains with depths 0..d all accepted
     chains_total = 0
+    walk_reached = torch.zeros(k, dtype=torch.float64)  # the same over the drafts of a simulated serving walk
+    walk_drafts = 0
     for index in rows if rows is not None else range(len(data)):
         row = data.row(index)
         anchors, depths, chains = chain_elements(row.document_ids, row.loss_mask, k)
         if chains.numel() == 0:
             continue
-        out = model.forward_train(
-            row.input_ids.to(device),
-            row.hidden.to(device).to(model.fc.weight.dtype),
-            anchors.to(device),
-            depths.to(device),
-            row.document_ids.to(device),
-        )
-        label = (anchors + depths).to(device)
+        ids, docs, loss_mask = row.input_ids.to(device), row.document_ids.to(device), row.loss_mask.to(device)
+        hidden = row.hidden.to(device).to(model.fc.weight.dtype)
+        anchors, depths, chains = anchors.to(device), depths.to(device), chains.to(device)
+        label = anchors + depths
         target = (row.target_hidden.to(device).float()[label] @ lm_head.to(device).T).argmax(-1)
-        hit = draft_ids[out.logits.argmax(-1)] == target
-        valid = row.loss_mask.to(device)[label] & (row.document_ids.to(device)[anchors.to(device)] >= 0)
-        d = depths.to(device)
-        correct += torch.bincount(d[valid], weights=hit[valid].double(), minlength=k).cpu()
-        count += torch.bincount(d[valid], minlength=k).double().cpu()
+        if autoregressive:
+            first, grid = chain_drafts(model, ids, hidden, docs, chains, k)
+            drafted = torch.cat([first, grid[:, 1:].T.flatten()])  # element order of chain_elements
+        else:
+            out = model.forward_train(ids, hidden, anchors, depths, docs)
+            drafted = draft_ids[out.logits.argmax(-1)]
+        hit = drafted == target
+        valid = loss_mask[label] & (docs[anchors] >= 0)
+        correct += torch.bincount(depths[valid], weights=hit[valid].double(), minlength=k).cpu()
+        count += torch.bincount(depths[valid], minlength=k).double().cpu()
         # hits of every chain, [chains, K]: depth 0 from the T leading rows, deeper from the chain blocks.
         n = chains.numel()
-        grid = torch.stack(
-            [hit[chains.to(device)], *(hit[row.input_ids.numel() + (j - 1) * n :][:n] for j in range(1, k))], dim=1
-        )
-        accepted_at += grid.long().cumprod(1).sum(0).double().cpu()
+        grid = torch.stack([hit[chains], *(hit[ids.numel() + (j - 1) * n :][:n] for j in range(1, k))], dim=1)
+        reached = grid.long().cumprod(1)
+        accepted_at += reached.sum(0).double().cpu()
         chains_total += n
+        accepted = torch.full((ids.numel(),), -1, dtype=torch.long)
+        accepted[chains.cpu()] = reached.sum(1).cpu()
+        for count_walk in _serving_walk(accepted, row.loss_mask, row.document_ids, max_tokens):
+            walk_reached[:count_walk] += 1
+            walk_drafts += 1
     acc = (correct / count.clamp(min=1)).tolist()
-    conditional = []
-    previous = float(chains_total)
-    for d in range(k):
-        conditional.append(float(accepted_at[d]) / previous if previous else 0.0)
-        previous = float(accepted_at[d])
     return {
         "depths": k,
+        "drafting": "autoregressive" if autoregressive else "parallel",
         "chains": chains_total,
         "top1_accuracy": acc,
-        "conditional_acceptance": conditional,
-        "acceptance_length": 1.0 + float(accepted_at.sum()) / max(1, chains_total),
+        **_acceptance(accepted_at, chains_total),
+        "serving_walk": {"drafts": walk_drafts, **_acceptance(walk_reached, walk_drafts)},
     }
+
+
+def _acceptance(reached: torch.Tensor, drafts: int) -> dict[str, Any]:
+    """Conditional acceptance per position and AL from the number of chains that reached each position."""
+    conditional, previous = [], float(drafts)
+    for value in reached.tolist():
+        conditional.append(value / previous if previous else 0.0)
+        previous = value
+    return {"conditional_acceptance": conditional, "acceptance_length": 1.0 + float(reached.sum()) / max(1, drafts)}
+
+
+def _serving_walk(
+    accepted: torch.Tensor, loss_mask: torch.Tensor, document_ids: torch.Tensor, max_tokens: int | None = None
+) -> list[int]:
+    """Accepted drafts of each verification a server runs over the row's text (greedy, one request per run of
+    trained labels): the target generates a run's first token itself, so drafting starts at the anchor after the
+    run's first one, and after accepting n drafts the next draft starts n + 1 anchors later (the bonus token).
+    ``accepted`` [T]: the accepted drafts of the chain from each anchor, -1 where no full chain starts. The walk
+    stops at the first anchor without a full chain (the end of the run's text) or, with ``max_tokens``, once the
+    request has generated that many tokens (a server drafts full chains until then: give the text K - 1 more)."""
+    trained = (loss_mask.bool() & (document_ids >= 0)).tolist()
+    docs, accepted = document_ids.tolist(), accepted.tolist()
+    counts = []
+    for start in range(len(trained)):
+        if not trained[start] or (start > 0 and trained[start - 1] and docs[start - 1] == docs[start]):
+            continue  # not the first anchor of a run
+        a = start + 1  # tokens generated before drafting from anchor a: a - start
+        limit = len(trained) if max_tokens is None else min(len(trained), start + max_tokens)
+        while a < limit and accepted[a] >= 0:
+            counts.append(accepted[a])
+            a += accepted[a] + 1
+    return counts
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -114,6 +212,6 @@ def format_table(result: dict[str, Any]) -> str:
         + " | ".join(f"{v:6.3f}" for v in result["conditional_acceptance"])
         + f" | {result['acceptance_length']:.3f}",
         f"{'top-1 accuracy':<22}| " + " | ".join(f"{v:6.3f}" for v in result["top1_accuracy"]) + " |",
-        f"({result['chains']} chains of {k} drafts)",
+        f"({result['chains']} chains of {k} drafts, {result.get('drafting', 'parallel')} drafting)",
     ]
     return "\n".join(lines)
