@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from peagle.demo.target import QUICK_TARGET, TargetSpec, build_corpus, build_tokenizer, train_target
+from peagle.demo.target import QUICK_TARGET, TargetSpec, build_corpus, build_tokenizer, settings_key, train_target
 
 __all__ = ["DemoSpec", "run_demo"]
 
@@ -57,13 +57,13 @@ class DemoSpec:
         """Key of the self-distilled, prepared and extracted data (not of the drafter settings)."""
         names = ("seq_len", "prompt_tokens", "completion_tokens", "train_prompts", "heldout_prompts")
         fields = {k: getattr(self, k) for k in (*names, "train_chars", "heldout_chars")}
-        return f"{zlib.crc32(json.dumps(fields, sort_keys=True).encode()):08x}"
+        return settings_key(fields)
 
     def drafter_key(self) -> str:
         # K names the P-EAGLE run and the eval / serving outputs, so the K = 1 baseline is shared across --depths.
         serving = ("prompts", "max_tokens", "concurrency", "repeats")
         fields = {k: v for k, v in asdict(self).items() if k not in ("target", "depths", *serving)}
-        return f"{zlib.crc32(json.dumps(fields, sort_keys=True).encode()):08x}"
+        return settings_key(fields)
 
 
 QUICK = DemoSpec(

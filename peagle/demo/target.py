@@ -20,9 +20,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["TargetSpec", "build_corpus", "build_tokenizer", "train_target"]
+__all__ = ["TargetSpec", "build_corpus", "build_tokenizer", "settings_key", "train_target"]
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "<mask>"]
+
+
+def settings_key(settings: dict) -> str:
+    """Short stable name of a cache entry's settings (part of its directory name)."""
+    return f"{zlib.crc32(json.dumps(settings, sort_keys=True).encode()):08x}"
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,7 @@ class TargetSpec:
     seed: int = 0
 
     def key(self) -> str:
-        return f"{zlib.crc32(json.dumps(asdict(self), sort_keys=True).encode()):08x}"
+        return settings_key(asdict(self))
 
 
 QUICK_TARGET = TargetSpec(

@@ -94,14 +94,16 @@ def _patch_gdn_spec_step() -> None:
     if original is None or getattr(original, "_peagle", False):
         return
 
+    import inspect
+
+    from peagle.vllm.gdn import spec_gdn_update
+
+    signature = inspect.signature(spec_gdn_update)
+
     def peagle_gdn_spec_step(*args, **kwargs):
         if not _enabled():
             return original(*args, **kwargs)
-        import inspect
-
-        from peagle.vllm.gdn import spec_gdn_update
-
-        call = inspect.signature(spec_gdn_update).bind(*args, **kwargs).arguments
+        call = signature.bind(*args, **kwargs).arguments
         out = spec_gdn_update(**call)
         _log_call(f"gdn sequences={call['cu_seqlens'].numel() - 1} tokens={call['q'].shape[0]}")
         return out

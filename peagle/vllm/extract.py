@@ -13,7 +13,6 @@ checkpoint's norm weight, as the target's own forward computes it.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import tempfile
@@ -22,12 +21,16 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
     PendingSave,
+    cleanup_hidden_states,
     extract_from_kv_cache,
+    load_hidden_states,
 )
+
+from peagle.model.drafter import RMSNorm
 
 __all__ = ["HostHiddenStatesConnector", "VllmStateExtractor", "read_target_tensors"]
 
@@ -67,18 +70,6 @@ class HostHiddenStatesConnector(ExampleHiddenStatesConnector):
             if lock_fd is not None:
                 os.close(lock_fd)  # releases LOCK_EX for readers waiting in load_hidden_states
         self._req_copy_events[pending.req_id] = _Done()  # type: ignore[assignment]
-
-
-def _wait_and_load(path: str) -> dict[str, torch.Tensor]:
-    lock = path + ".lock"
-    if os.path.exists(lock):
-        with open(lock) as f:
-            fcntl.flock(f, fcntl.LOCK_SH)
-    data = load_file(path)
-    for leftover in (path, lock):
-        if os.path.exists(leftover):
-            os.remove(leftover)
-    return data
 
 
 def read_target_tensors(target_path: str | os.PathLike, suffixes: dict[str, str]) -> dict[str, torch.Tensor]:
@@ -122,8 +113,9 @@ class VllmStateExtractor:
         self.layer_ids = list(layer_ids)
         self.num_layers = num_layers
         self.requested = sorted({*self.layer_ids, num_layers})
-        self.eps = rms_norm_eps
-        self.norm_weight = read_target_tensors(target_path, {"norm": "norm.weight"})["norm"].float()
+        norm_weight = read_target_tensors(target_path, {"norm": "norm.weight"})["norm"].float()
+        self.final_norm = RMSNorm(norm_weight.numel(), rms_norm_eps).requires_grad_(False)
+        self.final_norm.weight.copy_(norm_weight)
         self._storage = tempfile.TemporaryDirectory(prefix="peagle-vllm-states-")
         kwargs: dict[str, Any] = {
             "dtype": "float32" if not torch.cuda.is_available() else "auto",
@@ -158,15 +150,15 @@ class VllmStateExtractor:
         outputs = self.llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
         result = []
         for doc, output in zip(documents, outputs, strict=True):
-            data = _wait_and_load(output.kv_transfer_params["hidden_states_path"])
+            path = output.kv_transfer_params["hidden_states_path"]
+            data = load_hidden_states(path)  # waits for the connector's lock
+            cleanup_hidden_states(path)
             if not torch.equal(data["token_ids"].long(), doc.long()):
                 raise RuntimeError("vLLM saved hidden states for other tokens than the request's prompt")
             states = data["hidden_states"].float()  # [n, len(requested), H]
             by_layer = {layer: states[:, i] for i, layer in enumerate(self.requested)}
             aux = torch.cat([by_layer[i] for i in self.layer_ids], dim=-1)
-            last = by_layer[self.num_layers]
-            final = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight
-            result.append((aux, final))
+            result.append((aux, self.final_norm(by_layer[self.num_layers])))
         return result
 
     def close(self) -> None:
