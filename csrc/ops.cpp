@@ -3,8 +3,6 @@
 #include <Python.h>
 #include <torch/library.h>
 
-#include "cpu/large_buffers.h"
-
 TORCH_LIBRARY(peagle, m) {
   // COD sampling of training elements (anchor, depth) for a packed row of T positions.
   m.def(
@@ -71,8 +69,9 @@ TORCH_LIBRARY(peagle, m) {
       "tree_expand_topk(Tensor frontier_scores, Tensor child_probs, int topk) -> (Tensor tokens, Tensor frontier_slot, "
       "Tensor scores)");
 
-  // Returns the CPU output blocks kept for reuse (see csrc/cpu/large_buffers.h) to the OS; bytes released.
-  m.def("release_cpu_buffers() -> int", &peagle::cpu::release_large_buffers);
+  // Returns the CPU output blocks kept for reuse (see csrc/cpu/large_buffers.h) to the OS; bytes released. Takes no
+  // tensor, so its one kernel is composite (registered in csrc/cpu/large_buffers.cpp).
+  m.def("release_cpu_buffers() -> int");
 }
 
 // `import peagle._C` only needs to run the static registrations above and in the backend files.

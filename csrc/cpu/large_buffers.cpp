@@ -2,6 +2,7 @@
 
 #include <c10/util/accumulate.h>
 #include <sys/mman.h>
+#include <torch/library.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -146,3 +147,8 @@ void streaming_fence() {
 
 }  // namespace cpu
 }  // namespace peagle
+
+// Device-independent (no tensor argument to dispatch on): one composite kernel serves every backend.
+TORCH_LIBRARY_IMPL(peagle, CompositeImplicitAutograd, m) {
+  m.impl("release_cpu_buffers", &peagle::cpu::release_large_buffers);
+}
