@@ -8,8 +8,8 @@
 #include <limits>
 #include <vector>
 
+#include "checks/tree.h"
 #include "peagle/tree.h"
-#include "tree_checks.h"
 
 namespace peagle {
 namespace {

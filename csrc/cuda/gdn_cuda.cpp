@@ -7,7 +7,7 @@
 
 #include <cmath>
 
-#include "gdn_checks.h"
+#include "checks/gdn.h"
 #include "gdn_kernels.h"
 
 namespace peagle {

@@ -7,7 +7,7 @@
 
 #include <tuple>
 
-#include "mask_checks.h"
+#include "checks/mask.h"
 #include "mask_kernels.h"
 #include "peagle/mask.h"
 

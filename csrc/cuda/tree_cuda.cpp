@@ -7,7 +7,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include "tree_checks.h"
+#include "checks/tree.h"
 #include "tree_kernels.h"
 
 namespace peagle {

@@ -29,7 +29,7 @@ struct TreeVerifyArgs {
   int64_t* num_accepted;
   int64_t* emitted;  // [B, n_max], pre-filled with -1
   int64_t* last;
-  int64_t* errors;  // [B, 3], zeroed: (code, node, detail) as in tree_checks.h
+  int64_t* errors;  // [B, 3], zeroed: (code, node, detail) as in csrc/checks/tree.h
 };
 
 cudaError_t tree_verify_greedy(const TreeVerifyArgs& args, cudaStream_t stream);

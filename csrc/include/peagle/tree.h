@@ -24,7 +24,7 @@ constexpr double kFixedOne = 1099511627776.0;  // 2^40
 constexpr double kUniformScale = 16777216.0;   // 2^24
 constexpr double kSumTolerance = 1e-3;         // |sum(row) - 1| allowed for probability rows
 
-// Error codes of a request (first error found wins; see tree_checks.h for the messages).
+// Error codes of a request (first error found wins; see csrc/checks/tree.h for the messages).
 enum Error : int32_t {
   kOk = 0,
   kNumNodes = 1,     // num_nodes outside [1, n_max]

@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <string>
 
-#include "checks.h"
+#include "checks/common.h"
 #include "peagle/tree.h"
 
 namespace peagle {
