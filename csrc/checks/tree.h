@@ -1,5 +1,8 @@
-// Argument checks and error messages of the tree verification ops, shared by the CPU and CUDA launchers so both
-// backends reject bad input with the same message.
+// Argument checks and error messages of the two tree families, verification (tree_verify_greedy,
+// tree_rejection_sample) and construction (tree_select, tree_build_parallel, tree_expand_topk), shared by the CPU and
+// CUDA launchers so both backends reject bad input with the same message. Values are checked by the kernels (the
+// structure checks of csrc/include/peagle/tree.h), which report the first error of each request in a [B, 3] table
+// that raise_tree_error / raise_build_error turn into messages.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -11,6 +14,9 @@
 #include "peagle/tree.h"
 
 namespace peagle {
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Verification.
 
 struct TreeShape {
   int64_t batch;
@@ -117,6 +123,102 @@ inline void raise_tree_error(const char* op, const at::Tensor& errors, const at:
                     " at [", b, ", ", i, "]");
       default:
         TORCH_CHECK(false, "peagle.", op, ": internal error code ", code, " for request ", b);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Construction.
+
+// Checks shapes, dtypes and devices of tree_select; returns M (candidates per request).
+inline int64_t check_tree_select_args(const at::Tensor& cand_tokens, const at::Tensor& cand_parent,
+                                      const at::Tensor& cand_scores, const at::Tensor& num_candidates,
+                                      int64_t num_nodes) {
+  const char* op = "tree_select";
+  check_rank(op, "cand_tokens", cand_tokens, 2, "[B, M]");
+  check_rank(op, "cand_parent", cand_parent, 2, "[B, M]");
+  check_rank(op, "cand_scores", cand_scores, 2, "[B, M]");
+  check_rank(op, "num_candidates", num_candidates, 1, "[B]");
+  check_integer(op, "cand_tokens", cand_tokens);
+  check_integer(op, "cand_parent", cand_parent);
+  check_integer(op, "num_candidates", num_candidates);
+  TORCH_CHECK(c10::isFloatingType(cand_scores.scalar_type()), "peagle.tree_select: cand_scores must be floating, got ",
+              cand_scores.scalar_type());
+  TORCH_CHECK(cand_parent.sizes() == cand_tokens.sizes() && cand_scores.sizes() == cand_tokens.sizes(),
+              "peagle.tree_select: cand_tokens, cand_parent and cand_scores must have the same shape [B, M], got ",
+              shape_str(cand_tokens), ", ", shape_str(cand_parent), " and ", shape_str(cand_scores));
+  const int64_t batch = cand_tokens.size(0), m = cand_tokens.size(1);
+  TORCH_CHECK(num_candidates.size(0) == batch, "peagle.tree_select: num_candidates must have shape [", batch, "], got ",
+              shape_str(num_candidates));
+  TORCH_CHECK(m >= 1, "peagle.tree_select: need M >= 1 candidates (the root), got shape ", shape_str(cand_tokens));
+  TORCH_CHECK(num_nodes >= 1, "peagle.tree_select: num_nodes must be >= 1, got ", num_nodes);
+  check_same_device(op, "cand_parent", cand_parent, cand_tokens, "cand_tokens");
+  check_same_device(op, "cand_scores", cand_scores, cand_tokens, "cand_tokens");
+  check_same_device(op, "num_candidates", num_candidates, cand_tokens, "cand_tokens");
+  return m;
+}
+
+inline void check_tree_build_parallel_args(const at::Tensor& draft_probs, at::IntArrayRef topk, int64_t num_nodes) {
+  check_rank("tree_build_parallel", "draft_probs", draft_probs, 3, "[B, K, V]");
+  TORCH_CHECK(draft_probs.scalar_type() == at::kFloat, "peagle.tree_build_parallel: draft_probs must be float32, got ",
+              draft_probs.scalar_type());
+  const int64_t depths = draft_probs.size(1), vocab = draft_probs.size(2);
+  TORCH_CHECK(static_cast<int64_t>(topk.size()) == depths, "peagle.tree_build_parallel: topk must have one entry per ",
+              "depth (K = ", depths, "), got ", topk.size());
+  TORCH_CHECK(num_nodes >= 1, "peagle.tree_build_parallel: num_nodes must be >= 1, got ", num_nodes);
+  int64_t candidates = 1, level = 1;
+  for (const int64_t k : topk) {
+    TORCH_CHECK(k >= 1 && k <= vocab, "peagle.tree_build_parallel: every topk entry must be in [1, V] = [1, ", vocab,
+                "], got ", topk);
+    level *= k;
+    candidates += level;
+    TORCH_CHECK(candidates <= (int64_t{1} << 24), "peagle.tree_build_parallel: the Cartesian candidate tree of topk ",
+                topk, " has more than 2^24 nodes");
+  }
+}
+
+inline void check_tree_expand_topk_args(const at::Tensor& frontier_scores, const at::Tensor& child_probs,
+                                        int64_t topk) {
+  const char* op = "tree_expand_topk";
+  check_rank(op, "frontier_scores", frontier_scores, 2, "[B, F]");
+  check_rank(op, "child_probs", child_probs, 3, "[B, F, V]");
+  TORCH_CHECK(child_probs.scalar_type() == at::kFloat, "peagle.tree_expand_topk: child_probs must be float32, got ",
+              child_probs.scalar_type());
+  TORCH_CHECK(c10::isFloatingType(frontier_scores.scalar_type()),
+              "peagle.tree_expand_topk: frontier_scores must be floating, got ", frontier_scores.scalar_type());
+  const int64_t batch = child_probs.size(0), width = child_probs.size(1), vocab = child_probs.size(2);
+  TORCH_CHECK(frontier_scores.size(0) == batch && frontier_scores.size(1) == width,
+              "peagle.tree_expand_topk: frontier_scores must have shape [", batch, ", ", width, "], got ",
+              shape_str(frontier_scores));
+  TORCH_CHECK(topk >= 1 && topk <= vocab, "peagle.tree_expand_topk: topk must be in [1, V] = [1, ", vocab, "], got ",
+              topk);
+  check_same_device(op, "child_probs", child_probs, frontier_scores, "frontier_scores");
+}
+
+// Throws the message of the first failing request. `errors` is a CPU int64 [B, 3] tensor: (code, node, detail), where
+// node is the failing candidate (or draft row) and detail the bad count or token.
+inline void raise_build_error(const char* op, const at::Tensor& errors) {
+  const int64_t* e = errors.data_ptr<int64_t>();
+  for (int64_t b = 0; b < errors.size(0); ++b) {
+    const int64_t code = e[3 * b], i = e[3 * b + 1], detail = e[3 * b + 2];
+    switch (code) {
+      case tree::kBuildOk:
+        continue;
+      case tree::kCandidateCount:
+        TORCH_CHECK(false, "peagle.", op, ": num_candidates[", b, "] must be in [1, M], got ", detail);
+      case tree::kCandidateRoot:
+        TORCH_CHECK(false, "peagle.", op, ": cand_parent[", b, ", 0] must be -1 (candidate 0 is the root)");
+      case tree::kCandidateParent:
+        TORCH_CHECK(false, "peagle.", op, ": cand_parent[", b, ", ", i, "] must be in [0, ", i,
+                    ") (parents come before their children)");
+      case tree::kCandidateScore:
+        TORCH_CHECK(false, "peagle.", op, ": cand_scores[", b, ", ", i,
+                    "] must not be NaN and must not exceed its parent's score");
+      case tree::kDraftRow:
+        TORCH_CHECK(false, "peagle.", op, ": draft probabilities must be non-negative and not NaN, got a bad entry ",
+                    "in row ", i, " of request ", b, " at token ", detail);
+      default:
+        TORCH_CHECK(false, "peagle.", op, ": internal error code ", code);
     }
   }
 }

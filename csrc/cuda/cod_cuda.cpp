@@ -6,14 +6,11 @@
 #include <torch/library.h>
 
 #include "checks/cod.h"
+#include "checks/cuda.h"
 #include "cod_kernels.h"
 
 namespace peagle {
 namespace {
-
-void check_cuda(cudaError_t err, const char* op) {
-  TORCH_CHECK(err == cudaSuccess, "peagle.", op, ": CUDA error: ", cudaGetErrorString(err));
-}
 
 std::tuple<at::Tensor, at::Tensor> cod_sample_cuda(const at::Tensor& loss_mask, const at::Tensor& document_ids,
                                                    int64_t num_depths, double ratio, double ratio_min,
