@@ -33,8 +33,10 @@ void move_tensors(c10::IValue& value, const c10::Device& device, const char* op,
     if (ref != nullptr) check_same_device(op, name, t, *ref, ref_name);
     value = t.to(device);
   } else if (value.isTensorList()) {
+    const c10::List<at::Tensor> list = value.toTensorList();
     c10::List<at::Tensor> moved;  // a new list: the caller's list is left as it was
-    for (const at::Tensor t : value.toTensorList()) {
+    for (size_t i = 0; i < list.size(); ++i) {
+      const at::Tensor t = list.get(i);
       if (ref != nullptr) check_same_device(op, name, t, *ref, ref_name);
       moved.push_back(t.to(device));
     }
