@@ -62,11 +62,15 @@ drop_build_noise() {
 # The CUDA extension built into build/cuda-lib with .venv-cuda (nothing installed), for scripts/check_cuda_build.py.
 # The previous build/cuda-lib is removed first, so a failed build can never leave an old _C there; objects in
 # build/cuda-temp are reused (ninja recompiles what changed; objects of removed sources are never linked). Returns the
-# build's exit status.
+# build's exit status; on failure the compiler's error lines are repeated last (full log: build/cuda-build.log).
 build_cuda() {
+  local log="$ROOT/build/cuda-build.log"
   rm -rf "$ROOT/build/cuda-lib"
-  if ! (set -o pipefail && cd "$ROOT" && PATH="$ROOT/.venv-cuda/bin:$PATH" "$ROOT/.venv-cuda/bin/python" setup.py -q     build_ext --build-temp build/cuda-temp --build-lib build/cuda-lib 2>&1 | drop_build_noise); then
-    echo "peagle: the CUDA build failed (the compiler's errors are above)" >&2
+  mkdir -p "$ROOT/build"
+  if ! (set -o pipefail && cd "$ROOT" && PATH="$ROOT/.venv-cuda/bin:$PATH" "$ROOT/.venv-cuda/bin/python" setup.py -q \
+    build_ext --build-temp build/cuda-temp --build-lib build/cuda-lib 2>&1 | tee "$log" | drop_build_noise); then
+    echo "peagle: the CUDA build failed; its errors (full log: build/cuda-build.log):" >&2
+    grep -E "error[: ]|^FAILED:" "$log" >&2 || true
     return 1
   fi
 }
