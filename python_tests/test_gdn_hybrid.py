@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from peagle.decode import HybridTreeCache, hybrid_prefill, hybrid_tree_commit, hybrid_tree_forward
-from peagle.decode.hybrid import ancestor_mask
 from peagle.ops.gdn import tree_path
 from peagle.testing import fresh_seed, random_tree
 
@@ -84,17 +83,6 @@ def test_tree_logits_equal_per_path_full_runs(model, kind):
         for b in range(batch):
             history[b] += ids[b, tree_path(parent[b], int(last[b]))].tolist()
     assert cache.length == len(history[0])
-
-
-@pytest.mark.parametrize("kind", ["chain", "star", "deep", "random", "forest"])
-def test_ancestor_mask_matches_paths(kind):
-    gen = torch.Generator().manual_seed(fresh_seed())
-    for nodes in (1, 2, 17, 64):
-        parent = torch.stack([random_tree(gen, nodes, kind) for _ in range(3)])
-        mask = ancestor_mask(parent)
-        for b in range(3):
-            for i in range(nodes):
-                assert mask[b, i].nonzero()[:, 0].tolist() == tree_path(parent[b], i)
 
 
 def test_long_prompt_prefill_then_tree(model):

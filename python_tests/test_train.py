@@ -376,6 +376,22 @@ def test_autoregressive_eval_counts_the_served_chains(work, tmp_path):
     assert 0 < walk["drafts"] < chains and 1.0 <= walk["acceptance_length"] <= 4.0
 
 
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_chain_acceptance_is_the_matching_prefix(generator, k):
+    """Eval scores a chain by greedy tree verification: its accepted drafts are the prefix where every draft is the
+    target's argmax. A 3-token vocabulary makes tokens repeat within chains, and drafts equal the target of another
+    depth."""
+    from peagle.train.evaluate import greedy_chain_acceptance
+
+    targets = torch.randint(0, 3, (400, k), generator=generator)
+    accepted = torch.arange(400) % (k + 1)  # by construction: drafts match up to here, then one misses
+    depth = torch.arange(k)
+    miss = (targets + torch.randint(1, 3, (400, k), generator=generator)) % 3
+    after = torch.randint(0, 3, (400, k), generator=generator)  # past the miss: anything
+    drafts = torch.where(depth < accepted[:, None], targets, torch.where(depth == accepted[:, None], miss, after))
+    assert torch.equal(greedy_chain_acceptance(drafts, targets), accepted)
+
+
 def test_serving_walk_drafts_where_a_greedy_server_drafts():
     from peagle.train.evaluate import _serving_walk
 

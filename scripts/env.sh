@@ -52,3 +52,25 @@ build_cpu() {
   (cd "$ROOT" && PATH="$ROOT/.venv-cpu/bin:$PATH" pip_quiet "$ROOT/.venv-cpu/bin/python" -m pip install -q \
     --disable-pip-version-check --no-build-isolation --no-deps -e .)
 }
+
+# Drops the known harmless lines of a build log read from stdin. It never fails, so under pipefail a pipeline through it
+# keeps the build's own exit status; the compiler's errors and warnings pass through.
+drop_build_noise() {
+  grep -v -E "^WARNING: Location|UserWarning|Please remove unknown|usage is deprecated|warnings.warn|^ *$" || true
+}
+
+# The CUDA extension built into build/cuda-lib with .venv-cuda (nothing installed), for scripts/check_cuda_build.py.
+# The previous build/cuda-lib is removed first, so a failed build can never leave an old _C there; objects in
+# build/cuda-temp are reused (ninja recompiles what changed; objects of removed sources are never linked). Returns the
+# build's exit status; on failure the compiler's error lines are repeated last (full log: build/cuda-build.log).
+build_cuda() {
+  local log="$ROOT/build/cuda-build.log"
+  rm -rf "$ROOT/build/cuda-lib"
+  mkdir -p "$ROOT/build"
+  if ! (set -o pipefail && cd "$ROOT" && PATH="$ROOT/.venv-cuda/bin:$PATH" "$ROOT/.venv-cuda/bin/python" setup.py -q \
+    build_ext --build-temp build/cuda-temp --build-lib build/cuda-lib 2>&1 | tee "$log" | drop_build_noise); then
+    echo "peagle: the CUDA build failed; its errors (full log: build/cuda-build.log):" >&2
+    grep -E "error[: ]|^FAILED:" "$log" >&2 || true
+    return 1
+  fi
+}

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # peagle's whole test suite, from a fresh machine: creates the environments it needs, then
-#   lint (ruff, clang-format) -> CPU build -> C++ unit tests (ctest) -> CUDA build (every .cu compiles, links, imports,
-#   every op has a CUDA kernel) -> benchmark smoke run -> pytest over python_tests/ and cuda_tests/.
+#   lint (ruff, clang-format) -> CPU build -> C++ unit tests (ctest) -> CUDA build from a removed build/cuda-lib (every
+#   .cu compiles, links, imports; every op has a CUDA kernel or is a listed host fallback) -> benchmark smoke run ->
+#   pytest over python_tests/ and cuda_tests/.
 # cuda_tests skip without a CUDA device; on a GPU machine use cuda_tests/run_gpu.sh.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
@@ -31,8 +32,7 @@ cmake --build build/cmake -j "$MAX_JOBS"
 
 step "CUDA build: torch 2.14.1 + CUDA $("$CUDA_HOME/bin/nvcc" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'), archs ${TORCH_CUDA_ARCH_LIST:-setup.py default}"
 ensure_cuda_env
-(PATH="$ROOT/.venv-cuda/bin:$PATH" "$ROOT/.venv-cuda/bin/python" setup.py -q build_ext \
-  --build-temp build/cuda-temp --build-lib build/cuda-lib 2>&1 | grep -v -E "^WARNING: Location|UserWarning|Please remove unknown|usage is deprecated|warnings.warn|^ *$" || true)
+build_cuda
 "$ROOT/.venv-cuda/bin/python" scripts/check_cuda_build.py build/cuda-lib
 
 step "benchmark smoke run (PEAGLE_BENCH_SMOKE=1)"

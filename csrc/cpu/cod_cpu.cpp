@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include "checks.h"
+#include "checks/cod.h"
 #include "cpu/large_buffers.h"
 #include "peagle/cod.h"
 
@@ -81,15 +81,6 @@ std::tuple<at::Tensor, at::Tensor> cod_sample_cpu(const at::Tensor& loss_mask, c
     }
   }
   return {anchors, depths};
-}
-
-void check_elements_in_range(const char* op, const int64_t* anchors, const int64_t* depths, int64_t count,
-                             int64_t length) {
-  for (int64_t i = 0; i < count; ++i) {
-    TORCH_CHECK(cod::element_in_range(anchors[i], depths[i], length), "peagle.", op, ": element ", i, " (anchor ",
-                anchors[i], ", depth ", depths[i], ") is out of range for T = ", length,
-                ": expected 0 <= anchor, 0 <= depth and anchor + depth < T");
-  }
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cod_gather_cpu(

@@ -9,7 +9,7 @@
 #include <cmath>
 #include <vector>
 
-#include "gdn_checks.h"
+#include "checks/gdn.h"
 #include "peagle/gdn.h"
 
 namespace peagle {

@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <tuple>
 
-#include "mask_checks.h"
+#include "checks/mask.h"
 #include "peagle/mask.h"
 
 namespace peagle {

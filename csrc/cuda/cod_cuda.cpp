@@ -5,15 +5,12 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include "checks.h"
+#include "checks/cod.h"
+#include "checks/cuda.h"
 #include "cod_kernels.h"
 
 namespace peagle {
 namespace {
-
-void check_cuda(cudaError_t err, const char* op) {
-  TORCH_CHECK(err == cudaSuccess, "peagle.", op, ": CUDA error: ", cudaGetErrorString(err));
-}
 
 std::tuple<at::Tensor, at::Tensor> cod_sample_cuda(const at::Tensor& loss_mask, const at::Tensor& document_ids,
                                                    int64_t num_depths, double ratio, double ratio_min,
@@ -24,9 +21,7 @@ std::tuple<at::Tensor, at::Tensor> cod_sample_cuda(const at::Tensor& loss_mask, 
   const at::Tensor trained = loss_mask.ne(0).contiguous();
   const at::Tensor docs = document_ids.to(at::kLong).contiguous();
   const int64_t length = loss_mask.size(0);
-  TORCH_CHECK(length < (int64_t{1} << 31) / std::max<int64_t>(num_depths, 1),
-              "peagle.cod_sample: T * num_depths must be < 2^31 on CUDA, got T = ", length,
-              ", num_depths = ", num_depths);
+  check_cod_sample_cuda_length(length, num_depths);
 
   at::Tensor buffer = at::empty({static_cast<int64_t>(cuda::cod_sample_scratch_bytes(length, num_depths))},
                                 loss_mask.options().dtype(at::kByte));
@@ -75,8 +70,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cod_gather_cuda(
                               ids.data_ptr(), feats.data_ptr(), position_ids.data_ptr<int64_t>(),
                               label_index.data_ptr<int64_t>(), bad_element.data_ptr<int32_t>(), stream),
              "cod_gather");
-  TORCH_CHECK(bad_element.item<int32_t>() == 0, "peagle.cod_gather: some element is out of range for T = ", length,
-              ": expected 0 <= anchor, 0 <= depth and anchor + depth < T");
+  check_elements_in_range("cod_gather", bad_element.item<int32_t>() == 0, length);
   return {feats, ids, position_ids, label_index};
 }
 
@@ -91,9 +85,9 @@ std::tuple<at::Tensor, at::Tensor> cod_gather_backward_cuda(const at::Tensor& gr
   const int64_t count = grad_feats.size(0);
   const int64_t width = grad_feats.size(1);
   const auto dtype = grad_feats.scalar_type();
-  TORCH_CHECK(((anchors_c >= 0) & (depths_c >= 0) & (anchors_c + depths_c < num_positions)).all().item<bool>(),
-              "peagle.cod_gather_backward: some element is out of range for T = ", num_positions,
-              ": expected 0 <= anchor, 0 <= depth and anchor + depth < T");
+  check_elements_in_range(
+      "cod_gather_backward",
+      ((anchors_c >= 0) & (depths_c >= 0) & (anchors_c + depths_c < num_positions)).all().item<bool>(), num_positions);
 
   cuda::FloatType type;
   switch (dtype) {

@@ -7,15 +7,12 @@
 
 #include <cmath>
 
-#include "gdn_checks.h"
+#include "checks/cuda.h"
+#include "checks/gdn.h"
 #include "gdn_kernels.h"
 
 namespace peagle {
 namespace {
-
-void check_cuda(cudaError_t err, const char* op) {
-  TORCH_CHECK(err == cudaSuccess, "peagle.", op, ": CUDA error: ", cudaGetErrorString(err));
-}
 
 cuda::GdnType gdn_type(at::ScalarType t) {
   switch (t) {

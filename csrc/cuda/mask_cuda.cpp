@@ -7,16 +7,13 @@
 
 #include <tuple>
 
-#include "mask_checks.h"
+#include "checks/cuda.h"
+#include "checks/mask.h"
 #include "mask_kernels.h"
 #include "peagle/mask.h"
 
 namespace peagle {
 namespace {
-
-void check_cuda_status(cudaError_t err, const char* op) {
-  TORCH_CHECK(err == cudaSuccess, "peagle.", op, ": CUDA error: ", cudaGetErrorString(err));
-}
 
 int64_t window_value(const c10::optional<int64_t>& window) { return window.has_value() ? *window : mask::kNoWindow; }
 
@@ -29,9 +26,9 @@ at::Tensor mask_dense_cuda(const at::Tensor& anchors, const at::Tensor& depths, 
   const at::Tensor doc_c = document_ids.to(at::kLong).index_select(0, a_c).contiguous();
   const int64_t n = anchors.size(0);
   at::Tensor out = at::empty({n, n}, anchors.options().dtype(at::kBool));
-  check_cuda_status(cuda::mask_dense(a_c.data_ptr<int64_t>(), d_c.data_ptr<int64_t>(), doc_c.data_ptr<int64_t>(), n,
-                                     window_value(window), out.data_ptr<bool>(), c10::cuda::getCurrentCUDAStream()),
-                    "mask_dense");
+  check_cuda(cuda::mask_dense(a_c.data_ptr<int64_t>(), d_c.data_ptr<int64_t>(), doc_c.data_ptr<int64_t>(), n,
+                              window_value(window), out.data_ptr<bool>(), c10::cuda::getCurrentCUDAStream()),
+             "mask_dense");
   return out;
 }
 
@@ -49,21 +46,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mask_block_cuda(const
   const int64_t n = anchors.size(0);
   const int64_t nb = (n + block_size - 1) / block_size;
   at::Tensor summary = at::empty({nb, mask::kSummaryFields}, a_c.options());
-  check_cuda_status(
-      cuda::mask_block_summaries(a_c.data_ptr<int64_t>(), d_c.data_ptr<int64_t>(), doc_c.data_ptr<int64_t>(), n,
-                                 block_size, summary.data_ptr<int64_t>(), stream),
-      "mask_block");
+  check_cuda(cuda::mask_block_summaries(a_c.data_ptr<int64_t>(), d_c.data_ptr<int64_t>(), doc_c.data_ptr<int64_t>(), n,
+                                        block_size, summary.data_ptr<int64_t>(), stream),
+             "mask_block");
   const auto int_opts = anchors.options().dtype(at::kInt);
   at::Tensor kv_num = at::empty({nb}, int_opts);
   at::Tensor kv_idx = at::zeros({nb, nb}, int_opts);
   at::Tensor full_num = at::empty({nb}, int_opts);
   at::Tensor full_idx = at::zeros({nb, nb}, int_opts);
   const at::Tensor q_sorted = sorted_block_anchors(a_c, doc_c, block_size);
-  check_cuda_status(
-      cuda::mask_block_classify(summary.data_ptr<int64_t>(), q_sorted.data_ptr<int64_t>(), nb, block_size,
-                                window_value(window), kv_num.data_ptr<int32_t>(), kv_idx.data_ptr<int32_t>(),
-                                full_num.data_ptr<int32_t>(), full_idx.data_ptr<int32_t>(), stream),
-      "mask_block");
+  check_cuda(cuda::mask_block_classify(summary.data_ptr<int64_t>(), q_sorted.data_ptr<int64_t>(), nb, block_size,
+                                       window_value(window), kv_num.data_ptr<int32_t>(), kv_idx.data_ptr<int32_t>(),
+                                       full_num.data_ptr<int32_t>(), full_idx.data_ptr<int32_t>(), stream),
+             "mask_block");
   return {kv_num, kv_idx, full_num, full_idx};
 }
 

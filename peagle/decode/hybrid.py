@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from peagle.ops.gdn import causal_conv1d_commit, causal_conv1d_tree, gdn_commit, gdn_tree_verify
+from peagle.ops.tree_build import ancestor_mask
 
 __all__ = ["HybridTreeCache", "hybrid_prefill", "hybrid_tree_commit", "hybrid_tree_forward"]
 
@@ -50,18 +51,6 @@ class HybridTreeCache:
                 cache.keys[i] = torch.zeros(batch, kv_heads, 0, attn.head_dim, dtype=dtype)
                 cache.values[i] = torch.zeros(batch, kv_heads, 0, attn.head_dim, dtype=dtype)
         return cache
-
-
-def ancestor_mask(parent: Tensor) -> Tensor:
-    """[B, n, n] bool: mask[b, i, j] = node j is node i or one of its ancestors (parent[b, i] in [-1, i)).
-
-    Transitive closure of the parent relation by repeated squaring (log2 n boolean matmuls, no loop over nodes)."""
-    nodes = parent.shape[1]
-    index = torch.arange(nodes, device=parent.device)
-    reach = (parent[:, :, None] == index) | (index[:, None] == index)  # self or parent
-    for _ in range(max(1, (nodes - 1).bit_length())):
-        reach = reach | (reach.float() @ reach.float() > 0)
-    return reach
 
 
 def _attention(layer, hidden: Tensor, cos: Tensor, sin: Tensor, past_k: Tensor, past_v: Tensor, mask: Tensor):

@@ -31,19 +31,21 @@ from peagle.ops.mask import (
     mask_dense,
     mask_dense_reference,
 )
-from peagle.ops.tree import (
+from peagle.ops.tree_build import (
     TreeSpec,
-    TreeVerifyOutput,
-    eagle2_dynamic_tree,
-    philox_uniforms,
+    ancestor_mask,
     tree_build_parallel,
     tree_build_parallel_reference,
     tree_expand_topk,
     tree_expand_topk_reference,
-    tree_rejection_sample,
-    tree_rejection_sample_reference,
     tree_select,
     tree_select_reference,
+)
+from peagle.ops.tree_verify import (
+    TreeVerifyOutput,
+    philox_uniforms,
+    tree_rejection_sample,
+    tree_rejection_sample_reference,
     tree_verify_greedy,
     tree_verify_greedy_reference,
 )
@@ -55,6 +57,7 @@ __all__ = [
     "MaskBlocks",
     "TreeSpec",
     "TreeVerifyOutput",
+    "ancestor_mask",
     "block_kinds",
     "block_kinds_from_predicate",
     "build_block_mask",
@@ -66,7 +69,6 @@ __all__ = [
     "cod_gather_reference",
     "cod_sample",
     "cod_sample_reference",
-    "eagle2_dynamic_tree",
     "gdn_commit",
     "gdn_commit_reference",
     "gdn_recurrence_reference",

@@ -26,10 +26,11 @@ import torch
 
 from peagle.model import PEagleDrafter
 from peagle.model.drafter import document_blocks
+from peagle.ops.tree_verify import tree_verify_greedy
 from peagle.train.dataset import ExtractedData
 from peagle.train.extract import load_target_head
 
-__all__ = ["chain_drafts", "check_compatible", "evaluate", "format_table"]
+__all__ = ["chain_drafts", "check_compatible", "evaluate", "format_table", "greedy_chain_acceptance"]
 
 
 def chain_elements(document_ids: torch.Tensor, loss_mask: torch.Tensor, depth: int) -> tuple[torch.Tensor, ...]:
@@ -149,14 +150,14 @@ def evaluate(
         valid = loss_mask[label] & (docs[anchors] >= 0)
         correct += torch.bincount(depths[valid], weights=hit[valid].double(), minlength=k).cpu()
         count += torch.bincount(depths[valid], minlength=k).double().cpu()
-        # hits of every chain, [chains, K]: depth 0 from the T leading rows, deeper from the chain blocks.
-        n = chains.numel()
-        grid = torch.stack([hit[chains], *(hit[ids.numel() + (j - 1) * n :][:n] for j in range(1, k))], dim=1)
-        reached = grid.long().cumprod(1)
-        accepted_at += reached.sum(0).double().cpu()
-        chains_total += n
-        accepted = torch.full((ids.numel(),), -1, dtype=torch.long)
-        accepted[chains.cpu()] = reached.sum(1).cpu()
+        length = ids.numel()
+        chain_accepted = greedy_chain_acceptance(
+            _chain_grid(drafted, chains, length, k), _chain_grid(target, chains, length, k)
+        )
+        accepted_at += (chain_accepted[:, None] > torch.arange(k, device=device)).sum(0).double().cpu()
+        chains_total += chains.numel()
+        accepted = torch.full((length,), -1, dtype=torch.long)
+        accepted[chains.cpu()] = chain_accepted.cpu()
         for count_walk in _serving_walk(accepted, row.loss_mask, row.document_ids, max_tokens):
             walk_reached[:count_walk] += 1
             walk_drafts += 1
@@ -169,6 +170,35 @@ def evaluate(
         **_acceptance(accepted_at, chains_total),
         "serving_walk": {"drafts": walk_drafts, **_acceptance(walk_reached, walk_drafts)},
     }
+
+
+def _chain_grid(values: torch.Tensor, chains: torch.Tensor, length: int, k: int) -> torch.Tensor:
+    """Per-chain values [chains, K] of elements in chain_elements' order: depth 0 from the T leading rows, deeper from
+    the chain blocks."""
+    n = chains.numel()
+    return torch.stack([values[chains], *(values[length + (j - 1) * n :][:n] for j in range(1, k))], dim=1)
+
+
+def greedy_chain_acceptance(drafts: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Accepted drafts [n] of n chains under greedy verification, by :func:`peagle.ops.tree_verify_greedy` (the rule
+    a server applies): chain c drafts ``drafts[c]`` [K], and the target's argmax after its first d drafts is
+    ``targets[c, d]``.
+
+    A chain is a tree with parent[i] = i - 1 (node 0: the last committed token). Greedy verification only compares a
+    draft with the target's argmax there, so each chain's tokens are renamed into K + 1 ids (a target token: the first
+    depth where the chain's target has it; any other token: K) and the target rows are one-hot over these ids, not
+    over the whole vocabulary.
+    """
+    n, k = drafts.shape
+    target_ids = (targets[:, :, None] == targets[:, None, :]).int().argmax(-1)  # first depth with the same token
+    hit = drafts[:, :, None] == targets[:, None, :]
+    draft_ids = torch.where(hit.any(-1), hit.int().argmax(-1), k)
+    parent = torch.arange(-1, k, device=drafts.device).expand(n, k + 1)
+    tokens = torch.cat([torch.zeros_like(draft_ids[:, :1]), draft_ids], 1)  # the root's token is not read
+    # Row d: the target after node d; the leaf's row only picks the bonus token, which is not counted here.
+    rows = torch.nn.functional.one_hot(torch.cat([target_ids, target_ids[:, -1:]], 1), k + 1).float()
+    num_nodes = torch.full((n,), k + 1, dtype=torch.long, device=drafts.device)
+    return tree_verify_greedy(parent, tokens, num_nodes, rows).num_accepted
 
 
 def _acceptance(reached: torch.Tensor, drafts: int) -> dict[str, Any]:

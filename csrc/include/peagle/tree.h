@@ -1,5 +1,5 @@
-// Tree verification math shared by the CPU and CUDA kernels and mirrored bit for bit by the PyTorch reference in
-// peagle/ops/tree.py.
+// Draft-tree math shared by the CPU and CUDA kernels of both tree families, verification (mirrored bit for bit by the
+// PyTorch reference in peagle/ops/tree_verify.py) and construction (peagle/ops/tree_build.py).
 //
 // Draft tree per request (padded batch): n nodes, node 0 = root, parent[0] = -1, 0 <= parent[i] < i, sibling tokens
 // distinct. target_probs[i] is the target distribution after node i; draft_probs[i] the distribution node i's children
@@ -24,7 +24,7 @@ constexpr double kFixedOne = 1099511627776.0;  // 2^40
 constexpr double kUniformScale = 16777216.0;   // 2^24
 constexpr double kSumTolerance = 1e-3;         // |sum(row) - 1| allowed for probability rows
 
-// Error codes of a request (first error found wins; see tree_checks.h for the messages).
+// Error codes of a request (first error found wins; see csrc/checks/tree.h for the messages).
 enum Error : int32_t {
   kOk = 0,
   kNumNodes = 1,     // num_nodes outside [1, n_max]
@@ -175,11 +175,34 @@ PEAGLE_HD int32_t check_request(const index_t* parent, const index_t* tokens, in
   return kOk;
 }
 
-}  // namespace tree
-}  // namespace peagle
+// Records the first error of request b in the [B, 3] error table: (code, node, detail).
+PEAGLE_HD void set_error(int64_t* errors, int64_t b, int32_t code, int64_t node, int64_t detail) {
+  errors[3 * b] = code;
+  errors[3 * b + 1] = node;
+  errors[3 * b + 2] = detail;
+}
 
-namespace peagle {
-namespace tree {
+// Next child of `node` after node index `after` (children are tried in increasing index), or -1.
+PEAGLE_HD int64_t next_child(const int64_t* parent, int64_t n, int64_t node, int64_t after) {
+  for (int64_t j = (after > node ? after : node) + 1; j < n; ++j) {
+    if (parent[j] == node) return j;
+  }
+  return -1;
+}
+
+// 24-bit uniform of draw `index` of request b: uniforms[b * n_max + index] when explicit uniforms are given (nullptr:
+// the Philox stream). False when that explicit uniform is outside [0, 1) (the caller records kUniform).
+PEAGLE_HD bool draw_uniform24(const float* uniforms, int64_t n_max, int64_t seed, int64_t offset, int64_t b,
+                              int64_t index, int64_t* value) {
+  if (uniforms == nullptr) {
+    *value = philox_uniform24(seed, offset, b, index);
+    return true;
+  }
+  const float u = uniforms[b * n_max + index];
+  if (!uniform_ok(u)) return false;
+  *value = uniform24(u);
+  return true;
+}
 
 // ---------------------------------------------------------------------------------------------------------------------
 // Tree construction. Candidates carry a path score (a product of draft probabilities, in double: child = parent * p,
@@ -202,6 +225,7 @@ PEAGLE_HD bool node_before(int64_t depth_a, double score_a, int64_t index_a, int
   return depth_a < depth_b || (depth_a == depth_b && score_before(score_a, index_a, score_b, index_b));
 }
 
+// Error codes of a construction request (messages: raise_build_error in csrc/checks/tree.h).
 enum BuildError : int32_t {
   kBuildOk = 0,
   kCandidateCount = 21,   // num_candidates outside [1, M]
@@ -210,6 +234,23 @@ enum BuildError : int32_t {
   kCandidateScore = 24,   // NaN score, or a child scoring above its parent
   kDraftRow = 25,         // draft row entry NaN or negative
 };
+
+// Whether a draft probability may rank a candidate: not NaN and not negative.
+PEAGLE_HD bool draft_entry_ok(float p) { return p >= 0.0f; }
+
+// Value check of the `count` candidates of one request (candidate 0 is the root); `node` gets the failing candidate.
+PEAGLE_HD int32_t check_candidates(const int64_t* parent, const double* scores, int64_t count, int64_t* node) {
+  *node = 0;
+  if (parent[0] != -1) return kCandidateRoot;
+  for (int64_t i = 0; i < count; ++i) {
+    *node = i;
+    if (scores[i] != scores[i]) return kCandidateScore;
+    if (i == 0) continue;
+    if (parent[i] < 0 || parent[i] >= i) return kCandidateParent;
+    if (scores[i] > scores[parent[i]]) return kCandidateScore;
+  }
+  return kBuildOk;
+}
 
 }  // namespace tree
 }  // namespace peagle

@@ -1,23 +1,18 @@
 // Torch-facing launcher of the tree verification CUDA kernels: checks, allocation and the current stream; the kernels
-// live in tree_kernels.cu (no torch headers there). Tree construction runs on the CPU kernels (its work is tiny next
-// to the drafter pass): the CUDA registrations copy the inputs to the host and the results back.
+// live in tree_verify_kernels.cu (no torch headers there). Construction: tree_build_cuda.cpp.
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include "tree_checks.h"
-#include "tree_kernels.h"
+#include "checks/cuda.h"
+#include "checks/tree.h"
+#include "tree_verify_kernels.h"
 
 namespace peagle {
 namespace {
 
 using Outputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-
-void check_cuda(cudaError_t err, const char* op) {
-  TORCH_CHECK(err == cudaSuccess, "peagle.", op, ": CUDA error: ", cudaGetErrorString(err));
-}
 
 Outputs run(const char* op, bool sampling, const at::Tensor& parent, const at::Tensor& tokens,
             const at::Tensor& num_nodes, const at::Tensor& target_probs, const c10::optional<at::Tensor>& draft_probs,
@@ -78,55 +73,10 @@ Outputs tree_rejection_sample_cuda(const at::Tensor& parent, const at::Tensor& t
              offset);
 }
 
-// Construction on CUDA tensors: the CPU kernels on host copies.
-using SpecOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                               at::Tensor, at::Tensor>;
-
-SpecOutputs to_device(const SpecOutputs& o, const at::Device& device) {
-  return {std::get<0>(o).to(device), std::get<1>(o).to(device), std::get<2>(o).to(device),
-          std::get<3>(o).to(device), std::get<4>(o).to(device), std::get<5>(o).to(device),
-          std::get<6>(o).to(device), std::get<7>(o).to(device), std::get<8>(o).to(device)};
-}
-
-SpecOutputs tree_select_cuda(const at::Tensor& cand_tokens, const at::Tensor& cand_parent,
-                             const at::Tensor& cand_scores, const at::Tensor& num_candidates, int64_t num_nodes) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("peagle::tree_select", "")
-          .typed<SpecOutputs(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
-  check_same_device("tree_select", "cand_parent", cand_parent, cand_tokens, "cand_tokens");
-  check_same_device("tree_select", "cand_scores", cand_scores, cand_tokens, "cand_tokens");
-  check_same_device("tree_select", "num_candidates", num_candidates, cand_tokens, "cand_tokens");
-  return to_device(op.call(cand_tokens.cpu(), cand_parent.cpu(), cand_scores.cpu(), num_candidates.cpu(), num_nodes),
-                   cand_tokens.device());
-}
-
-SpecOutputs tree_build_parallel_cuda(const at::Tensor& draft_probs, at::IntArrayRef topk, int64_t num_nodes) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("peagle::tree_build_parallel", "")
-                             .typed<SpecOutputs(const at::Tensor&, at::IntArrayRef, int64_t)>();
-  return to_device(op.call(draft_probs.cpu(), topk, num_nodes), draft_probs.device());
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_expand_topk_cuda(const at::Tensor& frontier_scores,
-                                                                     const at::Tensor& child_probs, int64_t topk) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("peagle::tree_expand_topk", "")
-          .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t)>();
-  check_same_device("tree_expand_topk", "child_probs", child_probs, frontier_scores, "frontier_scores");
-  const auto out = op.call(frontier_scores.cpu(), child_probs.cpu(), topk);
-  const auto device = frontier_scores.device();
-  return {std::get<0>(out).to(device), std::get<1>(out).to(device), std::get<2>(out).to(device)};
-}
-
 }  // namespace
 }  // namespace peagle
 
 TORCH_LIBRARY_IMPL(peagle, CUDA, m) {
   m.impl("tree_verify_greedy", &peagle::tree_verify_greedy_cuda);
   m.impl("tree_rejection_sample", &peagle::tree_rejection_sample_cuda);
-  m.impl("tree_select", &peagle::tree_select_cuda);
-  m.impl("tree_build_parallel", &peagle::tree_build_parallel_cuda);
-  m.impl("tree_expand_topk", &peagle::tree_expand_topk_cuda);
 }

@@ -1,31 +1,17 @@
-// Argument checks shared by the CPU and CUDA launchers, so both backends reject bad input with the same message.
+// Argument checks of the COD family (cod_sample, cod_gather, cod_gather_backward), shared by the CPU and CUDA launchers
+// (same messages on both).
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
-#include <string>
+
+#include "checks/common.h"
+#include "peagle/cod.h"
 
 namespace peagle {
-
-inline std::string shape_str(const at::Tensor& t) { return c10::str(t.sizes()); }
-
-inline void check_rank(const char* op, const char* name, const at::Tensor& t, int64_t rank, const char* layout) {
-  TORCH_CHECK(t.dim() == rank, "peagle.", op, ": ", name, " must be ", rank, "-D ", layout, ", got shape ",
-              shape_str(t));
-}
-
-inline void check_integer(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, "peagle.", op, ": ", name,
-              " must be int32 or int64, got ", t.scalar_type());
-}
-
-inline void check_same_device(const char* op, const char* name, const at::Tensor& t, const at::Tensor& ref,
-                              const char* ref_name) {
-  TORCH_CHECK(t.device() == ref.device(), "peagle.", op, ": ", name, " must be on the same device as ", ref_name, " (",
-              ref.device(), "), got ", t.device());
-}
 
 inline void check_cod_sample_args(const at::Tensor& loss_mask, const at::Tensor& document_ids, int64_t num_depths,
                                   double ratio, double ratio_min, const c10::optional<int64_t>& max_anchors) {
@@ -102,6 +88,29 @@ inline void check_cod_gather_backward_args(const at::Tensor& grad_feats, const a
   TORCH_CHECK(num_positions >= 0, "peagle.cod_gather_backward: num_positions must be >= 0, got ", num_positions);
   check_same_device(op, "anchors", anchors, grad_feats, "grad_feats");
   check_same_device(op, "depths", depths, grad_feats, "grad_feats");
+}
+
+// Value check of COD elements on the host: names the first element outside the range rule.
+inline void check_elements_in_range(const char* op, const int64_t* anchors, const int64_t* depths, int64_t count,
+                                    int64_t length) {
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(cod::element_in_range(anchors[i], depths[i], length), "peagle.", op, ": element ", i, " (anchor ",
+                anchors[i], ", depth ", depths[i], ") is out of range for T = ", length,
+                ": expected 0 <= anchor, 0 <= depth and anchor + depth < T");
+  }
+}
+
+// The same rule when the device found the violation (`all_in_range` read back from it).
+inline void check_elements_in_range(const char* op, bool all_in_range, int64_t length) {
+  TORCH_CHECK(all_in_range, "peagle.", op, ": some element is out of range for T = ", length,
+              ": expected 0 <= anchor, 0 <= depth and anchor + depth < T");
+}
+
+// The CUDA sampler indexes its per-depth scratch with int32.
+inline void check_cod_sample_cuda_length(int64_t length, int64_t num_depths) {
+  TORCH_CHECK(length < (int64_t{1} << 31) / std::max<int64_t>(num_depths, 1),
+              "peagle.cod_sample: T * num_depths must be < 2^31 on CUDA, got T = ", length,
+              ", num_depths = ", num_depths);
 }
 
 }  // namespace peagle

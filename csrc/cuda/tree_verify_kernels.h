@@ -1,6 +1,6 @@
-// Raw-pointer entry points of the tree verification CUDA kernels. Implemented in tree_kernels.cu, which includes no
-// torch header; the torch-facing launcher (tree_cuda.cpp) checks arguments, allocates and calls these on the current
-// stream. One block per request; vocabulary-parallel reductions; the math is csrc/include/peagle/tree.h.
+// Raw-pointer entry points of the tree verification CUDA kernels. Implemented in tree_verify_kernels.cu, which includes
+// no torch header; the torch-facing launcher (tree_verify_cuda.cpp) checks arguments, allocates and calls these on the
+// current stream. One block per request; vocabulary-parallel reductions; the math is csrc/include/peagle/tree.h.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -29,7 +29,7 @@ struct TreeVerifyArgs {
   int64_t* num_accepted;
   int64_t* emitted;  // [B, n_max], pre-filled with -1
   int64_t* last;
-  int64_t* errors;  // [B, 3], zeroed: (code, node, detail) as in tree_checks.h
+  int64_t* errors;  // [B, 3], zeroed: (code, node, detail) as in csrc/checks/tree.h
 };
 
 cudaError_t tree_verify_greedy(const TreeVerifyArgs& args, cudaStream_t stream);

@@ -5,7 +5,7 @@
 
 #include <string>
 
-#include "checks.h"
+#include "checks/common.h"
 #include "peagle/gdn.h"
 
 namespace peagle {

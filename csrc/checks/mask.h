@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "checks.h"
+#include "checks/common.h"
 
 namespace peagle {
 

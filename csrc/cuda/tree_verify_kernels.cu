@@ -1,4 +1,4 @@
-// CUDA kernels of the tree verification family (see tree_kernels.h). One block per request walks its tree; each
+// CUDA kernels of the tree verification family (see tree_verify_kernels.h). One block per request walks its tree; each
 // visited row is reduced by the whole block. All sums are integer (40-bit fixed point), so the results equal the CPU
 // kernels' bit for bit regardless of the reduction order.
 #include <cmath>
@@ -7,7 +7,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "peagle/tree.h"
-#include "tree_kernels.h"
+#include "tree_verify_kernels.h"
 
 namespace peagle {
 namespace cuda {
@@ -49,12 +49,6 @@ struct Shared {
   bool accepted;
 };
 
-__device__ void set_error(const TreeVerifyArgs& a, int64_t b, int32_t code, int64_t node, int64_t detail) {
-  a.errors[3 * b] = code;
-  a.errors[3 * b + 1] = node;
-  a.errors[3 * b + 2] = detail;
-}
-
 // Structure check of request b by the whole block; true (on every thread) if the request is well formed.
 __device__ bool check_structure(const TreeVerifyArgs& a, int64_t b, Shared& s) {
   const int64_t* parent = a.parent + b * a.n_max;
@@ -73,28 +67,21 @@ __device__ bool check_structure(const TreeVerifyArgs& a, int64_t b, Shared& s) {
   __syncthreads();
   bool ok = true;
   if (!count_ok) {
-    if (threadIdx.x == 0) set_error(a, b, tree::kNumNodes, 0, n);
+    if (threadIdx.x == 0) tree::set_error(a.errors, b, tree::kNumNodes, 0, n);
     ok = false;
   } else if (parent[0] != -1) {
-    if (threadIdx.x == 0) set_error(a, b, tree::kRootParent, 0, parent[0]);
+    if (threadIdx.x == 0) tree::set_error(a.errors, b, tree::kRootParent, 0, parent[0]);
     ok = false;
   } else if (s.first_bad <= a.n_max) {
     const int64_t i = s.first_bad;
     if (threadIdx.x == 0) {
       const int32_t code = tree::check_node(parent, tokens, i, a.vocab);
-      set_error(a, b, code, i, tree::node_error_detail(code, parent, tokens, i));
+      tree::set_error(a.errors, b, code, i, tree::node_error_detail(code, parent, tokens, i));
     }
     ok = false;
   }
   __syncthreads();
   return ok;
-}
-
-__device__ int64_t next_child(const int64_t* parent, int64_t n, int64_t node, int64_t after) {
-  for (int64_t j = (after > node ? after : node) + 1; j < n; ++j) {
-    if (parent[j] == node) return j;
-  }
-  return -1;
 }
 
 __global__ void __launch_bounds__(kThreads) greedy_kernel(TreeVerifyArgs a) {
@@ -132,10 +119,10 @@ __global__ void __launch_bounds__(kThreads) greedy_kernel(TreeVerifyArgs a) {
       s.code = tree::kOk;
       s.child = -1;
       if (first_nan != INT64_MAX) {
-        set_error(a, b, tree::kTargetNaN, cur, first_nan);
+        tree::set_error(a.errors, b, tree::kTargetNaN, cur, first_nan);
         s.code = tree::kTargetNaN;
       } else {
-        for (int64_t j = next_child(parent, n, cur, cur); j >= 0; j = next_child(parent, n, cur, j)) {
+        for (int64_t j = tree::next_child(parent, n, cur, cur); j >= 0; j = tree::next_child(parent, n, cur, j)) {
           if (tokens[j] == top.index) {
             s.child = j;
             break;
@@ -175,10 +162,10 @@ __device__ int64_t row_sum(const TreeVerifyArgs& a, int64_t b, int64_t node, con
   if (threadIdx.x == 0) {
     s.value0 = total;
     if (first_bad != INT64_MAX) {
-      set_error(a, b, value_error, node, first_bad);
+      tree::set_error(a.errors, b, value_error, node, first_bad);
       s.value0 = -1;
     } else if (!tree::sum_ok(total)) {
-      set_error(a, b, sum_error, node, total);
+      tree::set_error(a.errors, b, sum_error, node, total);
       s.value0 = -1;
     }
   }
@@ -189,17 +176,9 @@ __device__ int64_t row_sum(const TreeVerifyArgs& a, int64_t b, int64_t node, con
 }
 
 __device__ bool uniform_at(const TreeVerifyArgs& a, int64_t b, int64_t index, int64_t* value) {
-  if (a.uniforms == nullptr) {
-    *value = tree::philox_uniform24(a.seed, a.offset, b, index);
-    return true;
-  }
-  const float u = a.uniforms[b * a.n_max + index];
-  if (!tree::uniform_ok(u)) {
-    set_error(a, b, tree::kUniform, index, 0);
-    return false;
-  }
-  *value = tree::uniform24(u);
-  return true;
+  if (tree::draw_uniform24(a.uniforms, a.n_max, a.seed, a.offset, b, index, value)) return true;
+  tree::set_error(a.errors, b, tree::kUniform, index, 0);
+  return false;
 }
 
 __global__ void __launch_bounds__(kThreads) rejection_kernel(TreeVerifyArgs a) {
@@ -225,7 +204,7 @@ __global__ void __launch_bounds__(kThreads) rejection_kernel(TreeVerifyArgs a) {
     const float* p = a.target + b * a.target_batch_stride + cur * V;
     const int64_t target_sum = row_sum(a, b, cur, p, tree::kTargetValue, tree::kTargetSum, s);
     if (target_sum < 0) return;
-    const int64_t first_child = next_child(parent, n, cur, cur);
+    const int64_t first_child = tree::next_child(parent, n, cur, cur);
     const float* q = nullptr;
     int64_t draft_mass = 0;
     if (first_child >= 0) {
@@ -239,7 +218,7 @@ __global__ void __launch_bounds__(kThreads) rejection_kernel(TreeVerifyArgs a) {
     }
     int64_t mass = target_sum;
     int64_t accepted = -1;
-    for (int64_t j = first_child; j >= 0; j = next_child(parent, n, cur, j)) {
+    for (int64_t j = first_child; j >= 0; j = tree::next_child(parent, n, cur, j)) {
       const int64_t x = tokens[j];
       double scale = 0.0;
       int64_t qx = 0;

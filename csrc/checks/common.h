@@ -1,0 +1,31 @@
+// Argument checks every op family uses (rank, integer dtype, device), so all ops word their errors alike. The checks of
+// each family (cod.h, mask.h, tree.h, gdn.h) build on these and are shared by its CPU and CUDA launchers, so both
+// backends reject bad input with the same message.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+
+namespace peagle {
+
+inline std::string shape_str(const at::Tensor& t) { return c10::str(t.sizes()); }
+
+inline void check_rank(const char* op, const char* name, const at::Tensor& t, int64_t rank, const char* layout) {
+  TORCH_CHECK(t.dim() == rank, "peagle.", op, ": ", name, " must be ", rank, "-D ", layout, ", got shape ",
+              shape_str(t));
+}
+
+inline void check_integer(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, "peagle.", op, ": ", name,
+              " must be int32 or int64, got ", t.scalar_type());
+}
+
+inline void check_same_device(const char* op, const char* name, const at::Tensor& t, const at::Tensor& ref,
+                              const char* ref_name) {
+  TORCH_CHECK(t.device() == ref.device(), "peagle.", op, ": ", name, " must be on the same device as ", ref_name, " (",
+              ref.device(), "), got ", t.device());
+}
+
+}  // namespace peagle
