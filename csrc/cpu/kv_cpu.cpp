@@ -64,8 +64,8 @@ void move_all(const KvDims& d, const Plan& p, const std::vector<char*>& caches) 
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / num_caches, cache = task % num_caches;
       if (p.first[b] > p.num_accepted[b]) continue;
-      kv::move_columns(reinterpret_cast<Unit*>(caches[cache]), row_units, p.table + b * g.max_blocks, g.block_size,
-                       p.seq[b], p.path + b * g.path_len, p.first[b], p.num_accepted[b], 0, row_units, 1);
+      kv::move_rows(reinterpret_cast<Unit*>(caches[cache]), row_units, p.table + b * g.max_blocks, g.block_size,
+                    p.seq[b], p.path + b * g.path_len, p.first[b], p.num_accepted[b]);
     }
   });
 }

@@ -13,9 +13,10 @@
 //   read by a later move; it can only be the source of an earlier move j' < j (path[j'] = j), already read.
 //   The same holds for any split of 1..num_accepted into consecutive ranges handled in order, each range reading all
 //   its sources before writing any destination: the destinations of a range end at seq + max(range), before every
-//   source of the later ranges. move_columns reads kBatch rows, then writes them.
+//   source of the later ranges. copy_batch reads kBatch rows, then writes them.
 // Parallel kernels split the row into columns (units of bytes at the same offset in every row): each column is
-// handled by one thread alone, in the order above, and different columns never touch the same bytes. The argument
+// handled by one thread alone, in the order above, and different columns never touch the same bytes (the block
+// only shares the read-only row offsets of each batch). The argument
 // needs distinct logical slots to be distinct physical rows: the checks reject requests (or layers) that share a
 // physical block they read or write (claim_blocks), and layer caches that overlap in memory.
 // Moves with path[j] = j are identities and are skipped: since path[j] - j never decreases, they are exactly
@@ -28,6 +29,14 @@
 
 namespace peagle {
 namespace kv {
+
+#if defined(__CUDACC__)
+#define PEAGLE_KV_UNROLL _Pragma("unroll")
+#define PEAGLE_KV_NO_UNROLL _Pragma("unroll 1")
+#else
+#define PEAGLE_KV_UNROLL
+#define PEAGLE_KV_NO_UNROLL
+#endif
 
 constexpr int kBatch = 8;  // moves whose sources are read together before their destinations are written
 
@@ -114,23 +123,52 @@ PEAGLE_HD Check claim_blocks(const Geometry& g, const Index* table_row, int64_t 
   return {kOk, 0, 0, 0};
 }
 
-// Moves j in [first, last] of one request in one layer, columns c0, c0 + step, ... < c1 of each row (a row is
-// row_units Units). Per column: kBatch sources read, then their destinations written, batches in increasing j.
+// Offsets (in copy units) of the source and destination rows of move j of one request.
+struct Move {
+  int64_t src, dst;
+};
+
+template <typename Index>
+PEAGLE_HD Move move_offsets(const Index* table_row, int64_t block_size, int64_t seq, const Index* path, int64_t j,
+                            int64_t row_units) {
+  return {physical_row(table_row, block_size, seq + static_cast<int64_t>(path[j])) * row_units,
+          physical_row(table_row, block_size, seq + j) * row_units};
+}
+
+// One batch of count <= kBatch consecutive moves, columns c0, c0 + step, ... < c1 of each row: per column, every
+// source of the batch is read before any destination is written. The batch loops have a constant trip count (fully
+// unrolled on the GPU), so the batch lives in registers.
+template <typename Unit>
+PEAGLE_HD void copy_batch(Unit* cache, const Move* batch, int64_t count, int64_t c0, int64_t c1, int64_t step) {
+  Move m[kBatch];
+  PEAGLE_KV_UNROLL
+  for (int t = 0; t < kBatch; ++t) {
+    m[t] = batch[t < count ? t : count - 1];  // past the batch: a copy that is never used (all initialised)
+  }
+  PEAGLE_KV_NO_UNROLL
+  for (int64_t c = c0; c < c1; c += step) {
+    Unit rows[kBatch] = {};
+    PEAGLE_KV_UNROLL
+    for (int t = 0; t < kBatch; ++t) {
+      if (t < count) rows[t] = cache[m[t].src + c];
+    }
+    PEAGLE_KV_UNROLL
+    for (int t = 0; t < kBatch; ++t) {
+      if (t < count) cache[m[t].dst + c] = rows[t];
+    }
+  }
+}
+
+// Moves j in [first, last] of one request in one layer (a row is row_units Units), batches in increasing j, all
+// columns by one thread. The CUDA kernel runs the same batches with the columns split over a block.
 template <typename Unit, typename Index>
-PEAGLE_HD void move_columns(Unit* cache, int64_t row_units, const Index* table_row, int64_t block_size, int64_t seq,
-                            const Index* path, int64_t first, int64_t last, int64_t c0, int64_t c1, int64_t step) {
+PEAGLE_HD void move_rows(Unit* cache, int64_t row_units, const Index* table_row, int64_t block_size, int64_t seq,
+                         const Index* path, int64_t first, int64_t last) {
   for (int64_t j0 = first; j0 <= last; j0 += kBatch) {
-    const int count = static_cast<int>(last - j0 + 1 < kBatch ? last - j0 + 1 : kBatch);
-    int64_t src[kBatch], dst[kBatch];
-    for (int t = 0; t < count; ++t) {
-      src[t] = physical_row(table_row, block_size, seq + static_cast<int64_t>(path[j0 + t])) * row_units;
-      dst[t] = physical_row(table_row, block_size, seq + j0 + t) * row_units;
-    }
-    for (int64_t c = c0; c < c1; c += step) {
-      Unit rows[kBatch];
-      for (int t = 0; t < count; ++t) rows[t] = cache[src[t] + c];
-      for (int t = 0; t < count; ++t) cache[dst[t] + c] = rows[t];
-    }
+    const int64_t count = last - j0 + 1 < kBatch ? last - j0 + 1 : kBatch;
+    Move batch[kBatch];
+    for (int64_t t = 0; t < count; ++t) batch[t] = move_offsets(table_row, block_size, seq, path, j0 + t, row_units);
+    copy_batch(cache, batch, count, 0, row_units, 1);
   }
 }
 
