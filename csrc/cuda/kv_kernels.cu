@@ -7,9 +7,9 @@
 //    Each block takes (request, cache, column chunk) tasks from a 1-D grid-stride loop (no y/z grid dimension). Per
 //    batch of kv::kBatch moves, kBatch threads compute the row offsets into shared memory, then every thread runs
 //    kv::copy_batch on its own column (consecutive copy units: coalesced), which needs no synchronisation between
-//    columns by the argument at the top of peagle/kv.h. The first launch also
-//    writes the new seq_len (it reads lengths from `plan`, so the write races with nothing). A raised flag makes
-//    every block return before writing anything.
+//    columns by the argument at the top of peagle/kv.h. The first launch also writes the new seq_len (lengths are
+//    read from `plan`, so that write races with nothing). A raised error flag makes every block return before
+//    writing anything.
 #include <cuda_runtime.h>
 
 #include <cstdint>

@@ -10,16 +10,17 @@
 // j = 2 and read by j = 1):
 //   path is strictly increasing from path[0] = 0, so path[j] >= j, and a source seq + path[j''] of a later move
 //   j'' > j lies at path[j''] > path[j] >= j: strictly after the destination seq + j. A destination is therefore never
-//   read by a later move; it can only be the source of an earlier move j' < j (path[j'] = j), already read.
+//   read by a later move; it can only be the source of an earlier move j' < j (path[j'] = j), already read, or of the
+//   move itself (path[j] = j, an identity).
 //   The same holds for any split of 1..num_accepted into consecutive ranges handled in order, each range reading all
 //   its sources before writing any destination: the destinations of a range end at seq + max(range), before every
 //   source of the later ranges. copy_batch reads kBatch rows, then writes them.
-// Parallel kernels split the row into columns (units of bytes at the same offset in every row): each column is
-// handled by one thread alone, in the order above, and different columns never touch the same bytes (the block
-// only shares the read-only row offsets of each batch). The argument
-// needs distinct logical slots to be distinct physical rows: the checks reject requests (or layers) that share a
-// physical block they read or write (claim_blocks), and layer caches that overlap in memory.
-// Moves with path[j] = j are identities and are skipped: since path[j] - j never decreases, they are exactly
+// Parallel kernels split a row into columns (copy units at the same byte offset in every row): each column is handled
+// by one thread alone, in the order above, and different columns never touch the same bytes (a CUDA block shares only
+// the read-only row offsets of each batch). The argument needs distinct logical slots to be distinct physical rows:
+// the checks reject requests (or logical blocks of one request) that share a physical block a move reads or writes
+// (claim_blocks), and layer caches that overlap in memory.
+// Moves with path[j] = j are identities and are skipped: since path[j] - j never decreases, they are exactly the
 // j < first_move(...).
 #pragma once
 
@@ -87,8 +88,8 @@ PEAGLE_HD Check check_request(const Geometry& g, const Index* table_row, int64_t
       return {kPathOrder, j, static_cast<int64_t>(path[j]), static_cast<int64_t>(path[j - 1])};
   }
   const int64_t capacity = g.max_blocks * g.block_size;
-  const int64_t last_slot = seq + static_cast<int64_t>(path[num_accepted]);  // the largest slot the path names
-  if (seq >= capacity - static_cast<int64_t>(path[num_accepted])) return {kCapacity, num_accepted, last_slot, capacity};
+  const int64_t last = static_cast<int64_t>(path[num_accepted]);  // seq + last is the largest slot the path names
+  if (seq >= capacity - last) return {kCapacity, num_accepted, seq + last, capacity};
   if (seq + num_accepted >= len_max) return {kLenOverflow, 0, seq + num_accepted + 1, len_max};
   for (int64_t j = first_move(path, num_accepted); j <= num_accepted; ++j) {
     const int64_t blocks[2] = {(seq + static_cast<int64_t>(path[j])) / g.block_size, (seq + j) / g.block_size};
