@@ -29,10 +29,26 @@ def test_cuda_equals_cpu_on_random_cases(generator, dtype, index):
 
 
 @pytest.mark.parametrize("accept", ["none", "full", "random"])
-@pytest.mark.parametrize("head_dim", [1, 3, 64, 128, 200])  # copy units of 2 to 16 bytes, rows over 256 units
+@pytest.mark.parametrize("head_dim", [1, 3, 64, 128, 200])  # copy units of 2 to 16 bytes
 def test_cuda_equals_cpu_row_sizes(generator, accept, head_dim):
     for case in many_cases(generator, 6, head_dim=head_dim, dtype=torch.float16, accept=accept, path_len=12):
         assert_same(run_cuda(case), run_op(case))
+
+
+def test_cuda_rows_of_several_chunks(generator):
+    """3 x 129 fp16 = 774-byte rows: 387 copy units of 2 bytes, split over two column chunks of 256 threads."""
+    case = random_case(
+        generator,
+        batch=3,
+        layers=2,
+        block_size=4,
+        kv_heads=3,
+        head_dim=129,
+        path_len=6,
+        dtype=torch.float16,
+        path_mode="gaps",
+    )
+    assert_same(run_cuda(case), run_op(case))
 
 
 def test_cuda_many_layers_and_long_paths(generator):
