@@ -69,6 +69,11 @@ TORCH_LIBRARY(peagle, m) {
       "tree_expand_topk(Tensor frontier_scores, Tensor child_probs, int topk) -> (Tensor tokens, Tensor frontier_slot, "
       "Tensor scores)");
 
+  // Accepted-path KV compaction of a paged cache (all layers' k/v caches at once), in place; seq_len += accepted + 1.
+  m.def(
+      "kv_compact(Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor block_table, Tensor(c!) seq_len, "
+      "Tensor accepted_path, Tensor num_accepted) -> ()");
+
   // Returns the CPU output blocks kept for reuse (see csrc/cpu/large_buffers.h) to the OS; bytes released. Takes no
   // tensor, so its one kernel is composite (registered in csrc/cpu/large_buffers.cpp).
   m.def("release_cpu_buffers() -> int");
