@@ -293,7 +293,8 @@ def stage_embedded_target(
     sources = {"train": (corpus / "train.jsonl", {}), "heldout": (corpus / "heldout.jsonl", {})}
     # Aux layers early / middle / late of the 4-layer target (vLLM's default formula repeats a layer when L = 4).
     n = spec.target.num_layers
-    return DemoRun(spec, root, stages, target_dir, target_info, sources, [1, n // 2, n - 1], True, progress)
+    layer_ids = [1, n // 2, n - 1]
+    return DemoRun(spec, root, stages, target_dir, target_info, sources, layer_ids, ignore_eos=True, progress=progress)
 
 
 def stage_user_target(
@@ -309,7 +310,7 @@ def stage_user_target(
     root = _run_root(base / f"demo-user-{key:08x}", fresh, stages)
     target_info = {"kind": "user model", "path": str(target_dir.resolve()), "data": str(data_path.resolve())}
     sources = {"train": (data_path, {"every": 10, "keep": 1}), "heldout": (data_path, {"every": 10, "keep": 0})}
-    return DemoRun(spec, root, stages, target_dir, target_info, sources, None, False, progress)
+    return DemoRun(spec, root, stages, target_dir, target_info, sources, None, ignore_eos=False, progress=progress)
 
 
 def stage_distill(run: DemoRun) -> dict[str, Any]:

@@ -24,8 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from peagle.io import atomic_torch_save, atomic_write_bytes, atomic_write_json
-from peagle.model import DrafterConfig, PEagleDrafter, save_pretrained
-from peagle.model.checkpoint import load_state_dict
+from peagle.model import DrafterConfig, PEagleDrafter, load_state_dict, save_pretrained
 from peagle.ops import cod_sample
 from peagle.train.data import load_tokenizer, resolve_mask_token
 from peagle.train.dataset import ExtractedData, TrainRow
