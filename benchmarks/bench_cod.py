@@ -13,7 +13,7 @@ import torch
 from common import devices, load_module_file, peak_extra_bytes, sizes
 
 from peagle.ops import cod_gather, cod_gather_reference, cod_sample, cod_sample_reference
-from peagle.testing import random_packed_row
+from testkit import random_packed_row
 
 NUM_DEPTHS, RATIO, RATIO_MIN, MAX_ANCHORS, MASK_ID = 8, 0.7, 0.2, 512, 128000
 WIDTH = sizes(3 * 4096, 3 * 64)

@@ -28,7 +28,7 @@ from peagle.ops import (
     gdn_tree_verify,
     gdn_tree_verify_reference,
 )
-from peagle.testing import random_gdn_inputs, random_tree
+from testkit import random_gdn_inputs, random_tree
 
 SMOKE = os.environ.get("PEAGLE_BENCH_SMOKE", "0") not in ("", "0")
 # batch, nodes, H, HV, K, V

@@ -41,7 +41,7 @@ MAX_BASELINE_PAIRS = 1.2e9
 
 def make_sample(length: int, seed: int = 0):
     from peagle.ops import cod_sample
-    from peagle.testing import random_packed_row
+    from testkit import random_packed_row
 
     gen = torch.Generator().manual_seed(seed + length)
     row = random_packed_row(gen, length, mean_document_length=length / 4)

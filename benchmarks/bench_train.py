@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import types
 
 import pytest
 import torch
@@ -21,22 +22,25 @@ from common import peak_extra_bytes, sizes
 
 from peagle.model import DrafterConfig, PEagleDrafter
 from peagle.ops import cod_sample
-from peagle.testing import random_packed_row
 from peagle.train.dataset import TrainRow
 from peagle.train.trainer import train_row
+from testkit import random_packed_row
 
 LENGTH = sizes(2048, 256)
 HIDDEN = sizes(256, 128)
 VOCAB = sizes(8192, 512)
 K, RATIO, RATIO_MIN, ANCHORS = 8, 0.7, 0.2, 512
 
-try:
-    from peagle.testing import import_speculators_peagle
 
-    SPEC = import_speculators_peagle()
-    SPEC_LOSS = importlib.import_module("speculators.losses").resolve_loss_config("kl_div", "eager")
-except ImportError:
-    SPEC = None
+@pytest.fixture(scope="module")
+def speculators(request):
+    """speculators 0.9.0's P-EAGLE classes plus its KL loss config, or None when it is not installed."""
+    try:
+        spec = request.getfixturevalue("speculators_peagle")  # the root conftest's import shim
+        loss = importlib.import_module("speculators.losses").resolve_loss_config("kl_div", "eager")
+    except ImportError:
+        return None
+    return types.SimpleNamespace(**vars(spec), loss=loss)
 
 
 def config() -> DrafterConfig:
@@ -63,14 +67,14 @@ def inputs():
     return row, hidden, ids, last
 
 
-def make_models():
+def make_models(spec):
     torch.manual_seed(0)
     ours = PEagleDrafter(config())
-    if SPEC is None:
+    if spec is None:
         return ours, None, None
     d = config().to_speculators_dict()
     d["transformer_layer_config"]["attn_implementation"] = "sdpa"
-    theirs = SPEC.PEagleDraftModel(SPEC.PEagleSpeculatorConfig.model_validate(d))
+    theirs = spec.PEagleDraftModel(spec.PEagleSpeculatorConfig.model_validate(d))
     verifier_head = torch.randn(VOCAB, HIDDEN) * 0.05
     with torch.no_grad():
         theirs.load_state_dict(ours.state_dict(), strict=False)
@@ -91,11 +95,11 @@ def peagle_step(model, row, hidden, ids, last, head, seed=0):
     return stats["loss"], stats["elements"]
 
 
-def speculators_step(model, row, hidden, ids, last):
+def speculators_step(model, row, hidden, ids, last, loss_config):
     model.zero_grad(set_to_none=True)
     _, loss, _ = model(
         hidden[None], ids[None], row.document_ids[None], loss_mask=row.loss_mask[None].float(),
-        verifier_last_hidden_states=last[None], loss_config=SPEC_LOSS, max_anchors=ANCHORS, num_depths=K,
+        verifier_last_hidden_states=last[None], loss_config=loss_config, max_anchors=ANCHORS, num_depths=K,
         down_sample_ratio=RATIO, down_sample_ratio_min=RATIO_MIN,
     )  # fmt: skip
     loss.backward()
@@ -103,19 +107,19 @@ def speculators_step(model, row, hidden, ids, last):
 
 
 @pytest.mark.parametrize("impl", ["peagle", "speculators-0.9.0"])
-def test_train_step(benchmark, impl):
-    if impl.startswith("speculators") and SPEC is None:
+def test_train_step(benchmark, impl, speculators):
+    if impl.startswith("speculators") and speculators is None:
         pytest.skip("speculators 0.9.0 is not installed (pip install --no-deps speculators==0.9.0)")
     torch.set_flush_denormal(True)
     # PEAGLE_BENCH_THREADS (default 1): two contending threads on a shared 2-core machine make timings swing 3x.
     torch.set_num_threads(int(os.environ.get("PEAGLE_BENCH_THREADS", "1")))
     row, hidden, ids, last = inputs()
-    ours, theirs, head = make_models()
+    ours, theirs, head = make_models(speculators)
     if impl == "peagle":
         head = head if head is not None else torch.randn(VOCAB, HIDDEN) * 0.05
         fn = lambda: peagle_step(ours, row, hidden, ids, last, head)  # noqa: E731
     else:
-        fn = lambda: speculators_step(theirs, row, hidden, ids, last)  # noqa: E731
+        fn = lambda: speculators_step(theirs, row, hidden, ids, last, speculators.loss)  # noqa: E731
     fn()  # warm-up (allocator, oneDNN primitives)
     extra, (loss, elements) = peak_extra_bytes(fn)
     benchmark.group = f"train step T={LENGTH} H={HIDDEN} V={VOCAB} 2 layers K={K} sdpa cpu fp32"

@@ -27,7 +27,7 @@ from peagle.ops import (
     tree_verify_greedy,
     tree_verify_greedy_reference,
 )
-from peagle.testing import random_tree_batch, random_tree_probs
+from testkit import random_tree_batch, random_tree_probs
 
 SMOKE = os.environ.get("PEAGLE_BENCH_SMOKE", "0") not in ("", "0")
 BATCHES = [2] if SMOKE else [1, 8, 64]

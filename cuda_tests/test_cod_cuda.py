@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from peagle.ops import cod_gather, cod_sample
-from peagle.testing import fresh_seed, random_packed_row
+from testkit import fresh_seed, random_packed_row
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -14,7 +14,7 @@ from peagle.ops import (
     gdn_tree_verify_reference,
 )
 from peagle.ops.gdn import tree_path
-from peagle.testing import random_gdn_inputs, random_tree
+from testkit import random_gdn_inputs, random_tree
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -8,7 +8,7 @@ import torch
 
 from peagle.ops import BlockMaskBuilder, block_kinds, block_kinds_from_predicate, cod_sample, mask_block, mask_dense
 from peagle.ops.mask import EMPTY, FULL
-from peagle.testing import random_packed_row
+from testkit import random_packed_row
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -8,9 +8,9 @@ import torch
 
 from peagle.model import DrafterConfig, PEagleDrafter
 from peagle.ops import cod_sample
-from peagle.testing import fresh_seed, random_packed_row
 from peagle.train.dataset import TrainRow
 from peagle.train.trainer import train_row
+from testkit import fresh_seed, random_packed_row
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

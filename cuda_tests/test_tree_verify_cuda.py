@@ -11,7 +11,7 @@ import torch
 
 import peagle  # noqa: F401
 from peagle.ops import tree_rejection_sample, tree_rejection_sample_reference, tree_verify_greedy
-from peagle.testing import fresh_seed, random_tree_batch, random_tree_probs
+from testkit import fresh_seed, random_tree_batch, random_tree_probs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import time
+import types
+import typing
 from collections.abc import Callable, Sequence
 
 import torch
@@ -19,17 +23,32 @@ def _best_ms(fn: Callable[[], object], repeats: int = 5) -> float:
     return best * 1e3
 
 
+def _example_row(gen: torch.Generator, length: int, documents: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss_mask [T] bool, document_ids [T] int64) of a packed row as prepare-data writes one: about ``documents``
+    documents of random lengths, a padding tail (-1) of up to 10%, and trained labels in 32-position spans (7 in 10
+    trained), as assistant turns are."""
+    used = length - int(torch.randint(0, length // 10 + 1, (), generator=gen))
+    starts = torch.zeros(used, dtype=torch.long)
+    starts[torch.randint(1, used, (documents - 1,), generator=gen)] = 1  # coinciding starts merge documents
+    document_ids = torch.full((length,), -1, dtype=torch.long)
+    document_ids[:used] = starts.cumsum(0)
+    spans = torch.rand(length // 32 + 1, generator=gen) < 0.7
+    loss_mask = spans.repeat_interleave(32)[:length] & (document_ids >= 0)
+    return loss_mask, document_ids
+
+
 def cmd_example(args: argparse.Namespace) -> int:
     """COD sampling + fused gather of one packed training row on the CPU, checked against the PyTorch reference."""
     from peagle.ops import cod_gather, cod_gather_reference, cod_sample, cod_sample_reference
-    from peagle.testing import random_packed_row
 
+    if args.length < 2:
+        raise ValueError(f"--length must be at least 2, got {args.length}")
     gen = torch.Generator().manual_seed(args.seed)
-    row = random_packed_row(gen, args.length, mean_document_length=args.length / 8)
+    loss_mask, document_ids = _example_row(gen, args.length)
     input_ids = torch.randint(0, args.vocab, (args.length,), generator=gen)
     hidden = torch.randn(args.length, args.width, generator=gen).to(torch.bfloat16)
     mask_hidden = torch.randn(args.width, generator=gen).to(torch.bfloat16)
-    sample_args = (row.loss_mask, row.document_ids, args.depths, args.ratio, args.ratio_min, args.max_anchors)
+    sample_args = (loss_mask, document_ids, args.depths, args.ratio, args.ratio_min, args.max_anchors)
 
     anchors, depths = cod_sample(*sample_args, args.seed)
     inputs = cod_gather(input_ids, hidden, mask_hidden, anchors, depths, args.vocab)
@@ -37,8 +56,8 @@ def cmd_example(args: argparse.Namespace) -> int:
     ref = cod_gather_reference(input_ids, hidden, mask_hidden, ref_anchors, ref_depths, args.vocab)
     same = torch.equal(anchors, ref_anchors) and all(torch.equal(a, b) for a, b in zip(inputs, ref, strict=True))
 
-    documents = int(row.document_ids.max()) + 1
-    print(f"packed row: T = {args.length} positions, {documents} documents, {int(row.loss_mask.sum())} trained labels")
+    documents = int(document_ids.max()) + 1
+    print(f"packed row: T = {args.length} positions, {documents} documents, {int(loss_mask.sum())} trained labels")
     print(f"COD: K = {args.depths}, ratio {args.ratio}, ratio_min {args.ratio_min}, max_anchors {args.max_anchors}")
     print(f"{'depth':>5}  {'elements':>8}")
     counts = torch.bincount(depths, minlength=args.depths)
@@ -64,6 +83,49 @@ def _floats(text: str) -> list[float]:
     return [float(t) for t in text.split(",") if t.strip()]
 
 
+def add_dataclass_options(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One option per field of the dataclass ``cls``, in field order: ``--field-name`` (or the metadata's ``flag``),
+    type, choices (a Literal), default and help (the metadata's ``help`` plus the default) all from the field. A
+    field without a default is a required option; a bool is a switch that flips its default; a ``list[float]``
+    reads comma-separated numbers."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        flag = meta.get("flag") or "--" + f.name.replace("_", "-")
+        kind = _without_none(hints[f.name])
+        help_text = meta.get("help", "")
+        if f.default is not dataclasses.MISSING and f.default is not None and kind is not bool:
+            help_text += f" (default {f.default})"
+        options: dict[str, typing.Any] = {
+            "dest": f.name,
+            "help": argparse.SUPPRESS if meta.get("hidden") else help_text,
+        }
+        if f.default is dataclasses.MISSING:
+            options["required"] = True
+        else:
+            options["default"] = f.default
+        metavar = flag.removeprefix("--").upper().replace("-", "_")
+        if kind is bool:
+            options["action"] = "store_false" if f.default else "store_true"
+        elif typing.get_origin(kind) is typing.Literal:
+            options["choices"] = typing.get_args(kind)
+        elif typing.get_origin(kind) is list and typing.get_args(kind) == (float,):
+            options |= {"type": _floats, "metavar": metavar}
+        elif kind in (int, float, str):
+            options |= {"type": kind, "metavar": metavar}
+        else:
+            raise TypeError(f"{cls.__name__}.{f.name}: no command-line form for type {kind}")
+        parser.add_argument(flag, **options)
+
+
+def _without_none(hint: typing.Any) -> typing.Any:
+    """``X`` for ``X | None``, else the hint itself."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
+        return args[0]
+    return hint
+
+
 def cmd_prepare_data(args: argparse.Namespace) -> int:
     """Step 1: tokenize jsonl chats/text (or hf:NAME[:SPLIT]) with loss masks and pack them into T-length rows."""
     from peagle.train.data import prepare_data
@@ -78,9 +140,23 @@ def cmd_prepare_data(args: argparse.Namespace) -> int:
     return 0
 
 
+# Per backend `peagle extract --backend` offers: the module whose import registers it, and the extra it needs.
+EXTRACTION_BACKENDS = {"hf": ("peagle.train.extract", "train"), "vllm": ("peagle.vllm.extract", "vllm")}
+
+
 def cmd_extract(args: argparse.Namespace) -> int:
     """Step 2: run the target (transformers or vLLM) over prepared rows; store aux-layer hidden states and outputs."""
+    import importlib
+
     from peagle.train.extract import extract
+
+    module, extra = EXTRACTION_BACKENDS[args.backend]
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        raise ValueError(
+            f"--backend {args.backend} needs {err.name}: install peagle's {extra} extra (pip install 'peagle[{extra}]')"
+        ) from err
 
     manifest = extract(
         args.data,
@@ -101,47 +177,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     """Step 3: train a P-EAGLE drafter (K = --depths; K = 1 trains an EAGLE-3 drafter) on extracted data."""
     from peagle.train.trainer import TrainArgs, train
 
-    train_args = TrainArgs(
-        data=args.data,
-        out=args.out,
-        num_layers=args.layers,
-        num_depths=args.depths,
-        num_heads=args.heads,
-        num_kv_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        intermediate_size=args.intermediate_size,
-        layer_style=args.layer_style,
-        fc_norm=args.fc_norm,
-        norm_before_fc=args.norm_before_fc,
-        norm_output=args.norm_output,
-        draft_vocab_size=args.draft_vocab_size,
-        mask_token_id=args.mask_token_id,
-        reuse_special_token_as_mask=args.reuse_special_token_as_mask,
-        ratio=args.ratio,
-        ratio_min=args.ratio_min,
-        max_anchors=args.max_anchors,
-        segments=args.segments,
-        memory_budget_mb=args.memory_budget_mb,
-        loss=args.loss,
-        depth_weights=_floats(args.depth_weights) if args.depth_weights else None,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        min_lr_ratio=args.min_lr_ratio,
-        warmup_steps=args.warmup_steps,
-        weight_decay=args.weight_decay,
-        grad_clip=args.grad_clip,
-        seed=args.seed,
-        attention=args.attention,
-        save_every=args.save_every,
-        log_every=args.log_every,
-        resume=args.resume,
-        tensorboard=args.tensorboard,
-        save_grads_step=args.save_grads_step,
-        progress=not args.quiet,
-    )
-    records = train(train_args)
-    if records and int(__import__("os").environ.get("RANK", "0")) == 0:
+    records = train(TrainArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainArgs)}))
+    if records and int(os.environ.get("RANK", "0")) == 0:
         last = records[-1]
         print(f"step {last['step']}: loss {last['loss']:.4f}, depth-0 accuracy {last['acc_0']:.3f}")
         print(f"checkpoint: {args.out}/final")
@@ -164,7 +201,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     result = evaluate(model, args.data, rows, args.depths, autoregressive=args.autoregressive)
     print(format_table(result))
     if args.json:
-        from peagle.model.checkpoint import atomic_write_json
+        from peagle.io import atomic_write_json
 
         atomic_write_json(args.json, result)
     else:
@@ -174,7 +211,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Print the `vllm serve` command that serves a drafter beside its target, then run it (unless --dry-run)."""
-    import os
     import subprocess
 
     from peagle.vllm.serve import format_command, serve_command
@@ -257,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     ext.add_argument(
         "--backend",
         default="hf",
-        choices=["hf", "vllm"],
+        choices=list(EXTRACTION_BACKENDS),
         help="hf: transformers in this process; vllm: vLLM's hidden-state extraction (default hf)",
     )
     ext.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -269,70 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=cmd_train.__doc__ + " Run it under "
         "torchrun for data parallel training (gloo on CPU, NCCL on GPUs).",
     )
-    tr.add_argument("--data", required=True, help="an extract output directory")
-    tr.add_argument("--out", required=True, help="output directory: checkpoints, metrics.jsonl, final/")
-    tr.add_argument("--layers", type=int, default=4, help="drafter decoder layers (default 4)")
-    tr.add_argument("--depths", type=int, default=8, help="parallel depths K (default 8; 1 = EAGLE-3)")
-    tr.add_argument("--heads", type=int, default=None, help="attention heads (default: the target's)")
-    tr.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: the target's)")
-    tr.add_argument("--head-dim", type=int, default=None, help="head dim (default: the target's)")
-    tr.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default: the target's)")
-    tr.add_argument("--layer-style", choices=["llama", "qwen3"], default=None, help="default: from the target")
-    tr.add_argument("--fc-norm", action="store_true", help="EAGLE-3.1: RMSNorm each aux hidden state before fc")
-    tr.add_argument("--norm-before-fc", action="store_true", help="one RMSNorm over the concatenated aux states")
-    tr.add_argument("--norm-output", action="store_true", help="EAGLE-3.1 norm_output flag (recorded for serving)")
-    tr.add_argument(
-        "--draft-vocab-size",
-        type=int,
-        default=None,
-        help="draft vocabulary (most frequent trained tokens; d2t/t2d); default: the full target vocabulary",
-    )
-    tr.add_argument(
-        "--mask-token-id",
-        type=int,
-        default=None,
-        help="mask token id (default: the tokenizer's mask token, else a new token in an unused embedding slot)",
-    )
-    tr.add_argument(
-        "--reuse-special-token-as-mask",
-        action="store_true",
-        help="if no mask token and no free "
-        "embedding slot exist, reuse pad/eos/unk as the mask token. RISK: training then changes that real "
-        "token's embedding row, so the drafter's view of that token (e.g. end of sequence) drifts",
-    )
-    tr.add_argument("--ratio", type=float, default=0.7, help="COD keep ratio per depth (default 0.7)")
-    tr.add_argument("--ratio-min", type=float, default=0.2, help="floor of the COD keep ratio (default 0.2)")
-    tr.add_argument("--max-anchors", type=int, default=None, help="cap on COD seed chains per row")
-    tr.add_argument("--segments", type=int, default=1, help="sequence partitioning: segments S per row (default 1)")
-    tr.add_argument("--memory-budget-mb", type=float, default=None, help="choose S per row from this budget")
-    tr.add_argument(
-        "--loss",
-        choices=["kl", "ce"],
-        default="kl",
-        help="KL to the target distribution or CE to its argmax (default kl)",
-    )
-    tr.add_argument("--depth-weights", default=None, help="per-depth loss weights, e.g. 1,0.9,0.8 (default all 1)")
-    tr.add_argument("--steps", type=int, default=1000, help="optimizer steps (default 1000)")
-    tr.add_argument("--batch-size", type=int, default=1, help="rows per step, all processes together (default 1)")
-    tr.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4)")
-    tr.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor as a fraction of --lr")
-    tr.add_argument("--warmup-steps", type=int, default=10, help="linear warmup steps (default 10)")
-    tr.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
-    tr.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clip, 0 = off (default 1)")
-    tr.add_argument("--seed", type=int, default=0, help="seed of init, data order and COD sampling")
-    tr.add_argument(
-        "--attention",
-        choices=["sdpa", "sdpa-full", "flex"],
-        default=None,
-        help="sdpa: dense mask per "
-        "document; sdpa-full: one N x N mask; flex: BlockMask (default: flex on GPU, sdpa on CPU)",
-    )
-    tr.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (default: only at the end)")
-    tr.add_argument("--log-every", type=int, default=1, help="metrics.jsonl record every N steps")
-    tr.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
-    tr.add_argument("--tensorboard", action="store_true", help="also log to TensorBoard (needs tensorboard)")
-    tr.add_argument("--save-grads-step", type=int, default=None, help=argparse.SUPPRESS)
-    tr.add_argument("--quiet", action="store_true", help="no progress bar")
+    from peagle.train.trainer import TrainArgs
+
+    add_dataclass_options(tr, TrainArgs)
     tr.set_defaults(func=cmd_train)
 
     ev = commands.add_parser("eval", help=cmd_eval.__doc__, description=cmd_eval.__doc__)

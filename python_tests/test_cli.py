@@ -2,7 +2,7 @@
 
 import pytest
 
-from peagle.cli import main
+from peagle.cli import build_parser, main
 
 
 def test_example_command_runs_and_checks_against_the_reference(capsys):
@@ -44,3 +44,77 @@ def test_serve_prints_the_vllm_command_for_a_drafter(tmp_path, capsys):
     assert exc.value.code == 2
     with pytest.raises(SystemExit):
         main(["serve", "--drafter", str(tmp_path / "missing"), "--dry-run"])
+
+
+# The options of `peagle train` before they were generated from TrainArgs: none may go missing or change its name.
+TRAIN_FLAGS = """
+--data --out --layers --depths --heads --kv-heads --head-dim --intermediate-size --layer-style
+--fc-norm --norm-before-fc --norm-output --draft-vocab-size --mask-token-id
+--reuse-special-token-as-mask --ratio --ratio-min --max-anchors --segments --memory-budget-mb --loss
+--depth-weights --steps --batch-size --lr --min-lr-ratio --warmup-steps --weight-decay --grad-clip
+--seed --attention --save-every --log-every --resume --tensorboard --save-grads-step --quiet""".split()
+
+
+def _train_parser():
+    import argparse
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return commands.choices["train"]
+
+
+def test_train_options_are_the_trainargs_fields():
+    import dataclasses
+
+    from peagle.train.trainer import TrainArgs
+
+    actions = [a for a in _train_parser()._actions if a.option_strings != ["-h", "--help"]]
+    assert [a.option_strings[0] for a in actions] == TRAIN_FLAGS
+    assert [a.dest for a in actions] == [f.name for f in dataclasses.fields(TrainArgs)]
+    # Defaults: the dataclass's, once (no argparse default differs from the field's).
+    defaults = TrainArgs(data="d", out="o")
+    for action in actions[2:]:
+        assert action.default == getattr(defaults, action.dest), action.dest
+    assert {a.dest: a.choices for a in actions if a.choices} == {
+        "layer_style": ("llama", "qwen3"),
+        "loss": ("kl", "ce"),
+        "attention": ("sdpa", "sdpa-full", "flex"),
+    }
+    help_text = _train_parser().format_help()
+    assert "--save-grads-step" not in help_text and "drafter decoder layers (default 4)" in help_text
+
+
+def test_train_command_line_becomes_trainargs():
+    from peagle.train.trainer import TrainArgs
+
+    argv = ["train", "--data", "ext", "--out", "run", "--layers", "2", "--depths", "5", "--heads", "4", "--kv-heads",
+            "2", "--layer-style", "qwen3", "--fc-norm", "--depth-weights", "1,0.5,0.25,0.5,1", "--steps", "7", "--lr",
+            "1e-3", "--attention", "sdpa-full", "--resume", "--quiet", "--save-grads-step", "3"]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    fields = {k: v for k, v in vars(args).items() if k not in ("command", "func")}
+    assert TrainArgs(**fields) == TrainArgs(
+        data="ext", out="run", num_layers=2, num_depths=5, num_heads=4, num_kv_heads=2, layer_style="qwen3",
+        fc_norm=True, depth_weights=[1.0, 0.5, 0.25, 0.5, 1.0], steps=7, lr=1e-3, attention="sdpa-full", resume=True,
+        progress=False, save_grads_step=3,
+    )  # fmt: skip
+    plain = build_parser().parse_args(["train", "--data", "ext", "--out", "run"])
+    fields = {k: v for k, v in vars(plain).items() if k not in ("command", "func")}
+    assert TrainArgs(**fields) == TrainArgs("ext", "run")
+    for bad in (["--loss", "mse"], ["--layers", "two"], []):
+        with pytest.raises(SystemExit) as exc:
+            main(["train", "--data", "ext", *bad] + (["--out", "run"] if bad else []))
+        assert exc.value.code == 2
+
+
+def test_example_row_is_a_packed_row():
+    import torch
+
+    from peagle.cli import _example_row
+
+    for length in (2, 37, 600):
+        loss_mask, document_ids = _example_row(torch.Generator().manual_seed(length), length)
+        assert loss_mask.shape == document_ids.shape == (length,) and loss_mask.dtype == torch.bool
+        used = int((document_ids >= 0).sum())
+        assert used >= length - length // 10 and (document_ids[used:] == -1).all()  # one padding tail
+        steps = document_ids[1:used] - document_ids[: used - 1]
+        assert document_ids[0] == 0 and ((steps == 0) | (steps == 1)).all()  # documents in order, contiguous
+        assert not loss_mask[used:].any()

@@ -13,7 +13,7 @@ from scipy import stats
 import peagle
 from peagle.ops import cod_gather, cod_gather_reference, cod_sample, cod_sample_reference
 from peagle.ops.cod import _depth_count
-from peagle.testing import fresh_seed, random_packed_row
+from testkit import fresh_seed, random_packed_row
 
 SAMPLE_CONFIGS = [
     # num_depths, ratio, ratio_min, max_anchors

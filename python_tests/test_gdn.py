@@ -18,7 +18,7 @@ from peagle.ops import (
     gdn_tree_verify_reference,
 )
 from peagle.ops.gdn import tree_path
-from peagle.testing import random_gdn_inputs, random_tree
+from testkit import random_gdn_inputs, random_tree
 
 KINDS = ["chain", "star", "deep", "random", "forest"]
 HEADS = [(1, 1, 16, 8), (2, 4, 16, 24), (2, 2, 32, 16), (1, 3, 8, 33)]  # H, HV, K, V

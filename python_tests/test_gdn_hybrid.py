@@ -8,7 +8,7 @@ import torch
 
 from peagle.decode import HybridTreeCache, hybrid_prefill, hybrid_tree_commit, hybrid_tree_forward
 from peagle.ops.gdn import tree_path
-from peagle.testing import fresh_seed, random_tree
+from testkit import fresh_seed, random_tree
 
 transformers = pytest.importorskip("transformers")
 

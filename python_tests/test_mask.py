@@ -21,7 +21,7 @@ from peagle.ops import (
     mask_dense_reference,
 )
 from peagle.ops.mask import EMPTY, FULL, PARTIAL
-from peagle.testing import random_packed_row
+from testkit import random_packed_row
 
 # T, num_depths, ratio, ratio_min, mean document length, window, block size
 CASES = [

@@ -9,7 +9,7 @@ import torch
 
 from peagle.model import DrafterConfig, PEagleDrafter, from_pretrained, save_pretrained
 from peagle.ops import cod_sample
-from peagle.testing import random_packed_row
+from testkit import random_packed_row
 
 VOCAB = 97
 
@@ -286,3 +286,30 @@ def test_checkpoint_weight_names_are_the_servable_layout(generator, tmp_path):
 def test_missing_checkpoint_files_are_clear(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"config\.json"):
         from_pretrained(tmp_path)
+
+
+def test_config_from_extracted_data_manifest():
+    manifest = {
+        **{"kind": "peagle-extracted", "target": "/models/qwen", "hidden_size": 256, "vocab_size": 1000},
+        **{"aux_layer_ids": [1, 4, 7], "target_model_type": "qwen3_moe", "target_rms_norm_eps": 1e-5},
+        **{"target_num_heads": 8, "target_num_kv_heads": 2, "target_head_dim": 32, "target_intermediate_size": 640},
+        "target_architectures": ["Qwen3MoeForCausalLM"],
+    }
+    cfg = DrafterConfig.from_manifest(manifest, num_layers=2, num_depths=6, mask_token_id=999)
+    assert cfg == DrafterConfig(
+        hidden_size=256, vocab_size=1000, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=32,
+        intermediate_size=640, layer_style="qwen3", rms_norm_eps=1e-5, aux_layer_ids=[1, 4, 7], mask_token_id=999,
+        num_depths=6, verifier_name_or_path="/models/qwen", verifier_architectures=["Qwen3MoeForCausalLM"],
+    )  # fmt: skip
+    # Choices override the target's shape; a Llama-like target without optional fields gets the defaults.
+    plain = {k: v for k, v in manifest.items() if k not in ("target_architectures", "target_rms_norm_eps")}
+    shape = dict(num_heads=4, num_kv_heads=4, head_dim=16, intermediate_size=128)
+    cfg = DrafterConfig.from_manifest(
+        {**plain, "target_model_type": "mistral"}, **shape, draft_vocab_size=300, fc_norm=True
+    )
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size) == (4, 4, 16, 128)
+    assert (cfg.layer_style, cfg.rms_norm_eps, cfg.verifier_architectures) == ("llama", 1e-6, [])
+    assert cfg.draft_vocab_size == 300 and cfg.fc_norm and cfg.mask_token_id == 0
+    assert DrafterConfig.from_manifest(manifest, layer_style="llama").layer_style == "llama"
+    with pytest.raises(ValueError, match=r"extracted-data manifest .* got 'peagle-prepared'"):
+        DrafterConfig.from_manifest({**manifest, "kind": "peagle-prepared"})

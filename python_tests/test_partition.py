@@ -9,9 +9,9 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 from peagle.ops import cod_gather, cod_sample, mask_dense
-from peagle.testing import random_packed_row
 from peagle.train import partition_elements, segment_boundaries, segment_masks
 from peagle.train.stack import DrafterLikeStack
+from testkit import random_packed_row
 
 HIDDEN, FEATURES, VOCAB, HEADS = 32, 24, 50, 4
 

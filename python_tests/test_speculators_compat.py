@@ -9,11 +9,9 @@ import pytest
 import torch
 
 from peagle.model import DrafterConfig, PEagleDrafter, from_pretrained, save_pretrained
-from peagle.testing import import_speculators_peagle
 
 # speculators 0.9.0 is installed --no-deps by the test environment (requirements/peers.txt): a failure to import it
-# is a broken environment, not a reason to skip the compatibility tests.
-SPEC = import_speculators_peagle()
+# is a broken environment, not a reason to skip the compatibility tests (the conftest fixture errors, never skips).
 
 
 CONFIGS = [
@@ -33,12 +31,12 @@ def config(**changes) -> DrafterConfig:
 
 
 @pytest.mark.parametrize("changes", CONFIGS)
-def test_speculators_config_class_parses_ours(tmp_path, changes):
+def test_speculators_config_class_parses_ours(tmp_path, changes, speculators_peagle):
     ours = config(**changes)
     model = PEagleDrafter(ours)
     save_pretrained(model, tmp_path)
     written = json.loads((tmp_path / "config.json").read_text())
-    parsed = SPEC.PEagleSpeculatorConfig.model_validate(written)
+    parsed = speculators_peagle.PEagleSpeculatorConfig.model_validate(written)
     assert parsed.speculators_model_type == "peagle"
     assert parsed.mask_token_id == ours.mask_token_id
     assert parsed.draft_vocab_size == ours.draft_vocab_size
@@ -57,11 +55,11 @@ def test_speculators_config_class_parses_ours(tmp_path, changes):
 
 
 @pytest.mark.parametrize("changes", CONFIGS)
-def test_speculators_written_checkpoint_loads(tmp_path, changes):
+def test_speculators_written_checkpoint_loads(tmp_path, changes, speculators_peagle):
     ours = config(**changes)
     layer_config = ours.to_speculators_dict()
     layer_config["transformer_layer_config"]["attn_implementation"] = "sdpa"
-    theirs = SPEC.PEagleDraftModel(SPEC.PEagleSpeculatorConfig.model_validate(layer_config))
+    theirs = speculators_peagle.PEagleDraftModel(speculators_peagle.PEagleSpeculatorConfig.model_validate(layer_config))
     torch.manual_seed(0)
     with torch.no_grad():
         for tensor in theirs.state_dict().values():

@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 from peagle.cli import main
-from peagle.testing import tiny_chat_jsonl, tiny_llama, tiny_tokenizer
 from peagle.train.data import MASK_TOKEN, MaskTokenError, load_tokenizer, resolve_mask_token, tokenize_record
 from peagle.train.dataset import ExtractedData
 from peagle.train.trainer import TrainArgs, Trainer
+from testkit import tiny_chat_jsonl, tiny_llama, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ_LEN = 128
@@ -272,6 +272,69 @@ def test_extract_matches_the_target_and_resumes(work, tmp_path):
         assert torch.equal(again[key], original[key]), key
 
 
+class TokenStates:
+    """An extraction backend whose states are the token ids (aux) and their negatives (final), recording its calls."""
+
+    calls: list[int]
+
+    def __init__(self, target) -> None:
+        self.width = 3 * target.config.hidden_size, target.config.hidden_size
+        self.vocab = target.config.vocab_size
+
+    def states(self, documents):
+        TokenStates.calls.append(len(documents))
+        return [(d.float()[:, None].expand(-1, self.width[0]), -d.float()[:, None].expand(-1, self.width[1]))
+                for d in documents]  # fmt: skip
+
+    def target_head(self):
+        return {
+            "lm_head.weight": torch.ones(self.vocab, self.width[1]),
+            "embed_tokens.weight": torch.zeros(self.vocab, 2),
+        }
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("batch_shards", [False, True])
+def test_extract_runs_the_registered_backend(work, tmp_path, monkeypatch, batch_shards):
+    from peagle.train import extract as extraction
+
+    monkeypatch.setattr(extraction, "_BACKENDS", dict(extraction._BACKENDS))  # registrations end with the test
+    monkeypatch.setattr(TokenStates, "calls", [], raising=False)
+    extraction.register_extraction_backend("tokens", TokenStates, batch_shards=batch_shards)
+    assert {"hf", "tokens"} <= set(extraction.extraction_backends())
+    manifest = extraction.extract(work / "prep-held", work / "target", tmp_path, [1, 2, 4], "float32", 3,
+                                  progress=False, backend="tokens")  # fmt: skip
+    assert manifest["backend"] == "tokens" and manifest["complete"]
+    rows = sum(shard["rows"] for shard in manifest["shards"])
+    assert rows > len(manifest["shards"]) > 1
+    # One states() call per row, or per shard of 3 rows with batch_shards; every document of a row goes in one call.
+    assert len(TokenStates.calls) == (len(manifest["shards"]) if batch_shards else rows)
+    data = ExtractedData(tmp_path)
+    for i in range(len(data)):
+        raw = data.raw(i)
+        ids, docs = raw["input_ids"].float(), raw["document_ids"]
+        expected = torch.where(docs >= 0, ids, torch.zeros_like(ids))
+        assert torch.equal(raw["aux_hidden"], expected[:, None].expand(-1, 3 * 128))
+        assert torch.equal(raw["final_hidden"], -expected[:, None].expand(-1, 128))
+    head = load_file(tmp_path / "target_head.safetensors")["lm_head.weight"]
+    assert torch.equal(head, torch.ones(manifest["vocab_size"], 128))
+
+
+def test_unknown_or_unregistered_extraction_backend_is_named(work, tmp_path, monkeypatch):
+    from peagle.train import extract as extraction
+
+    monkeypatch.setattr(extraction, "_BACKENDS", {k: v for k, v in extraction._BACKENDS.items() if k != "vllm"})
+    args = (work / "prep-held", work / "target", tmp_path / "x")
+    with pytest.raises(ValueError, match=r"backend \(--backend\) must be one of \['hf'\], got 'onnx'$"):
+        extraction.extract(*args, backend="onnx")
+    # vllm before peagle.vllm.extract registered it: say how it gets registered and which extra it needs.
+    with pytest.raises(ValueError, match=r"got 'vllm'; .*peagle\.vllm\.extract .*pip install 'peagle\[vllm\]'"):
+        extraction.extract(*args, backend="vllm")
+    assert not (tmp_path / "x").exists()
+
+
 def test_cli_errors_are_clear(work, tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         main(["prepare-data", "--input", str(tmp_path / "nope.jsonl"), "--tokenizer", str(work / "target"),
@@ -431,9 +494,9 @@ def test_train_row_equals_the_plain_loss_over_all_elements():
     weighted-mean KL over every COD element with one dense N x N mask, in loss and in every gradient (float64)."""
     from peagle.model import DrafterConfig, PEagleDrafter
     from peagle.ops import cod_sample
-    from peagle.testing import random_packed_row
     from peagle.train.dataset import TrainRow
     from peagle.train.trainer import element_loss, train_row
+    from testkit import random_packed_row
 
     gen = torch.Generator().manual_seed(5)
     cfg = DrafterConfig(hidden_size=32, vocab_size=40, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,

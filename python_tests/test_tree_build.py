@@ -22,7 +22,7 @@ from peagle.ops import (
     tree_verify_greedy,
 )
 from peagle.ops.gdn import tree_path
-from peagle.testing import fresh_seed, random_tree, random_tree_batch
+from testkit import fresh_seed, random_tree, random_tree_batch
 
 
 def assert_specs_equal(a, e):

@@ -17,7 +17,7 @@ from peagle.ops import (
     tree_verify_greedy,
     tree_verify_greedy_reference,
 )
-from peagle.testing import fresh_seed, random_tree_batch
+from testkit import fresh_seed, random_tree_batch
 
 
 def assert_outputs_equal(actual, expected):

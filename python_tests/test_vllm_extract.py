@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from peagle.cli import main
-from peagle.testing import fresh_seed, tiny_chat_jsonl, tiny_llama, tiny_tokenizer
+from testkit import fresh_seed, tiny_chat_jsonl, tiny_llama, tiny_tokenizer
 
 SEQ_LEN = 128
 RELATIVE_TOLERANCE = 1e-5

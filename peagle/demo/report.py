@@ -7,6 +7,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from peagle.io import atomic_write_bytes, atomic_write_json
+
 __all__ = ["served_acceptance", "write_report"]
 
 
@@ -90,8 +92,6 @@ def write_report(
     load: dict[str, Any] | None = None,
     when_run: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    from peagle.model.checkpoint import atomic_write_bytes, atomic_write_json
-
     out.mkdir(parents=True, exist_ok=True)
     k = spec.depths
     table = []

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from peagle.io import atomic_write_json
+
 __all__ = ["TargetSpec", "build_corpus", "build_tokenizer", "settings_key", "train_target"]
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "<mask>"]
@@ -79,8 +81,6 @@ def _done(directory: Path) -> dict[str, Any] | None:
 
 
 def _mark_done(directory: Path, info: dict[str, Any]) -> None:
-    from peagle.model.checkpoint import atomic_write_json
-
     atomic_write_json(directory / "done.json", info)
 
 

@@ -1,59 +1,26 @@
 """Checkpoints in the speculators format: ``config.json`` + ``model.safetensors`` (vLLM serves the directory as is).
 
-Every file is written to a temporary name in the same directory and renamed into place, so a crash never leaves a
-half-written checkpoint that looks complete.
+Every file is written atomically (:mod:`peagle.io`), so a crash never leaves a half-written checkpoint that looks
+complete.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from peagle.io import atomic_save_tensors, atomic_write_json
 from peagle.model.config import DrafterConfig
 from peagle.model.drafter import PEagleDrafter
 
-__all__ = ["atomic_write_bytes", "atomic_write_json", "from_pretrained", "load_state_dict", "save_pretrained"]
+__all__ = ["from_pretrained", "load_state_dict", "save_pretrained"]
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
-
-
-def _atomic_replace(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    _atomic_replace(Path(path), lambda tmp: Path(tmp).write_bytes(data))
-
-
-def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
-
-
-def atomic_save_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata=None) -> None:
-    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    _atomic_replace(Path(path), lambda tmp: save_file(tensors, tmp, metadata=metadata))
-
-
-def atomic_torch_save(path: str | os.PathLike, obj: Any) -> None:
-    _atomic_replace(Path(path), lambda tmp: torch.save(obj, tmp))
 
 
 def save_pretrained(model: PEagleDrafter, directory: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:

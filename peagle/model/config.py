@@ -184,5 +184,41 @@ class DrafterConfig:
             tie_word_embeddings=layer.get("tie_word_embeddings", False),
         )
 
+    @classmethod
+    def from_manifest(
+        cls,
+        manifest: dict[str, Any],
+        *,
+        num_heads: int | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        intermediate_size: int | None = None,
+        layer_style: Literal["llama", "qwen3"] | None = None,
+        **options: Any,
+    ) -> DrafterConfig:
+        """A drafter for the target that an extracted-data manifest (``peagle extract``'s ``manifest.json``)
+        describes: width, vocabulary, aux layers, norm epsilon and verifier come from the target; the attention shape,
+        MLP width and layer style default to the target's; ``options`` are further fields (``num_layers``,
+        ``num_depths``, ``mask_token_id``, ...)."""
+        if manifest.get("kind") != "peagle-extracted":
+            raise ValueError(
+                f"manifest must be an extracted-data manifest (kind 'peagle-extracted'), got {manifest.get('kind')!r}"
+            )
+        model_type = str(manifest["target_model_type"])
+        return cls(
+            hidden_size=manifest["hidden_size"],
+            vocab_size=manifest["vocab_size"],
+            num_heads=num_heads or manifest["target_num_heads"],
+            num_kv_heads=num_kv_heads or manifest["target_num_kv_heads"],
+            head_dim=head_dim or manifest["target_head_dim"],
+            intermediate_size=intermediate_size or manifest["target_intermediate_size"],
+            layer_style=layer_style or ("qwen3" if model_type.startswith("qwen3") else "llama"),
+            rms_norm_eps=manifest.get("target_rms_norm_eps", 1e-6),
+            aux_layer_ids=manifest["aux_layer_ids"],
+            verifier_name_or_path=manifest["target"],
+            verifier_architectures=manifest.get("target_architectures") or [],
+            **options,
+        )
+
     def replace(self, **changes: Any) -> DrafterConfig:
         return dataclasses.replace(self, **changes)

@@ -23,12 +23,13 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from peagle.model.checkpoint import atomic_save_tensors, atomic_write_json
+from peagle.io import atomic_save_tensors, atomic_write_json
 
 __all__ = [
     "MASK_TOKEN",
     "Document",
     "MaskTokenError",
+    "chat_messages",
     "load_tokenizer",
     "pack_documents",
     "prepare_data",
@@ -78,7 +79,9 @@ def read_records(source: str) -> Iterator[dict[str, Any]]:
                     raise ValueError(f"{source}:{number}: not a JSON object: {err}") from err
 
 
-def _messages(record: dict[str, Any]) -> list[dict[str, str]] | None:
+def chat_messages(record: dict[str, Any]) -> list[dict[str, str]] | None:
+    """The turns of a chat record (``messages``, or ShareGPT ``conversations``) as role/content dicts; None for a
+    record that is not a chat."""
     for key in ("messages", "conversations", "conversation"):
         if key in record:
             turns = record[key]
@@ -113,7 +116,7 @@ def tokenize_record(tokenizer, record: dict[str, Any]) -> Document:
         prompt = _token_ids(record, "prompt_ids", len(tokenizer))
         completion = _token_ids(record, "completion_ids", len(tokenizer))
         return Document(prompt + completion, [False] * len(prompt) + [True] * len(completion))
-    messages = _messages(record)
+    messages = chat_messages(record)
     if messages is None:
         if "text" not in record:
             raise ValueError(

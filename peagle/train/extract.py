@@ -7,29 +7,38 @@ target distribution at any position is ``lm_head(final_hidden)``: H numbers a po
 Each document of a packed row runs separately (no attention across documents). Shards are written atomically and
 recorded in the manifest as they finish, so an interrupted run resumes after the last finished shard.
 
-Backends: ``hf`` runs the transformers model in this process; ``vllm`` runs the target in vLLM
-(:mod:`peagle.vllm.extract`) and gives the same states within float tolerance.
+Backends come from a registry (:func:`register_extraction_backend`): ``hf`` (here) runs the transformers model in this
+process; ``vllm`` runs the target in vLLM and gives the same states within float tolerance. The vLLM backend registers
+itself when :mod:`peagle.vllm.extract` is imported (it needs the ``vllm`` extra), so import that module before
+``extract(..., backend="vllm")``; ``peagle extract --backend vllm`` does.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import load_file
 
-from peagle.model.checkpoint import atomic_save_tensors, atomic_write_json
+from peagle.io import atomic_save_tensors, atomic_write_json
 from peagle.model.config import default_aux_layer_ids
 from peagle.train.data import MANIFEST, iter_prepared_rows, read_manifest
 
-__all__ = ["BACKENDS", "extract", "load_target"]
+__all__ = [
+    "ExtractionBackend",
+    "ExtractionTarget",
+    "extract",
+    "extraction_backends",
+    "load_target",
+    "load_target_head",
+    "register_extraction_backend",
+]
 
-BACKENDS = ("hf", "vllm")
-# The vLLM backend computes the final hidden state as the RMSNorm of the last layer's residual stream, as these do.
-RMSNORM_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -59,14 +68,82 @@ def _document_runs(document_ids: torch.Tensor) -> list[tuple[int, int]]:
     return [(lo, hi) for lo, hi in itertools.pairwise(bounds) if int(docs[lo]) >= 0]
 
 
+@dataclass(frozen=True)
+class ExtractionTarget:
+    """What a backend is opened for: the target directory, its (text) config from ``transformers.AutoConfig``, the aux
+    layer ids to collect, the longest document (positions of a packed row) and the device asked for."""
+
+    path: Path
+    config: Any
+    layer_ids: list[int]
+    seq_len: int
+    device: str
+
+
+class ExtractionBackend(Protocol):
+    """An open target that gives per-document states (see :func:`register_extraction_backend`)."""
+
+    def states(self, documents: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per 1-D token tensor: (aux [n, len(layer_ids) * H] float32, final normalised hidden [n, H] float32)."""
+        ...
+
+    def target_head(self) -> dict[str, torch.Tensor]:
+        """The target's ``lm_head.weight`` and ``embed_tokens.weight``."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class _Registered:
+    open: Callable[[ExtractionTarget], ExtractionBackend]
+    batch_shards: bool
+    check_target: Callable[[Any], None] | None
+
+
+_BACKENDS: dict[str, _Registered] = {}
+
+
+def register_extraction_backend(
+    name: str,
+    factory: Callable[[ExtractionTarget], ExtractionBackend],
+    *,
+    batch_shards: bool = False,
+    check_target: Callable[[Any], None] | None = None,
+) -> None:
+    """Makes ``extract(..., backend=name)`` open targets with ``factory``.
+
+    ``batch_shards``: one ``states`` call gets every document of a shard (for engines that batch requests), instead of
+    one row's documents. ``check_target(config)`` raises ValueError for a target config the backend cannot extract;
+    it runs before anything is written."""
+    _BACKENDS[name] = _Registered(factory, batch_shards, check_target)
+
+
+def extraction_backends() -> list[str]:
+    """The names ``extract`` accepts now (``vllm`` after :mod:`peagle.vllm.extract` is imported)."""
+    return sorted(_BACKENDS)
+
+
+def _backend(name: str) -> _Registered:
+    if name in _BACKENDS:
+        return _BACKENDS[name]
+    hint = ""
+    if name == "vllm":
+        hint = (
+            "; the vLLM backend registers itself when peagle.vllm.extract is imported, which needs vLLM "
+            "(pip install 'peagle[vllm]')"
+        )
+    raise ValueError(f"backend (--backend) must be one of {extraction_backends()}, got {name!r}{hint}")
+
+
 class _HFStates:
     """Per-document states from the transformers model."""
 
-    def __init__(self, target_path: str | os.PathLike, layer_ids: list[int], device: str):
-        self.model = load_target(target_path, device=device)
-        self.layer_ids = layer_ids
+    def __init__(self, target: ExtractionTarget):
+        self.model = load_target(target.path, device=target.device)
+        self.layer_ids = target.layer_ids
         self.num_layers = _target_text_config(self.model).num_hidden_layers
-        self.device = device
+        self.device = target.device
 
     @torch.no_grad()
     def states(self, documents: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -91,8 +168,17 @@ class _HFStates:
                 hook.remove()
         return result
 
+    def target_head(self) -> dict[str, torch.Tensor]:
+        return {
+            "lm_head.weight": self.model.get_output_embeddings().weight,
+            "embed_tokens.weight": self.model.get_input_embeddings().weight,
+        }
+
     def close(self) -> None:
         pass
+
+
+register_extraction_backend("hf", _HFStates)
 
 
 def _rows_states(backend, rows: list[dict[str, torch.Tensor]], num_aux: int, hidden: int):
@@ -124,13 +210,13 @@ def extract(
 ) -> dict[str, Any]:
     """Runs step 2 (resuming an interrupted run in ``out_dir``) and returns the manifest.
 
-    ``backend``: "hf" (transformers, on ``device``) or "vllm" (vLLM on its own device; needs vLLM installed)."""
+    ``backend``: "hf" (transformers, on ``device``), "vllm" (vLLM on its own device; import
+    :mod:`peagle.vllm.extract` first) or another registered name (:func:`register_extraction_backend`)."""
     from transformers import AutoConfig
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    registered = _backend(backend)
     prepared = read_manifest(data_dir, "peagle-prepared")
     if not Path(target_path).exists():
         raise FileNotFoundError(f"target model directory {target_path} does not exist")
@@ -145,11 +231,8 @@ def extract(
         raise ValueError(
             f"the data's tokenizer has {prepared['vocab_size']} tokens but the target's vocabulary is {cfg.vocab_size}"
         )
-    if backend == "vllm" and cfg.model_type not in RMSNORM_MODEL_TYPES:
-        raise ValueError(
-            f"backend 'vllm' supports targets of model_type {list(RMSNORM_MODEL_TYPES)} (final RMSNorm), got "
-            f"{cfg.model_type!r}; use backend 'hf'"
-        )
+    if registered.check_target is not None:
+        registered.check_target(cfg)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     settings = {
@@ -169,16 +252,8 @@ def extract(
             return manifest
     if device == "cpu":
         torch.set_flush_denormal(True)  # tiny activations of random/small targets otherwise run ~10x slower
-    if backend == "vllm":
-        from peagle.vllm.extract import VllmStateExtractor, read_target_tensors
-
-        states_backend = VllmStateExtractor(
-            target_path, layer_ids, num_layers, getattr(cfg, "rms_norm_eps", 1e-6), prepared["seq_len"]
-        )
-        rows_per_call = rows_per_shard  # vLLM batches every document of a shard
-    else:
-        states_backend = _HFStates(target_path, layer_ids, device)
-        rows_per_call = 1
+    states_backend = registered.open(ExtractionTarget(Path(target_path), cfg, layer_ids, prepared["seq_len"], device))
+    rows_per_call = rows_per_shard if registered.batch_shards else 1
     try:
         if not manifest_path.exists():
             manifest = {
@@ -200,14 +275,7 @@ def extract(
                 "shards": [],
                 "complete": False,
             }
-            if backend == "vllm":
-                head = read_target_tensors(target_path, {n: n for n in ("lm_head.weight", "embed_tokens.weight")})
-            else:
-                model = states_backend.model
-                head = {
-                    "lm_head.weight": model.get_output_embeddings().weight,
-                    "embed_tokens.weight": model.get_input_embeddings().weight,
-                }
+            head = states_backend.target_head()
             atomic_save_tensors(out / "target_head.safetensors", {k: v.float() for k, v in head.items()})
             atomic_write_json(manifest_path, manifest)
         _extract_rows(states_backend, manifest, data_dir, out, rows_per_call, progress)

@@ -14,65 +14,88 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from peagle.model import DrafterConfig, PEagleDrafter, save_pretrained
-from peagle.model.checkpoint import atomic_torch_save, atomic_write_json, load_state_dict
+from peagle.io import atomic_torch_save, atomic_write_bytes, atomic_write_json
+from peagle.model import DrafterConfig, PEagleDrafter, load_state_dict, save_pretrained
 from peagle.ops import cod_sample
 from peagle.train.data import load_tokenizer, resolve_mask_token
 from peagle.train.dataset import ExtractedData, TrainRow
 from peagle.train.extract import load_target_head
 from peagle.train.partition import partition_elements
 
-__all__ = ["TrainArgs", "Trainer", "element_loss", "new_stats", "train", "train_row"]
+__all__ = ["TrainArgs", "Trainer", "element_loss", "new_stats", "option", "train", "train_row"]
+
+
+def option(default: Any = MISSING, help: str = "", *, flag: str | None = None, hidden: bool = False) -> Any:
+    """A :class:`TrainArgs` field whose metadata describes its ``peagle train`` option: the help text, the flag when it
+    is not ``--field-name`` (a bool field that defaults to True is switched off by its flag), and whether the option
+    is left out of ``--help``. The CLI builds the option from the field: name, type, choices, default and help."""
+    return field(default=default, metadata={"help": help, "flag": flag, "hidden": hidden})
 
 
 @dataclass
 class TrainArgs:
-    data: str
-    out: str
-    num_layers: int = 4
-    num_depths: int = 8
-    num_heads: int | None = None
-    num_kv_heads: int | None = None
-    head_dim: int | None = None
-    intermediate_size: int | None = None
-    layer_style: str | None = None
-    fc_norm: bool = False
-    norm_before_fc: bool = False
-    norm_output: bool = False
-    draft_vocab_size: int | None = None
-    mask_token_id: int | None = None
-    reuse_special_token_as_mask: bool = False
-    ratio: float = 0.7
-    ratio_min: float = 0.2
-    max_anchors: int | None = None
-    segments: int = 1
-    memory_budget_mb: float | None = None
-    loss: str = "kl"
-    depth_weights: list[float] | None = None
-    steps: int = 100
-    batch_size: int = 1
-    lr: float = 3e-4
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    seed: int = 0
-    attention: str | None = None
-    save_every: int = 0
-    log_every: int = 1
-    resume: bool = False
-    tensorboard: bool = False
-    save_grads_step: int | None = None
-    progress: bool = True
+    """Settings of one training run: the fields of ``peagle train`` (each field's metadata holds its option)."""
+
+    data: str = option(help="an extract output directory")
+    out: str = option(help="output directory: checkpoints, metrics.jsonl, final/")
+    num_layers: int = option(4, "drafter decoder layers", flag="--layers")
+    num_depths: int = option(8, "parallel depths K, 1 = EAGLE-3", flag="--depths")
+    num_heads: int | None = option(None, "attention heads (default: the target's)", flag="--heads")
+    num_kv_heads: int | None = option(None, "key/value heads (default: the target's)", flag="--kv-heads")
+    head_dim: int | None = option(None, "head dim (default: the target's)")
+    intermediate_size: int | None = option(None, "MLP width (default: the target's)")
+    layer_style: Literal["llama", "qwen3"] | None = option(None, "default: from the target")
+    fc_norm: bool = option(False, "EAGLE-3.1: RMSNorm each aux hidden state before fc")
+    norm_before_fc: bool = option(False, "one RMSNorm over the concatenated aux states")
+    norm_output: bool = option(False, "EAGLE-3.1 norm_output flag (recorded for serving)")
+    draft_vocab_size: int | None = option(
+        None, "draft vocabulary (most frequent trained tokens; d2t/t2d); default: the full target vocabulary"
+    )
+    mask_token_id: int | None = option(
+        None, "mask token id (default: the tokenizer's mask token, else a new token in an unused embedding slot)"
+    )
+    reuse_special_token_as_mask: bool = option(
+        False,
+        "if no mask token and no free embedding slot exist, reuse pad/eos/unk as the mask token. RISK: training then "
+        "changes that real token's embedding row, so the drafter's view of that token (e.g. end of sequence) drifts",
+    )
+    ratio: float = option(0.7, "COD keep ratio per depth")
+    ratio_min: float = option(0.2, "floor of the COD keep ratio")
+    max_anchors: int | None = option(None, "cap on COD seed chains per row")
+    segments: int = option(1, "sequence partitioning: segments S per row")
+    memory_budget_mb: float | None = option(None, "choose S per row from this budget")
+    loss: Literal["kl", "ce"] = option("kl", "KL to the target distribution or CE to its argmax")
+    depth_weights: list[float] | None = option(  # noqa: RUF009 (option() returns a field, not a shared list)
+        None, "per-depth loss weights, e.g. 1,0.9,0.8 (default all 1)"
+    )
+    steps: int = option(1000, "optimizer steps")
+    batch_size: int = option(1, "rows per step, all processes together")
+    lr: float = option(3e-4, "peak learning rate")
+    min_lr_ratio: float = option(0.1, "cosine floor as a fraction of --lr")
+    warmup_steps: int = option(10, "linear warmup steps")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    grad_clip: float = option(1.0, "gradient norm clip, 0 = off")
+    seed: int = option(0, "seed of init, data order and COD sampling")
+    attention: Literal["sdpa", "sdpa-full", "flex"] | None = option(
+        None,
+        "sdpa: dense mask per document; sdpa-full: one N x N mask; flex: BlockMask (default: flex on GPU, sdpa on CPU)",
+    )
+    save_every: int = option(0, "checkpoint every N steps, 0 = only at the end")
+    log_every: int = option(1, "metrics.jsonl record every N steps")
+    resume: bool = option(False, "continue from the latest checkpoint in --out")
+    tensorboard: bool = option(False, "also log to TensorBoard (needs tensorboard)")
+    # Tests: write the summed gradients of this step to OUT/grads-STEP.pt (partitioned == whole-row gradients).
+    save_grads_step: int | None = option(None, "write the gradients of this step", hidden=True)
+    progress: bool = option(True, "no progress bar", flag="--quiet")
 
 
 def element_loss(logits: Tensor, target_logits: Tensor, kind: str) -> Tensor:
@@ -249,26 +272,20 @@ class Trainer:
             self.tokenizer, manifest["vocab_size"], args.mask_token_id, args.reuse_special_token_as_mask
         )
         self.mask_how = how
-        style = args.layer_style or ("qwen3" if str(manifest["target_model_type"]).startswith("qwen3") else "llama")
-        self.config = DrafterConfig(
-            hidden_size=manifest["hidden_size"],
-            vocab_size=manifest["vocab_size"],
+        self.config = DrafterConfig.from_manifest(
+            manifest,
             num_layers=args.num_layers,
-            num_heads=args.num_heads or manifest["target_num_heads"],
-            num_kv_heads=args.num_kv_heads or manifest["target_num_kv_heads"],
-            head_dim=args.head_dim or manifest["target_head_dim"],
-            intermediate_size=args.intermediate_size or manifest["target_intermediate_size"],
-            layer_style=style,
-            rms_norm_eps=manifest.get("target_rms_norm_eps", 1e-6),
+            num_heads=args.num_heads,
+            num_kv_heads=args.num_kv_heads,
+            head_dim=args.head_dim,
+            intermediate_size=args.intermediate_size,
+            layer_style=args.layer_style,
             draft_vocab_size=args.draft_vocab_size,
-            aux_layer_ids=manifest["aux_layer_ids"],
             mask_token_id=mask_id,
             num_depths=args.num_depths,
             fc_norm=args.fc_norm,
             norm_before_fc=args.norm_before_fc,
             norm_output=args.norm_output,
-            verifier_name_or_path=manifest["target"],
-            verifier_architectures=manifest.get("target_architectures") or [],
         )
         weights = list(args.depth_weights or [1.0] * args.num_depths)
         if len(weights) != args.num_depths:
@@ -484,8 +501,6 @@ class Trainer:
 
 
 def atomic_write_json_lines(path: Path, lines: list[str]) -> None:
-    from peagle.model.checkpoint import atomic_write_bytes
-
     atomic_write_bytes(path, "".join(line + "\n" for line in lines).encode())
 
 

@@ -1,5 +1,7 @@
 """`peagle extract --backend vllm`: target hidden states through vLLM's hidden-state extraction.
 
+Importing this module registers the ``vllm`` backend of :func:`peagle.train.extract.extract`.
+
 vLLM 0.32 extracts hidden states with the ``extract_hidden_states`` speculative method: the target runs as when it
 verifies EAGLE-3 drafts, its auxiliary layer outputs are written into a cache-only attention layer, and a KV connector
 saves each finished request's rows to a safetensors file. vLLM's ExampleHiddenStatesConnector copies through CUDA
@@ -31,8 +33,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 
 from peagle.model.drafter import RMSNorm
+from peagle.train.extract import ExtractionTarget, register_extraction_backend
 
-__all__ = ["HostHiddenStatesConnector", "VllmStateExtractor", "read_target_tensors"]
+__all__ = ["RMSNORM_MODEL_TYPES", "HostHiddenStatesConnector", "VllmStateExtractor", "read_target_tensors"]
+
+# The final hidden state is computed as the RMSNorm of the last layer's residual stream, as these targets do.
+RMSNORM_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class _Done:
@@ -110,6 +116,7 @@ class VllmStateExtractor:
     ):
         from vllm import LLM
 
+        self.target_path = Path(target_path)
         self.layer_ids = list(layer_ids)
         self.num_layers = num_layers
         self.requested = sorted({*self.layer_ids, num_layers})
@@ -161,6 +168,29 @@ class VllmStateExtractor:
             result.append((aux, self.final_norm(by_layer[self.num_layers])))
         return result
 
+    def target_head(self) -> dict[str, torch.Tensor]:
+        """The target's LM head and input embeddings, read from its checkpoint files."""
+        return read_target_tensors(self.target_path, {n: n for n in ("lm_head.weight", "embed_tokens.weight")})
+
     def close(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()
         self._storage.cleanup()
+
+
+def _check_target(config: Any) -> None:
+    if config.model_type not in RMSNORM_MODEL_TYPES:
+        raise ValueError(
+            f"backend 'vllm' supports targets of model_type {list(RMSNORM_MODEL_TYPES)} (final RMSNorm), got "
+            f"{config.model_type!r}; use backend 'hf'"
+        )
+
+
+def _open(target: ExtractionTarget) -> VllmStateExtractor:
+    config = target.config
+    return VllmStateExtractor(
+        target.path, target.layer_ids, config.num_hidden_layers, getattr(config, "rms_norm_eps", 1e-6), target.seq_len
+    )
+
+
+# vLLM batches every document of a shard in one generate call.
+register_extraction_backend("vllm", _open, batch_shards=True, check_target=_check_target)

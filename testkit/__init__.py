@@ -1,4 +1,6 @@
-"""Random inputs shared by the CPU tests, the CUDA tests and the benchmarks."""
+"""Test support shared by python_tests/, cuda_tests/ and benchmarks/: fresh seeds, random inputs of every op family
+and tiny Hugging Face targets. Not part of the peagle package (the wheel ships only ``peagle*``); pytest finds it
+because the root conftest.py puts the repository root on ``sys.path``."""
 
 from __future__ import annotations
 
@@ -275,44 +277,3 @@ def tiny_chat_jsonl(path, num_records: int, num_words: int = 60, seed: int = 0) 
             answer = " ".join(f"w{(start + i) % num_words}" for i in range(length))
             messages = [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
             f.write(json.dumps({"messages": messages}) + "\n")
-
-
-def import_speculators_peagle():
-    """speculators 0.9.0's P-EAGLE config and model classes, imported without its package ``__init__`` (which pulls
-    in training-only dependencies such as openai). Returns a namespace with ``SpeculatorsConfig``,
-    ``PEagleSpeculatorConfig`` and ``PEagleDraftModel``; raises ImportError when speculators is not installed."""
-    import importlib
-    import importlib.util
-    import sys
-    import types
-
-    spec = importlib.util.find_spec("speculators")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("speculators is not installed")
-    root = spec.submodule_search_locations[0]
-    if "speculators" not in sys.modules or not hasattr(sys.modules["speculators"], "_peagle_stub"):
-        for name, path in [
-            ("speculators", root),
-            ("speculators.models", f"{root}/models"),
-            ("speculators.models.eagle3", f"{root}/models/eagle3"),
-            ("speculators.models.peagle", f"{root}/models/peagle"),
-        ]:
-            module = types.ModuleType(name)
-            module.__path__ = [path]
-            module._peagle_stub = True
-            sys.modules[name] = module
-        config = importlib.import_module("speculators.config")
-        sys.modules["speculators"].SpeculatorModelConfig = config.SpeculatorModelConfig
-        eagle3 = importlib.import_module("speculators.models.eagle3.config")
-        sys.modules["speculators.models.eagle3"].Eagle3SpeculatorConfig = eagle3.Eagle3SpeculatorConfig
-        peagle_config = importlib.import_module("speculators.models.peagle.config")
-        for cls in (config.SpeculatorsConfig, eagle3.Eagle3SpeculatorConfig, peagle_config.PEagleSpeculatorConfig):
-            cls.model_rebuild(_types_namespace={"torch": torch})
-    config = importlib.import_module("speculators.config")
-    peagle_config = importlib.import_module("speculators.models.peagle.config")
-    core = importlib.import_module("speculators.models.peagle.core")
-    return types.SimpleNamespace(
-        SpeculatorsConfig=config.SpeculatorsConfig,
-        PEagleSpeculatorConfig=peagle_config.PEagleSpeculatorConfig,
-        PEagleDraftModel=core.PEagleDraftModel,
-    )
