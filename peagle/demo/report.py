@@ -9,7 +9,7 @@ from typing import Any
 
 from peagle.io import atomic_write_bytes, atomic_write_json
 
-__all__ = ["served_acceptance", "write_report"]
+__all__ = ["acceptance_rows", "served_acceptance", "serving_rows", "write_report"]
 
 
 def served_acceptance(result: dict[str, Any], depths: int) -> dict[str, Any] | None:
@@ -77,32 +77,18 @@ def _plots(out: Path, table: list[dict[str, Any]], serving: list[dict[str, Any]]
     return files
 
 
-def write_report(
-    out: Path,
-    spec,
-    target_info: dict[str, Any],
-    offline: dict[str, dict[str, Any]],
-    served: dict[str, dict[str, Any]],
-    stages: dict[str, float],
-    cached: list[str],
-    total_seconds: float,
-    train_seconds: dict[str, float],
-    distill: dict[str, Any] | None = None,
-    heldout_completions: list[list[int]] | None = None,
-    load: dict[str, Any] | None = None,
-    when_run: dict[str, float] | None = None,
-) -> dict[str, Any]:
-    out.mkdir(parents=True, exist_ok=True)
-    k = spec.depths
+def acceptance_rows(offline: dict[str, dict[str, Any]], served: dict[str, dict[str, Any]], k: int) -> list[dict]:
+    """The acceptance table: per drafter, the offline rows (every position, serving walk) and vLLM's counters."""
     table = []
     for name in ("P-EAGLE", "EAGLE-3"):
         if name in offline:
             r = offline[name]
+            drafting = r.get("drafting", "parallel")
             table.append(
                 {
                     "drafter": name,
                     "measured": "offline",
-                    "drafting": r.get("drafting", "parallel"),
+                    "drafting": drafting,
                     "conditional_acceptance": r["conditional_acceptance"],
                     "acceptance_length": r["acceptance_length"],
                     "chains": r["chains"],
@@ -114,7 +100,7 @@ def write_report(
                     {
                         "drafter": name,
                         "measured": "offline (serving walk)",
-                        "drafting": r.get("drafting", "parallel"),
+                        "drafting": drafting,
                         "conditional_acceptance": walk["conditional_acceptance"],
                         "acceptance_length": walk["acceptance_length"],
                         "drafts": walk["drafts"],
@@ -124,6 +110,11 @@ def write_report(
             s = served_acceptance(served[name], k)
             if s is not None:
                 table.append({"drafter": name, "measured": "vLLM", **s})
+    return table
+
+
+def serving_rows(served: dict[str, dict[str, Any]], k: int) -> list[dict[str, Any]]:
+    """One row per served configuration: tokens/s, speedup over no speculation, lossless check, AL."""
     serving = []
     reference = served.get("no speculation")
     for name, r in served.items():
@@ -142,12 +133,20 @@ def write_report(
         acc = served_acceptance(r, k)
         entry["acceptance_length"] = acc["acceptance_length"] if acc else None
         serving.append(entry)
-    # The served text is the offline text when vLLM's greedy output (no speculation) equals the self-distilled
-    # continuation of the same held-out prompt (compared over the served length).
-    same_text = None
-    if reference is not None and heldout_completions:
-        outs = reference["outputs"]
-        same_text = sum(o == c[: len(o)] for o, c in zip(outs, heldout_completions, strict=False))
+    return serving
+
+
+def _served_equals_offline(reference: dict[str, Any] | None, heldout_completions: list[list[int]] | None) -> int | None:
+    """How many of vLLM's greedy outputs (no speculation) equal the self-distilled continuation of the same held-out
+    prompt (over the served length): when all do, the served text is the offline text."""
+    if reference is None or not heldout_completions:
+        return None
+    outs = reference["outputs"]
+    return sum(o == c[: len(o)] for o, c in zip(outs, heldout_completions, strict=False))
+
+
+def _al_agreement(table: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per drafter: vLLM's AL divided by each offline AL."""
     agreement = {}
     for name in ("P-EAGLE", "EAGLE-3"):
         rows = {row["measured"]: row for row in table if row["drafter"] == name}
@@ -157,11 +156,36 @@ def write_report(
                 for measured in ("offline", "offline (serving walk)")
                 if measured in rows
             }
+    return agreement
+
+
+def write_report(
+    out: Path,
+    spec,
+    target_info: dict[str, Any],
+    offline: dict[str, dict[str, Any]],
+    served: dict[str, dict[str, Any]],
+    stages: dict[str, float],
+    cached: list[str],
+    total_seconds: float,
+    train_seconds: dict[str, float],
+    distill: dict[str, Any] | None = None,
+    heldout_completions: list[list[int]] | None = None,
+    load: dict[str, Any] | None = None,
+    when_run: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """Writes report.json, report.md and the plots into ``out``; returns the report."""
+    out.mkdir(parents=True, exist_ok=True)
+    k = spec.depths
+    table = acceptance_rows(offline, served, k)
+    serving = serving_rows(served, k)
+    reference = served.get("no speculation")
+    same_text = _served_equals_offline(reference, heldout_completions)
     report = {
         "depths": k,
         "distill": distill,
         "served_equals_offline_text": f"{same_text}/{len(reference['outputs'])}" if same_text is not None else None,
-        "al_vllm_over_offline": agreement,
+        "al_vllm_over_offline": _al_agreement(table),
         "machine_load": load,
         "target": target_info,
         "settings": {key: v for key, v in asdict(spec).items() if key != "target"},
@@ -177,12 +201,21 @@ def write_report(
     }
     report["plots"] = _plots(out, table, serving, k)
     atomic_write_json(out / "report.json", report)
-
     lines = ["# peagle demo report", ""]
-    t = target_info
+    lines += _setup_lines(spec, target_info, distill)
+    lines += _acceptance_lines(spec, report, same_text, len(reference["outputs"]) if reference else None)
+    lines += _serving_lines(spec, serving, len(reference["outputs"]) if reference else None)
+    lines += _timing_lines(stages, cached, when_run, total_seconds, load)
+    lines += [""] + [f"![{p}]({p})" for p in report["plots"]] + [""]
+    atomic_write_bytes(out / "report.md", "\n".join(lines).encode())
+    return report
+
+
+def _setup_lines(spec, t: dict[str, Any], distill: dict[str, Any] | None) -> list[str]:
+    """The target, the text and the drafters' budgets."""
     if t["kind"] == "embedded default":
         c = t["config"]
-        lines += [
+        lines = [
             f"Target: the embedded default, a Llama-style model ({t['parameters'] / 1e6:.2f} M parameters: "
             f"{c['num_layers']} layers, hidden {c['hidden_size']}, head_dim {c['hidden_size'] // c['num_heads']}, "
             f"vocabulary {c['vocab_size']} byte-level BPE) trained {t['steps']} steps ({t['seconds']:.0f} s) on "
@@ -190,7 +223,7 @@ def write_report(
             f"on {t['corpus']['files']['heldout']} held-out files.",
         ]
     else:
-        lines += [f"Target: {t['path']}; data: {t['data']} (every 10th record held out)."]
+        lines = [f"Target: {t['path']}; data: {t['data']} (every 10th record held out)."]
     if distill is not None:
         lines += [
             "",
@@ -201,6 +234,7 @@ def write_report(
             f"{distill['seconds']:.0f} s). The drafters train on the training continuations (loss on the generated "
             "tokens only), since a served drafter drafts against the target's own output.",
         ]
+    k = spec.depths
     lines += [
         "",
         f"Drafters: P-EAGLE (K = {k} parallel depths) and an EAGLE-3 baseline (K = 1, drafting {k} tokens "
@@ -208,6 +242,15 @@ def write_report(
         f"T = {spec.seq_len}. The baseline is trained on its first draft only (`peagle train --depths 1`, no "
         "training-time-test unrolling), so from its second step on it reads its own hidden states, which it never saw "
         "in training: EAGLE-3 as published also trains those steps, and would accept more at Pos 2+.",
+    ]
+    return lines
+
+
+def _acceptance_lines(spec, report: dict[str, Any], same_text: int | None, prompts: int | None) -> list[str]:
+    """The per-position acceptance table, with what each row measured."""
+    k = spec.depths
+    distill = report["distill"]
+    lines = [
         "",
         "## Acceptance on the held-out split",
         "",
@@ -222,11 +265,11 @@ def write_report(
         "*offline (serving walk)*: only the chains a greedy server drafts on the same text (the next chain starts "
         "after the accepted drafts and the bonus token).",
         f"- vLLM: the speculative-decoding counters of greedy serving of "
-        f"{len(reference['outputs']) if reference else '?'} held-out prompts (the first of the offline records' "
+        f"{prompts if prompts is not None else '?'} held-out prompts (the first of the offline records' "
         f"prompts), {spec.max_tokens} tokens each"
         + (
             f"; vLLM's output without speculation equals the offline continuation for {same_text}/"
-            f"{len(reference['outputs'])} prompts, so both measure the same text."
+            f"{prompts} prompts, so both measure the same text."
             if same_text is not None
             else "."
         ),
@@ -234,11 +277,12 @@ def write_report(
         "| Drafter | Measured | " + " | ".join(f"Pos {p}" for p in range(1, k + 1)) + " | AL |",
         "|---|---|" + "---|" * k + "---|",
     ]
-    for row in table:
+    for row in report["acceptance"]:
         cells = _cells(row["conditional_acceptance"], k)
         lines.append(
             f"| {row['drafter']} | {row['measured']} | " + " | ".join(cells) + f" | {row['acceptance_length']:.3f} |"
         )
+    agreement = report["al_vllm_over_offline"]
     if agreement:
         parts = [
             f"{name} {' / '.join(f'{ratio:.2f} ({measured})' for measured, ratio in ratios.items())}"
@@ -250,32 +294,48 @@ def write_report(
             "its last verification ended (often a hard spot), so the every-position average can run higher; the "
             "serving walk drafts where the server drafts.",
         ]
-    if serving:
-        lines += [
-            "",
-            "## vLLM-CPU serving (greedy)",
-            "",
-            f"{len(reference['outputs']) if reference else '?'} held-out prompts, {spec.max_tokens} generated tokens "
-            "each, "
-            + ("one request at a time" if spec.concurrency == 1 else f"{spec.concurrency} requests decoded at once")
-            + " (vLLM's max_num_seqs), float32, enforce_eager; tokens/s of "
-            + (
-                f"the fastest of {spec.repeats} timed passes over the prompts (on a shared machine other processes "
-                "only ever slow a pass down)"
-                if spec.repeats > 1
-                else "one timed pass over the prompts"
-            )
-            + ", engine start-up not included.",
-            "",
-            "| Config | tokens/s | speedup | AL | lossless (output == no speculation) |",
-            "|---|---|---|---|---|",
-        ]
-        for s in serving:
-            speed = f"{s['speedup']:.2f}x" if s["speedup"] is not None else "-"
-            al = f"{s['acceptance_length']:.3f}" if s["acceptance_length"] else "-"
-            lossless = "reference" if "lossless" not in s else f"{s['lossless']} ({s['identical_outputs']})"
-            lines.append(f"| {s['config']} | {s['tokens_per_second']:.1f} | {speed} | {al} | {lossless} |")
-    lines += ["", "## Timings", ""]
+    return lines
+
+
+def _serving_lines(spec, serving: list[dict[str, Any]], prompts: int | None) -> list[str]:
+    """The vLLM-CPU throughput table."""
+    if not serving:
+        return []
+    lines = [
+        "",
+        "## vLLM-CPU serving (greedy)",
+        "",
+        f"{prompts if prompts is not None else '?'} held-out prompts, {spec.max_tokens} generated tokens each, "
+        + ("one request at a time" if spec.concurrency == 1 else f"{spec.concurrency} requests decoded at once")
+        + " (vLLM's max_num_seqs), float32, enforce_eager; tokens/s of "
+        + (
+            f"the fastest of {spec.repeats} timed passes over the prompts (on a shared machine other processes "
+            "only ever slow a pass down)"
+            if spec.repeats > 1
+            else "one timed pass over the prompts"
+        )
+        + ", engine start-up not included.",
+        "",
+        "| Config | tokens/s | speedup | AL | lossless (output == no speculation) |",
+        "|---|---|---|---|---|",
+    ]
+    for s in serving:
+        speed = f"{s['speedup']:.2f}x" if s["speedup"] is not None else "-"
+        al = f"{s['acceptance_length']:.3f}" if s["acceptance_length"] else "-"
+        lossless = "reference" if "lossless" not in s else f"{s['lossless']} ({s['identical_outputs']})"
+        lines.append(f"| {s['config']} | {s['tokens_per_second']:.1f} | {speed} | {al} | {lossless} |")
+    return lines
+
+
+def _timing_lines(
+    stages: dict[str, float],
+    cached: list[str],
+    when_run: dict[str, float] | None,
+    total_seconds: float,
+    load: dict[str, Any] | None,
+) -> list[str]:
+    """Stage times (cached stages with the time they took when they ran) and the machine's load."""
+    lines = ["", "## Timings", ""]
     if load is not None:
         start, end = load["loadavg_start"], load["loadavg_end"]
         lines += [
@@ -294,6 +354,4 @@ def write_report(
     lines.append(f"| total (this run) | {total_seconds:.1f} |")
     if cached and when_run and all(name in when_run for name in stages):
         lines.append(f"| stages when they ran | {sum(when_run[name] for name in stages):.1f} |")
-    lines += [""] + [f"![{p}]({p})" for p in report["plots"]] + [""]
-    atomic_write_bytes(out / "report.md", "\n".join(lines).encode())
-    return report
+    return lines
