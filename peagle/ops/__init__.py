@@ -19,6 +19,7 @@ from peagle.ops.gdn import (
     gdn_tree_verify,
     gdn_tree_verify_reference,
 )
+from peagle.ops.kv import kv_compact, kv_compact_reference
 from peagle.ops.mask import (
     BlockMaskBuilder,
     MaskBlocks,
@@ -72,6 +73,8 @@ __all__ = [
     "gdn_recurrence_reference",
     "gdn_tree_verify",
     "gdn_tree_verify_reference",
+    "kv_compact",
+    "kv_compact_reference",
     "make_mask_mod",
     "mask_block",
     "mask_block_reference",
