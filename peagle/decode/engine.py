@@ -51,10 +51,18 @@ class RequestStats:
 
     prompt_tokens: int
     new_tokens: int
-    rounds: int
-    emitted: int  # tokens the verifier emitted over the rounds (accepted drafts + one each), before truncation
-    reached: list[int]  # reached[d]: rounds whose accepted drafts reached position d + 1
     finish_reason: str  # "eos" or "length"
+    accepted: list[int]  # accepted drafts of each round (the verifier emitted one token more)
+    max_depth: int  # the deepest draft position of the configuration
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def emitted(self) -> int:
+        """Tokens the verifier emitted over the rounds, before truncation at EOS / max_new_tokens."""
+        return sum(self.accepted) + len(self.accepted)
 
     @property
     def acceptance_length(self) -> float:
@@ -63,7 +71,8 @@ class RequestStats:
 
     @property
     def conditional_acceptance(self) -> list[float]:
-        return _conditional(self.reached, self.rounds)
+        """P(draft position d accepted | positions < d accepted), d = 1 .. max_depth."""
+        return _conditional(self.accepted, self.max_depth)
 
 
 @dataclass
@@ -90,12 +99,10 @@ class GenerateOutput:
     metrics: GenerateMetrics
 
 
-def _conditional(reached: Sequence[int], drafts: int) -> list[float]:
-    rates, previous = [], float(drafts)
-    for value in reached:
-        rates.append(value / previous if previous else 0.0)
-        previous = float(value)
-    return rates
+def _conditional(accepted: Sequence[int], depth: int) -> list[float]:
+    counts = torch.bincount(torch.tensor(accepted, dtype=torch.long), minlength=depth + 1)[: depth + 1]
+    reached = counts.flip(0).cumsum(0).flip(0).tolist()  # reached[d]: rounds with >= d accepted drafts
+    return [reached[d] / reached[d - 1] if reached[d - 1] else 0.0 for d in range(1, depth + 1)]
 
 
 class SpeculativeDecoder:
@@ -286,9 +293,7 @@ class _Generation:
         batch = len(prompts)
         self.tokens: list[list[int]] = [[] for _ in range(batch)]
         self.finish = [""] * batch
-        self.rounds = [0] * batch
-        self.emitted = [0] * batch
-        self.reached = torch.zeros(batch, max(decoder.max_depth, 1), dtype=torch.long)
+        self.accepted: list[list[int]] = [[] for _ in range(batch)]
         self.times = dict(prefill=0.0, draft=0.0, verify=0.0, other=0.0)
         self.batched_rounds = 0
 
@@ -315,8 +320,7 @@ class _Generation:
         longest = max(len(p) for p in self.prompts)
         capacity = longest + self.max_new + max_nodes + 1
         runner.allocate(batch, capacity)
-        prompts = [torch.tensor(p, dtype=torch.long, device=self.device) for p in self.prompts]
-        last, aux = runner.prefill(prompts)
+        last, aux = runner.prefill(self.prompts)
         roots = torch.zeros(batch, dtype=torch.long, device=self.device)
         rows = torch.arange(batch, device=self.device)
         first = self._verify(root_tree(roots), runner.logits(last)[:, None], rows, 0).emitted_tokens[:, 0]
@@ -326,9 +330,10 @@ class _Generation:
         if self.drafting is not None:
             self.drafting.allocate(batch, capacity, max(longest, max_nodes + 1), self.decoder.block_size)
             # Element i pairs token x_{i+1} with g_i: the prompt's tokens after the first, then the first new token.
-            tokens = torch.zeros(batch, longest, dtype=torch.long, device=self.device)
-            for r, p in enumerate(self.prompts):
-                tokens[r, : len(p)] = torch.tensor([*p[1:], host_first[r]], device=self.device)
+            padded = [
+                [*p[1:], first, *[0] * (longest - len(p))] for p, first in zip(self.prompts, host_first, strict=True)
+            ]
+            tokens = torch.tensor(padded, dtype=torch.long, device=self.device)
             lengths = [len(p) for p in self.prompts]
             counts = torch.tensor(lengths, device=self.device)
             self.drafting.set_pending(rows, list(range(batch)), tokens, aux, counts, lengths)
@@ -387,13 +392,10 @@ class _Generation:
             drafting.set_pending(
                 rows, active, result.emitted_tokens[:, :width].clamp(min=0), new_aux, result.num_accepted + 1, counts
             )
-        positions = torch.arange(self.reached.shape[1])
-        self.reached[active] += (positions[None, :] < accepted).long()
         host_emitted = emitted.tolist()
         for i, r in enumerate(active):
             m = host_accepted[i]
-            self.rounds[r] += 1
-            self.emitted[r] += m + 1
+            self.accepted[r].append(m)
             self._emit(r, host_emitted[i][: m + 1])
         self.batched_rounds += 1
         t3 = self._sync()
@@ -403,21 +405,19 @@ class _Generation:
         return [r for r in active if not self.finish[r]]
 
     def _output(self, total: float) -> GenerateOutput:
+        depth = self.decoder.max_depth
         requests = [
-            RequestStats(
-                len(p), len(self.tokens[r]), self.rounds[r], self.emitted[r], self.reached[r].tolist(), self.finish[r]
-            )
+            RequestStats(len(p), len(self.tokens[r]), self.finish[r], self.accepted[r], depth)
             for r, p in enumerate(self.prompts)
         ]
-        request_rounds = sum(self.rounds)
+        every = [a for accepted in self.accepted for a in accepted]
         new_tokens = sum(len(t) for t in self.tokens)
-        depth = self.decoder.max_depth
         metrics = GenerateMetrics(
             new_tokens=new_tokens,
             rounds=self.batched_rounds,
-            request_rounds=request_rounds,
-            acceptance_length=sum(self.emitted) / request_rounds if request_rounds else 0.0,
-            conditional_acceptance=_conditional(self.reached.sum(0).tolist()[:depth], request_rounds),
+            request_rounds=len(every),
+            acceptance_length=(sum(every) + len(every)) / len(every) if every else 0.0,
+            conditional_acceptance=_conditional(every, depth),
             prefill_s=self.times["prefill"],
             draft_s=self.times["draft"],
             verify_s=self.times["verify"],

@@ -68,6 +68,8 @@ def _rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotary embedding of x [b, n, heads, D] with cos/sin [b, n, R] (R <= D: partial rotary keeps the rest)."""
     rotary = cos.shape[-1]
     c, s = cos[:, :, None], sin[:, :, None]
+    if rotary == x.shape[-1]:
+        return x * c + _rotate_half(x) * s
     rot, keep = x[..., :rotary], x[..., rotary:]
     return torch.cat([rot * c + _rotate_half(rot) * s, keep], dim=-1)
 
@@ -265,18 +267,16 @@ class TargetRunner:
             self.gdn.commit(rows, last_node)
 
     @torch.no_grad()
-    def prefill(self, prompts: list[Tensor]) -> tuple[Tensor, Tensor]:
-        """Commits every prompt (1-D token tensors, ragged) in chains of ``prefill_chunk`` tokens.
+    def prefill(self, prompts: list[list[int]]) -> tuple[Tensor, Tensor]:
+        """Commits every prompt (token-id lists, ragged) in chains of ``prefill_chunk`` tokens.
 
         Returns the final hidden state of each prompt's last token [B, H] and the aux hidden states of every prompt
         token [B, P_max, num_aux * H] (zero past a prompt's end).
         """
         device = self.device
-        lengths = [int(p.numel()) for p in prompts]
+        lengths = [len(p) for p in prompts]
         longest = max(lengths)
-        ids = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)
-        for r, p in enumerate(prompts):
-            ids[r, : lengths[r]] = p.to(device)
+        ids = torch.tensor([[*p, *[0] * (longest - len(p))] for p in prompts], dtype=torch.long, device=device)
         aux_all = torch.zeros(
             len(prompts), longest, len(self.aux_layer_ids) * self.hidden_size, dtype=self.dtype, device=device
         )
