@@ -331,12 +331,14 @@ def tiny_target(
     layers: int = 4,
     seed: int = 0,
     successor: bool = True,
+    logit_scale: float = 4.0,
     **overrides,
 ):
     """A random tiny causal LM of ``family`` (module, eval mode, float32; head_dim 16, GQA).
 
-    ``successor``: the LM head row of token t + 1 is a scaled copy of token t's embedding (see :func:`tiny_llama`), so
-    the greedy text is learnable. qwen3_next alternates Gated DeltaNet and gated attention layers.
+    ``successor``: the LM head row of token t + 1 is ``logit_scale`` times token t's normalised embedding (see
+    :func:`tiny_llama`), so the greedy text is learnable; a small scale gives a flatter distribution. qwen3_next
+    alternates Gated DeltaNet and gated attention layers.
     """
     import transformers
 
@@ -384,7 +386,7 @@ def tiny_target(
                 p.add_(torch.randn_like(p) * 0.2)
         if successor:
             embed = model.get_input_embeddings().weight
-            model.get_output_embeddings().weight.copy_(4.0 * embed.roll(1, dims=0) / embed.std())
+            model.get_output_embeddings().weight.copy_(logit_scale * embed.roll(1, dims=0) / embed.std())
     return model
 
 
