@@ -47,8 +47,8 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def make_setup(family: str, seed: int) -> SimpleNamespace:
-    model = tiny_target(family, seed=seed)
+def make_setup(family: str, seed: int, **target) -> SimpleNamespace:
+    model = tiny_target(family, seed=seed, **target)
     rows = self_distilled_rows(model, seed=seed)
     # The dense P-EAGLE drafter and the hybrid EAGLE-3 drafter use a draft vocabulary (d2t).
     dense = family != "qwen3_next"
@@ -72,6 +72,12 @@ def dense(one_thread):
 @pytest.fixture(scope="module")
 def hybrid(one_thread):
     return make_setup("qwen3_next", 2)
+
+
+@pytest.fixture(scope="module")
+def flat(one_thread):
+    """A target with a flat distribution (sampled outputs vary with the seed)."""
+    return make_setup("llama", 4, logit_scale=0.3)
 
 
 def decoder(setup, method: str, mode: str, **extra) -> SpeculativeDecoder:
@@ -358,3 +364,71 @@ def test_eagle3_tree_nodes_follow_the_uncached_drafter(gumbel):
                 torch.testing.assert_close(parent_row.double(), q, rtol=1e-4, atol=1e-6)
             else:
                 assert probs[token] >= torch.topk(probs, topk).values[-1] - 1e-12
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Seeds and arguments
+
+
+@pytest.mark.parametrize(
+    ("method", "mode", "draft_sampling"),
+    [("peagle", "tree", "gumbel"), ("peagle", "chain", "topk"), ("eagle3", "tree", "gumbel")],
+)
+def test_seeds_reproduce_and_batching_does_not_change_a_request(flat, method, mode, draft_sampling):
+    dec = decoder(flat, method, mode, draft_sampling=draft_sampling)
+    sample = dict(temperature=1.0, top_p=0.95, top_k=40)
+    first = dec.generate(PROMPTS, 40, seed=[11, 12, 13, 14], **sample)
+    assert dec.generate(PROMPTS, 40, seed=[11, 12, 13, 14], **sample).tokens == first.tokens
+    assert dec.generate(PROMPTS, 40, seed=11, **sample).tokens == first.tokens  # an int seed s gives s + i
+    other = dec.generate(PROMPTS, 40, seed=[21, 22, 23, 24], **sample)
+    # Different seeds give different samples (a request may still repeat one: its text is very likely).
+    assert sum(a != b for a, b in zip(first.tokens, other.tokens, strict=True)) >= 3
+    # A request's output depends only on its prompt and seed: alone, or batched with other requests.
+    alone = dec.generate([PROMPTS[2]], 40, seed=[13], **sample)
+    assert alone.tokens[0] == first.tokens[2]
+    mixed = dec.generate([PROMPTS[0], PROMPTS[2], [7] * 30], 40, seed=[99, 13, 5], **sample)
+    assert mixed.tokens[1] == first.tokens[2]
+    assert first.metrics.acceptance_length > 1.0
+
+
+def test_bad_arguments_get_clear_errors(dense, hybrid):
+    model, drafter = dense.model, dense.peagle
+    cases = [
+        (dict(mode="bush"), ValueError, "mode must be 'chain' or 'tree', got 'bush'"),
+        (dict(draft_sampling="beam"), ValueError, "draft_sampling must be 'gumbel' or 'topk'"),
+        (dict(method="medusa"), ValueError, "method must be 'peagle' or 'eagle3', got 'medusa'"),
+        (dict(depth=5), ValueError, r"depth must be an int in \[1, 4\] \(the drafter's K\), got 5"),
+        (dict(mode="tree", topk=[2, 2]), ValueError, r"topk must be an int or 4 ints in \[1, 56\]"),
+        (dict(mode="tree", topk=0), ValueError, r"topk must be an int or 4 ints"),
+        (dict(mode="tree", num_nodes=1), ValueError, "num_nodes must be an int >= 2"),
+        (dict(method="eagle3", depth=0), ValueError, "depth must be an int >= 1, got 0"),
+    ]
+    for kwargs, error, message in cases:
+        with pytest.raises(error, match=message):
+            SpeculativeDecoder(model, drafter, **kwargs)
+    with pytest.raises(TypeError, match="drafter must be a checkpoint directory, a PEagleDrafter or None"):
+        SpeculativeDecoder(model, 3)
+    with pytest.raises(ValueError, match="need a drafter"):
+        SpeculativeDecoder(model, None, topk=2)
+    with pytest.raises(ValueError, match=r"drafter \(hidden_size 64, vocab_size 64\) does not fit the target"):
+        SpeculativeDecoder(tiny_target("llama", vocab_size=80), drafter)
+    with pytest.raises(ValueError, match="a hybrid target verifies at most 64 nodes per tree"):
+        SpeculativeDecoder(hybrid.model, hybrid.eagle3, "tree", depth=8, topk=5, num_nodes=80)
+    dec = SpeculativeDecoder(model, drafter)
+    calls = [
+        (dict(prompts=[]), "prompts must be a non-empty list of token-id lists"),
+        (dict(prompts=[[1], []]), r"prompts\[1\] must be a non-empty list of token ids"),
+        (dict(prompts=[[1, 64]]), r"prompts\[0\] must hold token ids in \[0, 64\)"),
+        (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1, got 0"),
+        (dict(temperature=-0.5), "temperature must be a finite number >= 0, got -0.5"),
+        (dict(temperature=float("nan")), "temperature must be a finite number >= 0"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
+        (dict(top_k=-1), "top_k must be an int >= 0"),
+        (dict(seed=[1]), r"seed must be an int or 2 ints \(one per request\), each in \[0, 2\^32\)"),
+        (dict(seed=-3), "seed must be an int or 2 ints"),
+        (dict(eos_token_id=64), r"eos_token_id must be None, a token id or token ids in \[0, 64\)"),
+    ]
+    for kwargs, message in calls:
+        arguments = {"prompts": [[1, 2], [3]], "max_new_tokens": 4, **kwargs}
+        with pytest.raises(ValueError, match=message):
+            dec.generate(**arguments)
