@@ -114,6 +114,16 @@ def test_target_alone_decodes_greedily_one_token_per_forward(dense):
     assert [r.rounds for r in out.requests] == [39] * 4  # prefill emits the first token
 
 
+@pytest.mark.parametrize(("method", "mode"), [("peagle", "tree"), ("eagle3", "chain")])
+def test_long_ragged_prompts_prefill_in_chunks(dense, method, mode):
+    """Prompts longer than the target's prefill chunk and the drafter's (256 elements) pass through chunked prefill."""
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 64, (n,), generator=gen).tolist() for n in (300, 45, 130)]
+    out = decoder(dense, method, mode, prefill_chunk=64).generate(prompts, 30)
+    assert out.tokens == [greedy_reference(dense.model, p, 30) for p in prompts]
+    assert out.metrics.acceptance_length > 1.2
+
+
 def run_starts(accepted: list[int]) -> list[tuple[int, int]]:
     """(index of the round's first new token, tokens the round emitted) per round (token 0 comes from prefill)."""
     starts, position = [], 1

@@ -23,6 +23,7 @@ Everything a round needs stays on the tensors' device; only the emitted tokens a
 from __future__ import annotations
 
 import math
+import operator
 import os
 import time
 from collections.abc import Sequence
@@ -222,7 +223,7 @@ class SpeculativeDecoder:
         vocab = self.runner.vocab_size
         prompt_list = _check_prompts(prompts, vocab)
         eos = _check_eos(eos_token_id, vocab)
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
@@ -250,34 +251,72 @@ def _load_drafter(drafter) -> PEagleDrafter | None:
     raise TypeError(f"drafter must be a checkpoint directory, a PEagleDrafter or None, got {type(drafter).__name__}")
 
 
+def _ints(values) -> list[int] | None:
+    """The values as Python ints (numpy / torch integers accepted), or None if one is not an integer."""
+    try:
+        return [operator.index(v) for v in values]
+    except TypeError:
+        return None
+
+
 def _check_prompts(prompts, vocab: int) -> list[list[int]]:
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, Tensor)) or len(prompts) == 0:
         raise ValueError("prompts must be a non-empty list of token-id lists")
     result = []
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, Tensor):
             prompt = prompt.tolist()
-        if not isinstance(prompt, Sequence) or len(prompt) == 0:
+        if not isinstance(prompt, Sequence) or isinstance(prompt, (str, bytes)) or len(prompt) == 0:
             raise ValueError(f"prompts[{i}] must be a non-empty list of token ids")
-        ids = list(prompt)
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompts[{i}] must hold token ids in [0, {vocab}), got {ids!r}")
+        ids = _ints(prompt)
+        if ids is None or not all(0 <= t < vocab for t in ids):
+            raise ValueError(f"prompts[{i}] must hold token ids in [0, {vocab}), got {list(prompt)!r}")
         result.append(ids)
     return result
 
 
 def _check_eos(eos, vocab: int) -> set[int]:
-    values = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    if not all(isinstance(t, int) and 0 <= t < vocab for t in values):
+    values = _ints([] if eos is None else [eos] if not isinstance(eos, Sequence) else eos)
+    if values is None or not all(0 <= t < vocab for t in values):
         raise ValueError(f"eos_token_id must be None, a token id or token ids in [0, {vocab}), got {eos!r}")
     return set(values)
 
 
 def _check_seeds(seed, batch: int) -> list[int]:
-    seeds = [seed + i for i in range(batch)] if isinstance(seed, int) else list(seed)
-    if len(seeds) != batch or not all(isinstance(s, int) and 0 <= s < 2**32 for s in seeds):
+    if isinstance(seed, Sequence):
+        seeds = _ints(seed)
+    else:
+        single = _ints([seed])
+        seeds = None if single is None else [single[0] + i for i in range(batch)]
+    if seeds is None or len(seeds) != batch or not all(0 <= s < 2**32 for s in seeds):
         raise ValueError(f"seed must be an int or {batch} ints (one per request), each in [0, 2^32), got {seed!r}")
     return seeds
+
+
+class _Clock:
+    """Wall-clock spans of the phases of a round: perf_counter on the CPU, CUDA events on the GPU (read once at the
+    end, so timing adds no synchronisation inside a round)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.spans: dict[str, list] = {}
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def add(self, name: str, start, end) -> None:
+        self.spans.setdefault(name, []).append((start, end))
+
+    def total(self, name: str) -> float:
+        spans = self.spans.get(name, [])
+        if self.cuda:
+            torch.cuda.synchronize()
+            return sum(start.elapsed_time(end) for start, end in spans) / 1000.0
+        return sum(end - start for start, end in spans)
 
 
 class _Generation:
@@ -294,24 +333,22 @@ class _Generation:
         self.tokens: list[list[int]] = [[] for _ in range(batch)]
         self.finish = [""] * batch
         self.accepted: list[list[int]] = [[] for _ in range(batch)]
-        self.times = dict(prefill=0.0, draft=0.0, verify=0.0, other=0.0)
+        self.clock = _Clock(self.device)
         self.batched_rounds = 0
 
-    def _sync(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
     def run(self) -> GenerateOutput:
-        start = self._sync()
+        start = time.perf_counter()
+        mark = self.clock.mark()
         roots = self._prefill()
-        self.times["prefill"] = self._sync() - start
+        self.clock.add("prefill", mark, self.clock.mark())
         active = [r for r in range(len(self.prompts)) if not self.finish[r]]
         step = 1
         while active:
             active = self._round(active, roots, step)
             step += 1
-        return self._output(self._sync() - start)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return self._output(time.perf_counter() - start)
 
     @torch.no_grad()
     def _prefill(self) -> Tensor:
@@ -363,17 +400,18 @@ class _Generation:
     def _round(self, active: list[int], roots: Tensor, step: int) -> list[int]:
         runner, drafting = self.runner, self.drafting
         rows = torch.tensor(active, device=self.device)
-        t0 = self._sync()
+        clock = self.clock
+        t0 = clock.mark()
         if drafting is None:
             tree = root_tree(roots[rows])
         else:
             offset = step * STREAMS + DRAFT_STREAM
             sampling = Sampling(self.temperature, self.gumbel, self.seeds[rows], offset)
             tree = drafting.draft(rows, active, roots[rows], sampling)
-        t1 = self._sync()
+        t1 = clock.mark()
         final, aux = runner.forward(rows, active, tree.tokens, tree.depth, tree.mask, tree.parent, tree.num_nodes)
         result = self._verify(tree, runner.logits(final), rows, step)
-        t2 = self._sync()
+        t2 = clock.mark()
         # The one read-back of the round.
         emitted, accepted = (
             torch.cat([result.emitted_tokens, result.num_accepted[:, None]], 1)
@@ -398,10 +436,9 @@ class _Generation:
             self.accepted[r].append(m)
             self._emit(r, host_emitted[i][: m + 1])
         self.batched_rounds += 1
-        t3 = self._sync()
-        self.times["draft"] += t1 - t0
-        self.times["verify"] += t2 - t1
-        self.times["other"] += t3 - t2
+        clock.add("draft", t0, t1)
+        clock.add("verify", t1, t2)
+        clock.add("other", t2, clock.mark())
         return [r for r in active if not self.finish[r]]
 
     def _output(self, total: float) -> GenerateOutput:
@@ -418,10 +455,10 @@ class _Generation:
             request_rounds=len(every),
             acceptance_length=(sum(every) + len(every)) / len(every) if every else 0.0,
             conditional_acceptance=_conditional(every, depth),
-            prefill_s=self.times["prefill"],
-            draft_s=self.times["draft"],
-            verify_s=self.times["verify"],
-            other_s=self.times["other"],
+            prefill_s=self.clock.total("prefill"),
+            draft_s=self.clock.total("draft"),
+            verify_s=self.clock.total("verify"),
+            other_s=self.clock.total("other"),
             total_s=total,
             tokens_per_s=new_tokens / total if total > 0 else 0.0,
         )
