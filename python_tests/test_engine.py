@@ -271,8 +271,7 @@ def feed(drafting, tokens: torch.Tensor, hidden: torch.Tensor, start: list[int],
     index = (torch.tensor(start)[:, None] + torch.arange(max(lengths))).clamp(max=tokens.shape[1] - 1)
     rows = torch.arange(len(lengths))
     drafting.set_pending(rows, rows.tolist(), tokens.gather(1, index),
-                         hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[2])), torch.tensor(lengths),
-                         lengths)  # fmt: skip
+                         hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[2])), lengths)  # fmt: skip
 
 
 def random_prefix(gen: torch.Generator, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -126,17 +126,14 @@ class _CachedDrafter:
         self.pending_feats = torch.zeros(
             num_requests, pending_width, cfg.hidden_size, dtype=self.dtype, device=self.device
         )
-        self.pending_count = torch.zeros(num_requests, dtype=torch.long, device=self.device)
         self.host_pending = [0] * num_requests
         with torch.no_grad():
             self.mask_feat = self.drafter.projected_mask_hidden()
 
     @torch.no_grad()
-    def set_pending(
-        self, rows: Tensor, host_rows: list[int], tokens: Tensor, aux: Tensor, counts: Tensor, host_counts: list[int]
-    ) -> None:
+    def set_pending(self, rows: Tensor, host_rows: list[int], tokens: Tensor, aux: Tensor, counts: list[int]) -> None:
         """The next pass's new elements of ``rows``: tokens [b, m] (target ids) paired with target aux states
-        [b, m, num_aux * H]; ``counts`` [b] of them are real."""
+        [b, m, num_aux * H]; the first ``counts[b]`` of them are real."""
         width = tokens.shape[1]
         if width > self.pending_tokens.shape[1]:
             grow = width - self.pending_tokens.shape[1]
@@ -144,8 +141,7 @@ class _CachedDrafter:
             self.pending_feats = torch.nn.functional.pad(self.pending_feats, (0, 0, 0, grow))
         self.pending_tokens[rows, :width] = tokens.long()
         self.pending_feats[rows, :width] = self.drafter.project(aux.to(self.dtype))
-        self.pending_count[rows] = counts
-        for r, c in zip(host_rows, host_counts, strict=True):
+        for r, c in zip(host_rows, counts, strict=True):
             self.host_pending[r] = c
 
     def _context(self, rows: Tensor, host_rows: list[int]) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
@@ -161,12 +157,11 @@ class _CachedDrafter:
 
         Returns the logits [b, logit_rows, draft_vocab] and hidden states [b, logit_rows, H] of the last pending
         element and the ``logit_rows - 1`` elements after it."""
-        counts = self.pending_count[rows]
         host_counts = [self.host_pending[r] for r in host_rows]
         tokens, feats = self.pending_tokens[rows], self.pending_feats[rows]
         host_done = [max(0, c - PREFILL_CHUNK) for c in host_counts]
         if max(host_done) > 0:  # long prompts: commit all but the last PREFILL_CHUNK elements first, a chunk per pass
-            done = (counts - PREFILL_CHUNK).clamp(min=0)
+            done = torch.tensor(host_done, device=self.device)
             for start in range(0, max(host_done), PREFILL_CHUNK):
                 part = [min(max(d - start, 0), PREFILL_CHUNK) for d in host_done]
                 piece = slice(start, start + PREFILL_CHUNK)
@@ -302,9 +297,8 @@ class _Steps:
         self.owner = owner
         self.context, self.committed = owner._context(rows, host_rows)
         self.root_position = owner.cache.seq_len[rows] - 1  # the last committed element drafts the root's children
-        self.temp: list[tuple[Tensor, Tensor]] = [
-            (k[:, :0], v[:, :0]) for k, v in self.context
-        ]  # per layer [b, T, ...]
+        # Temporary entries of the drafted nodes, per layer [b, T, kv_heads, head_dim].
+        self.temp: list[tuple[Tensor, Tensor]] = [(k[:, :0], v[:, :0]) for k, v in self.context]
         self.root_hidden = root_hidden
 
     def run(self, tokens: Tensor, feats: Tensor, depth: int, sees: Tensor) -> tuple[Tensor, Tensor]:
@@ -331,7 +325,6 @@ class _Steps:
         it repeats the expansion (deterministic) to learn each frontier node's parent."""
         batch, device = root_probs.shape[0], root_probs.device
         state = {
-            "frontier": torch.zeros(batch, 1, dtype=torch.long, device=device),  # candidate indices
             "scores": torch.ones(batch, 1, dtype=torch.float64, device=device),
             "probs": root_probs[:, None],
             "hidden": self.root_hidden[:, None],  # [b, F, H] of the frontier
@@ -348,9 +341,7 @@ class _Steps:
             state["depth"] += 1
             logits, hidden = self.run(tokens, feats, state["depth"], sees)
             own = torch.eye(width, dtype=torch.bool, device=device).expand(batch, -1, -1)
-            state.update(
-                frontier=candidate_index, scores=scores[:, :width], hidden=hidden, sees=torch.cat([sees, own], dim=2)
-            )
+            state.update(scores=scores[:, :width], hidden=hidden, sees=torch.cat([sees, own], dim=2))
             state["probs"] = draft_distribution(logits, temperature)
             return state["probs"]
 
@@ -416,7 +407,7 @@ class _Steps:
         )
         draft_probs = None
         if sampling.gumbel:
-            levels = torch.cat(node_probs, 1)  # nodes with children come first in each level; pad the leaves
+            levels = torch.cat(node_probs, 1)  # a row per node of every level but the last (its leaves: padding)
             draft_probs = torch.nn.functional.pad(levels, (0, 0, 0, parent.shape[1] - levels.shape[1]))
             draft_probs = owner._full_vocab(draft_probs)
         return _node_tree(roots, all_tokens, parent, depth, draft_probs)

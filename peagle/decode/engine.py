@@ -124,7 +124,8 @@ class SpeculativeDecoder:
         draft_sampling: at temperature > 0, "gumbel" draws drafts without replacement from the drafter's
             distribution; "topk" drafts deterministically (as at temperature 0). Both are lossless.
         block_size: paged KV cache block size; prefill_chunk: prompt tokens per prefill forward.
-        dtype, device: of the target when it is loaded from a directory (default float32, CPU).
+        dtype, device: of the target (a directory loads in float32 on the CPU by default; a module given with them
+            is moved). The drafter follows the target's device and keeps its own dtype.
     """
 
     def __init__(
@@ -372,8 +373,7 @@ class _Generation:
             ]
             tokens = torch.tensor(padded, dtype=torch.long, device=self.device)
             lengths = [len(p) for p in self.prompts]
-            counts = torch.tensor(lengths, device=self.device)
-            self.drafting.set_pending(rows, list(range(batch)), tokens, aux, counts, lengths)
+            self.drafting.set_pending(rows, list(range(batch)), tokens, aux, lengths)
         return first
 
     def _verify(self, tree: DraftTree, logits: Tensor, rows: Tensor, step: int) -> TreeVerifyOutput:
@@ -427,9 +427,7 @@ class _Generation:
             path = result.accepted_path[:, :width].clamp(min=0)
             new_aux = aux.gather(1, path[..., None].expand(-1, -1, aux.shape[2]))
             counts = [m + 1 for m in host_accepted]
-            drafting.set_pending(
-                rows, active, result.emitted_tokens[:, :width].clamp(min=0), new_aux, result.num_accepted + 1, counts
-            )
+            drafting.set_pending(rows, active, result.emitted_tokens[:, :width].clamp(min=0), new_aux, counts)
         host_emitted = emitted.tolist()
         for i, r in enumerate(active):
             m = host_accepted[i]
