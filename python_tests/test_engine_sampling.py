@@ -42,7 +42,16 @@ OPTIONS = {
 def setup():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    model = tiny_target("llama", vocab_size=VOCAB, hidden=32, layers=2, seed=3, logit_scale=0.1, num_key_value_heads=1)
+    model = tiny_target(
+        "llama",
+        vocab_size=VOCAB,
+        hidden=32,
+        layers=2,
+        seed=3,
+        logit_scale=0.1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     rows = self_distilled_rows(model, sequences=8, length=32, seed=3)
     yield SimpleNamespace(
         model=model,
