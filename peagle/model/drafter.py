@@ -7,6 +7,8 @@ Two forwards share every weight:
   once on ``mask_hidden``; the fused COD gather then picks the projected rows of the elements.
 - :meth:`PEagleDrafter.forward_inference` runs what a server runs: a prefix of real (token, hidden) pairs followed by
   d mask elements under a plain causal mask.
+- :meth:`PEagleDrafter.forward_cached` runs a batch of new elements after their requests' cached keys/values under an
+  explicit mask (the serving loop's pass; the cache itself is kept by ``peagle.decode``).
 Parameter names follow the speculators / vLLM Eagle3 layout (fc, layers.i.*, norm, lm_head, embed_tokens,
 mask_hidden, d2t, t2d), so a state dict is a servable checkpoint.
 """
