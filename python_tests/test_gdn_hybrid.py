@@ -1,56 +1,33 @@
-"""A tiny Qwen3-Next-style hybrid target (random weights) verifies draft trees through the GDN tree ops: the logits at
-every node equal running the Hugging Face model on the whole root-to-node sequence."""
+"""A tiny Qwen3-Next-style hybrid target (random weights) verifies draft trees through the target runner, whose GDN
+layers run the GDN tree ops: the logits at every node equal running the Hugging Face model on the whole root-to-node
+sequence, also after committing accepted paths of different lengths per request."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from peagle.decode import HybridTreeCache, hybrid_prefill, hybrid_tree_commit, hybrid_tree_forward
+from peagle.decode import TargetRunner
+from peagle.ops import ancestor_mask
 from peagle.ops.gdn import tree_path
-from testkit import fresh_seed, random_tree
+from testkit import fresh_seed, random_tree, tiny_target
 
 transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
 def model():
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-
-    config = Qwen3NextConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
-        num_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=4,
-        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=8,
-        linear_conv_kernel_dim=4,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(fresh_seed() % (2**31))
-    m = Qwen3NextForCausalLM(config).eval()
-    with torch.no_grad():  # non-trivial gates and norms (the defaults are mostly ones)
-        for name, p in m.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(torch.randn_like(p) * 0.2)
-            if name.endswith("dt_bias"):
-                p.copy_(torch.randn_like(p))
-    return m
+    return tiny_target("qwen3_next", vocab_size=97, seed=fresh_seed() % 1000, successor=False)
 
 
 def full_sequence_logits(model, tokens: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([tokens])).logits[0, -1]
+
+
+def tree_inputs(parent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    mask = ancestor_mask(parent)
+    return mask, mask.sum(-1) - 1
 
 
 @pytest.mark.parametrize("kind", ["random", "chain", "deep"])
@@ -59,30 +36,32 @@ def test_tree_logits_equal_per_path_full_runs(model, kind):
     print(f"input seed {seed}")
     gen = torch.Generator().manual_seed(seed)
     batch, vocab = 2, model.config.vocab_size
-    prefix = torch.randint(0, vocab, (batch, 11), generator=gen)
-    cache = HybridTreeCache.empty(model, batch)
-    # The prefix goes through the same path as a chain, then is committed: this exercises commit as well.
-    chain = torch.arange(prefix.shape[1]).expand(batch, -1) - 1
-    hybrid_tree_forward(model, prefix, chain, cache)
-    hybrid_tree_commit(cache, torch.full((batch,), prefix.shape[1] - 1))
-    history = prefix.tolist()
-    for nodes in (13, 7):
+    runner = TargetRunner(model, block_size=8)
+    runner.allocate(batch, 64)
+    rows = torch.arange(batch)
+    history = torch.randint(0, vocab, (batch, 11), generator=gen).tolist()
+    runner.prefill(history)
+    for nodes in (13, 7, 9):
         parent = torch.stack([random_tree(gen, nodes, kind) for _ in range(batch)])
         ids = torch.randint(0, vocab, (batch, nodes), generator=gen)
-        logits = hybrid_tree_forward(model, ids, parent, cache)
+        mask, depth = tree_inputs(parent)
+        final, _ = runner.forward(rows, [0, 1], ids, depth, mask, parent, torch.full((batch,), nodes))
+        logits = runner.logits(final)
         for b in range(batch):
             for i in range(nodes):
                 tokens = history[b] + ids[b, tree_path(parent[b], i)].tolist()
-                expected = full_sequence_logits(model, tokens)
-                torch.testing.assert_close(logits[b, i], expected, rtol=1e-4, atol=1e-4)
-        # Accept a path of the same length in every request: the deepest node at the smallest maximum depth.
-        depths = [[len(tree_path(parent[b], i)) for i in range(nodes)] for b in range(batch)]
-        target = min(max(d) for d in depths)
-        last = torch.tensor([d.index(target) for d in depths])
-        hybrid_tree_commit(cache, last)
+                torch.testing.assert_close(logits[b, i], full_sequence_logits(model, tokens), rtol=1e-4, atol=1e-4)
+        # Accept paths of different lengths: the deepest node in request 0, a random node in request 1.
+        last = [int(depth[0].argmax()), int(torch.randint(0, nodes, (), generator=gen))]
+        paths = [tree_path(parent[b], last[b]) for b in range(batch)]
+        accepted = torch.full((batch, nodes), -1, dtype=torch.long)
+        for b, path in enumerate(paths):
+            accepted[b, : len(path)] = torch.tensor(path)
+        num_accepted = [len(p) - 1 for p in paths]
+        runner.commit(rows, [0, 1], accepted, torch.tensor(num_accepted), torch.tensor(last), num_accepted)
         for b in range(batch):
-            history[b] += ids[b, tree_path(parent[b], int(last[b]))].tolist()
-    assert cache.length == len(history[0])
+            history[b] += ids[b, paths[b]].tolist()
+    assert runner.kv.host_len == [len(h) for h in history]
 
 
 def test_long_prompt_prefill_then_tree(model):
@@ -90,13 +69,26 @@ def test_long_prompt_prefill_then_tree(model):
     print(f"input seed {seed}")
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
-    prompt = torch.randint(0, vocab, (1, 150), generator=gen)
-    cache = HybridTreeCache.empty(model, 1)
-    last_logits = hybrid_prefill(model, prompt, cache, chunk=64)
-    torch.testing.assert_close(last_logits[0], full_sequence_logits(model, prompt[0].tolist()), rtol=1e-4, atol=1e-4)
-    parent = random_tree(gen, 9, "random").unsqueeze(0)
-    ids = torch.randint(0, vocab, (1, 9), generator=gen)
-    logits = hybrid_tree_forward(model, ids, parent, cache)
-    for i in range(9):
-        tokens = prompt[0].tolist() + ids[0, tree_path(parent[0], i)].tolist()
-        torch.testing.assert_close(logits[0, i], full_sequence_logits(model, tokens), rtol=1e-4, atol=1e-4)
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (150, 70)]
+    runner = TargetRunner(model, prefill_chunk=256)
+    assert runner.prefill_chunk == 64  # the GDN kernels take at most 64 nodes per forward
+    runner.allocate(2, 160)
+    last, _ = runner.prefill(prompts)
+    for b in range(2):
+        torch.testing.assert_close(
+            runner.logits(last[b]), full_sequence_logits(model, prompts[b]), rtol=1e-4, atol=1e-4
+        )
+    parent = torch.stack([random_tree(gen, 9, "random") for _ in range(2)])
+    ids = torch.randint(0, vocab, (2, 9), generator=gen)
+    mask, depth = tree_inputs(parent)
+    final, _ = runner.forward(torch.arange(2), [0, 1], ids, depth, mask, parent, torch.tensor([9, 9]))
+    logits = runner.logits(final)
+    for b in range(2):
+        for i in range(9):
+            tokens = prompts[b] + ids[b, tree_path(parent[b], i)].tolist()
+            torch.testing.assert_close(logits[b, i], full_sequence_logits(model, tokens), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="a hybrid target verifies at most 64 nodes per tree, got 65"):
+        big = torch.zeros(2, 65, dtype=torch.long)
+        runner.forward(
+            torch.arange(2), [0, 1], big, big, torch.ones(2, 65, 65, dtype=torch.bool), big - 1, big[:, 0] + 1
+        )

@@ -1,7 +1,25 @@
-"""Speculative decoding on Hugging Face targets: drafting policy (draft trees from a drafter) and tree verification
-through hybrid (attention + GDN) targets."""
+"""Speculative decoding on Hugging Face targets: the round loop (engine), the target runner over a paged KV cache,
+P-EAGLE / EAGLE-3 drafting (chains, parallel trees, EAGLE-2 dynamic trees), sampling, and the GDN state of hybrid
+targets."""
 
-from peagle.decode.drafting import eagle2_dynamic_tree
-from peagle.decode.hybrid import HybridTreeCache, hybrid_prefill, hybrid_tree_commit, hybrid_tree_forward
+from peagle.decode.drafting import DraftTree, eagle2_dynamic_tree
+from peagle.decode.engine import GenerateMetrics, GenerateOutput, RequestStats, SpeculativeDecoder
+from peagle.decode.hybrid import GdnStates
+from peagle.decode.kv_cache import PagedKVCache
+from peagle.decode.sampling import target_probs
+from peagle.decode.target import SUPPORTED_MODEL_TYPES, TargetRunner, load_target_model
 
-__all__ = ["HybridTreeCache", "eagle2_dynamic_tree", "hybrid_prefill", "hybrid_tree_commit", "hybrid_tree_forward"]
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "DraftTree",
+    "GdnStates",
+    "GenerateMetrics",
+    "GenerateOutput",
+    "PagedKVCache",
+    "RequestStats",
+    "SpeculativeDecoder",
+    "TargetRunner",
+    "eagle2_dynamic_tree",
+    "load_target_model",
+    "target_probs",
+]

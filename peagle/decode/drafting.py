@@ -1,19 +1,69 @@
-"""Drafting policy: how a drafter's distributions become a draft tree. The tree ops of :mod:`peagle.ops.tree_build`
-build and select; the loops here decide which nodes to expand and call the drafter between steps.
+"""Drafting: P-EAGLE (one drafter pass -> chain or parallel tree) and EAGLE-3 (autoregressive -> chain or EAGLE-2
+dynamic tree), over the drafter's own KV cache.
 
-:func:`eagle2_dynamic_tree`: EAGLE-2's dynamic tree for an autoregressive (EAGLE-3) drafter.
+Elements (DESIGN's convention): element i pairs token x_{i+1} with the target state g_i and sits at position i. The
+drafter's paged cache (:class:`peagle.decode.kv_cache.PagedKVCache`) holds committed elements only. After a round
+whose accepted path is [0, a_1 .. a_m] plus the bonus token, the new elements are (token of a_1, g of the root), ..,
+(bonus, g of a_m): m + 1 pending elements (after prefill: one per prompt token, the last paired with the first
+generated token). The next draft pass runs them (their keys/values enter the cache) followed by what the method
+drafts from the last one, which never enters the cache:
+
+* P-EAGLE: ``depth - 1`` mask elements (mask token, ``project(mask_hidden)``) in the same pass; the last real element
+  and the mask elements give the ``depth`` per-depth distributions. Chain: one token per depth (argmax, or one draw).
+  Tree: :func:`peagle.ops.tree_build_parallel` with a top-k per depth and a node budget.
+* EAGLE-3 (the way vLLM's eagle3 proposer runs a K = 1 drafter, as ``peagle.train.evaluate.chain_drafts``): a drafted
+  node is one more element whose token is the node's token and whose features are the pre-norm hidden state the
+  drafter produced at its parent, at position (root element) + depth; it sees the committed cache and its ancestors'
+  temporary entries, which are dropped after the round. Chain, or the EAGLE-2 dynamic tree
+  (:func:`eagle2_dynamic_tree`).
+
+Stochastic drafts (temperature > 0, ``draft_sampling="gumbel"``) are draws without replacement from the drafter's
+distribution (:func:`peagle.decode.sampling.gumbel_order`), returned with those distributions for
+``tree_rejection_sample``. The tree's shape is fixed before the draws it depends on: a P-EAGLE tree takes its shape from
+the unperturbed distributions and gives the child of sibling rank r at depth d the r-th draw of depth d; a sampled
+EAGLE-3 tree decides how many children a node gets from the draws at its own depth and above only (frontier = the best
+``topk`` nodes of a depth by path probability, each given ``topk`` draws while the node budget lasts; no later
+pruning). Deterministic drafts (greedy, or ``draft_sampling="topk"``) are top-k and verified without draft
+probabilities. A draft vocabulary (d2t) maps drafted ids to target ids.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from peagle.ops.tree_build import TreeSpec, tree_expand_topk, tree_select
+from peagle.decode.kv_cache import PagedKVCache
+from peagle.decode.sampling import draft_distribution, gumbel_order
+from peagle.model import PEagleDrafter
+from peagle.ops import TreeSpec, ancestor_mask, tree_build_parallel, tree_expand_topk, tree_select
 
-__all__ = ["eagle2_dynamic_tree"]
+__all__ = ["DraftTree", "Eagle3Drafting", "PEagleDrafting", "eagle2_dynamic_tree", "root_tree"]
+
+# Drafter elements per pass when committing a long prompt.
+PREFILL_CHUNK = 256
+
+
+class DraftTree(NamedTuple):
+    """A batch of draft trees as the target verifies them (padding nodes beyond num_nodes[b])."""
+
+    tokens: Tensor  # [b, n] int64 target ids; node 0 = the root (the last emitted token)
+    parent: Tensor  # [b, n] int64, -1 at the root and on padding
+    depth: Tensor  # [b, n] int64
+    num_nodes: Tensor  # [b] int64
+    mask: Tensor  # [b, n, n] bool, node j is node i or an ancestor of it
+    draft_probs: Tensor | None  # [b, n, V] the distribution node i's children were drawn from; None: deterministic
+
+
+class Sampling(NamedTuple):
+    """How a round drafts: temperature (0 = greedy), stochastic drafts, the requests' seeds and the stream offset."""
+
+    temperature: float
+    gumbel: bool
+    seeds: Tensor
+    offset: int
 
 
 def eagle2_dynamic_tree(
@@ -59,3 +109,339 @@ def eagle2_dynamic_tree(
     all_tokens, all_parents, all_scores = torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1)
     num_candidates = torch.full((batch,), all_tokens.shape[1], dtype=torch.long, device=device)
     return tree_select(all_tokens, all_parents, all_scores, num_candidates, num_nodes)
+
+
+def root_tree(roots: Tensor) -> DraftTree:
+    """Trees of the root alone (target-only decoding)."""
+    batch, device = roots.shape[0], roots.device
+    return DraftTree(
+        roots[:, None].long(),
+        torch.full((batch, 1), -1, dtype=torch.long, device=device),
+        torch.zeros(batch, 1, dtype=torch.long, device=device),
+        torch.ones(batch, dtype=torch.long, device=device),
+        torch.ones(batch, 1, 1, dtype=torch.bool, device=device),
+        None,
+    )
+
+
+def _node_tree(roots: Tensor, tokens: Tensor, parent: Tensor, depth: Tensor, draft_probs: Tensor | None) -> DraftTree:
+    """A tree from per-node arrays (node 0 = root; tokens are target ids of nodes 1..)."""
+    batch = roots.shape[0]
+    tokens = torch.cat([roots[:, None].long(), tokens], dim=1)
+    num_nodes = torch.full((batch,), tokens.shape[1], dtype=torch.long, device=roots.device)
+    return DraftTree(tokens, parent, depth, num_nodes, ancestor_mask(parent), draft_probs)
+
+
+def _sibling_rank(parent: Tensor) -> Tensor:
+    """Rank of each node among its siblings in node order [b, n]."""
+    index = torch.arange(parent.shape[1], device=parent.device)
+    earlier = (parent[:, :, None] == parent[:, None, :]) & (index[None, None, :] < index[None, :, None])
+    return earlier.sum(-1)
+
+
+class _CachedDrafter:
+    """The drafter's committed cache, pending elements and the batched pass over them (shared by both methods)."""
+
+    def __init__(self, drafter: PEagleDrafter, target_vocab: int) -> None:
+        self.drafter = drafter.eval()
+        self.config = drafter.config
+        self.device = drafter.fc.weight.device
+        self.dtype = drafter.fc.weight.dtype
+        self.draft_ids = drafter.draft_ids().to(self.device)
+        self.target_vocab = target_vocab
+        self.cache: PagedKVCache | None = None
+
+    def allocate(self, num_requests: int, capacity: int, pending_width: int, block_size: int) -> None:
+        cfg = self.config
+        self.cache = PagedKVCache(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_requests, capacity, block_size, self.dtype, self.device
+        )
+        self.pending_tokens = torch.zeros(num_requests, pending_width, dtype=torch.long, device=self.device)
+        self.pending_feats = torch.zeros(
+            num_requests, pending_width, cfg.hidden_size, dtype=self.dtype, device=self.device
+        )
+        self.host_pending = [0] * num_requests
+        with torch.no_grad():
+            self.mask_feat = self.drafter.projected_mask_hidden()
+
+    @torch.no_grad()
+    def set_pending(self, rows: Tensor, host_rows: list[int], tokens: Tensor, aux: Tensor, counts: list[int]) -> None:
+        """The next pass's new elements of ``rows``: tokens [b, m] (target ids) paired with target aux states
+        [b, m, num_aux * H]; the first ``counts[b]`` of them are real."""
+        width = tokens.shape[1]
+        if width > self.pending_tokens.shape[1]:
+            grow = width - self.pending_tokens.shape[1]
+            self.pending_tokens = torch.nn.functional.pad(self.pending_tokens, (0, grow))
+            self.pending_feats = torch.nn.functional.pad(self.pending_feats, (0, 0, 0, grow))
+        self.pending_tokens[rows, :width] = tokens.long()
+        self.pending_feats[rows, :width] = self.drafter.project(aux.to(self.dtype))
+        for r, c in zip(host_rows, counts, strict=True):
+            self.host_pending[r] = c
+
+    def _context(self, rows: Tensor, host_rows: list[int]) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
+        """Committed keys/values of every layer [b, C, ...] and which of the C slots are committed [b, C]."""
+        length = self.cache.max_len(host_rows)
+        slots = self.cache.context_slots(rows, length)
+        context = [self.cache.read(layer, slots) for layer in range(self.config.num_layers)]
+        committed = torch.arange(length, device=self.device)[None, :] < self.cache.seq_len[rows][:, None]
+        return context, committed
+
+    def _pass(self, rows: Tensor, host_rows: list[int], num_mask: int, logit_rows: int) -> tuple[Tensor, Tensor]:
+        """Runs the pending elements (committing them) then ``num_mask`` mask elements per request.
+
+        Returns the logits [b, logit_rows, draft_vocab] and hidden states [b, logit_rows, H] of the last pending
+        element and the ``logit_rows - 1`` elements after it."""
+        host_counts = [self.host_pending[r] for r in host_rows]
+        tokens, feats = self.pending_tokens[rows], self.pending_feats[rows]
+        host_done = [max(0, c - PREFILL_CHUNK) for c in host_counts]
+        if max(host_done) > 0:  # long prompts: commit all but the last PREFILL_CHUNK elements first, a chunk per pass
+            done = torch.tensor(host_done, device=self.device)
+            for start in range(0, max(host_done), PREFILL_CHUNK):
+                part = [min(max(d - start, 0), PREFILL_CHUNK) for d in host_done]
+                piece = slice(start, start + PREFILL_CHUNK)
+                self._run(rows, host_rows, tokens[:, piece], feats[:, piece], part, 0, None)
+            shift = (done[:, None] + torch.arange(PREFILL_CHUNK, device=self.device)).clamp(max=tokens.shape[1] - 1)
+            tokens, feats = tokens.gather(1, shift), feats.gather(1, shift[..., None].expand(-1, -1, feats.shape[2]))
+            host_counts = [c - d for c, d in zip(host_counts, host_done, strict=True)]
+        index = (
+            torch.tensor(host_counts, device=self.device)[:, None] - 1 + torch.arange(logit_rows, device=self.device)
+        )
+        return self._run(rows, host_rows, tokens, feats, host_counts, num_mask, index)
+
+    def _run(
+        self,
+        rows: Tensor,
+        host_rows: list[int],
+        tokens: Tensor,
+        feats: Tensor,
+        host_counts: list[int],
+        num_mask: int,
+        logit_index: Tensor | None,
+    ) -> tuple[Tensor, Tensor]:
+        """One pass: ``host_counts[b]`` real elements (tokens [b, m], feats [b, m, H]) then ``num_mask`` mask
+        elements; the real ones enter the cache. Logits/hidden at ``logit_index`` [b, k] (None: element 0)."""
+        batch = rows.numel()
+        width = max(host_counts) + num_mask
+        tokens, feats = tokens[:, : max(host_counts)], feats[:, : max(host_counts)]
+        counts = torch.tensor(host_counts, device=self.device)
+        slot = torch.arange(width, device=self.device)
+        tokens = torch.nn.functional.pad(tokens, (0, num_mask))
+        feats = torch.nn.functional.pad(feats, (0, 0, 0, num_mask))
+        real = slot[None, :] < counts[:, None]
+        valid = slot[None, :] < (counts + num_mask)[:, None]
+        ids = torch.where(real, tokens, self.config.mask_token_id)
+        feats = torch.where(real[..., None], feats, self.mask_feat)
+        seq = self.cache.seq_len[rows]
+        context, committed = self._context(rows, host_rows)
+        causal = (slot[:, None] >= slot[None, :])[None] & valid[:, None, :]
+        own = causal | torch.eye(width, dtype=torch.bool, device=self.device)
+        mask = torch.cat([committed[:, None, :].expand(batch, width, -1), own], dim=2)
+        if logit_index is None:
+            logit_index = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
+        logits, hidden, new_kv = self.drafter.forward_cached(
+            ids, feats, seq[:, None] + slot, context, mask, logit_index
+        )
+        write = self.cache.flat_slots(rows, seq[:, None] + slot, real)
+        for layer, (k, v) in enumerate(new_kv):
+            self.cache.write(layer, write, k, v)
+        self.cache.advance(rows, host_rows, counts, host_counts)
+        return logits, hidden
+
+    def _full_vocab(self, probs: Tensor) -> Tensor:
+        """Draft-vocabulary probabilities [..., Vd] as target-vocabulary rows [..., V] (zero outside it)."""
+        if probs.shape[-1] == self.target_vocab:
+            return probs
+        full = probs.new_zeros(*probs.shape[:-1], self.target_vocab)
+        return full.index_copy_(-1, self.draft_ids, probs)
+
+    def _from_spec(self, roots: Tensor, spec: TreeSpec, tokens: Tensor | None = None) -> DraftTree:
+        """A DraftTree from a TreeSpec over draft ids (``tokens`` replaces the spec's drafted ids)."""
+        tokens = spec.tokens if tokens is None else tokens
+        target_ids = self.draft_ids[tokens.clamp(min=0)]
+        tokens = torch.where(spec.depth > 0, target_ids, roots[:, None].long())
+        return DraftTree(tokens, spec.parent, spec.depth.clamp(min=0), spec.num_nodes, spec.mask, None)
+
+
+class PEagleDrafting(_CachedDrafter):
+    """P-EAGLE: ``depth`` per-depth distributions from one pass; chain (one token per depth) or parallel tree."""
+
+    def __init__(
+        self, drafter: PEagleDrafter, target_vocab: int, mode: str, depth: int, topk: list[int], num_nodes: int
+    ) -> None:
+        super().__init__(drafter, target_vocab)
+        self.mode, self.depth, self.topk, self.num_nodes = mode, depth, topk, num_nodes
+
+    @property
+    def max_nodes(self) -> int:
+        return self.depth + 1 if self.mode == "chain" else self.num_nodes
+
+    @torch.no_grad()
+    def draft(self, rows: Tensor, host_rows: list[int], roots: Tensor, sampling: Sampling) -> DraftTree:
+        logits, _ = self._pass(rows, host_rows, self.depth - 1, self.depth)
+        probs = draft_distribution(logits, sampling.temperature)  # [b, depth, Vd]
+        topk = [1] * self.depth if self.mode == "chain" else self.topk
+        budget = self.depth + 1 if self.mode == "chain" else self.num_nodes
+        spec = tree_build_parallel(probs, topk, budget)
+        if not sampling.gumbel:
+            return self._from_spec(roots, spec)
+        # Shape from the unperturbed distributions; node of sibling rank r at depth d = the r-th draw of depth d.
+        draws = gumbel_order(probs, max(topk), sampling.seeds, sampling.offset)  # [b, depth, max(topk)]
+        depth = spec.depth.clamp(min=1) - 1
+        rank = _sibling_rank(spec.parent).clamp(max=max(topk) - 1)
+        tokens = draws[torch.arange(rows.numel(), device=self.device)[:, None], depth, rank]
+        tree = self._from_spec(roots, spec, tokens)
+        # Node i's children were drawn from depth depth[i]'s distribution (leaves at the last depth have none).
+        node_probs = self._full_vocab(probs).gather(
+            1, tree.depth.clamp(max=self.depth - 1)[..., None].expand(-1, -1, self.target_vocab)
+        )
+        return tree._replace(draft_probs=node_probs)
+
+
+class Eagle3Drafting(_CachedDrafter):
+    """EAGLE-3: autoregressive drafting of a K = 1 drafter; chain of ``depth`` drafts or EAGLE-2 dynamic tree."""
+
+    def __init__(
+        self, drafter: PEagleDrafter, target_vocab: int, mode: str, depth: int, topk: int, num_nodes: int
+    ) -> None:
+        super().__init__(drafter, target_vocab)
+        self.mode, self.depth, self.topk, self.num_nodes = mode, depth, topk, num_nodes
+
+    @property
+    def max_nodes(self) -> int:
+        return self.depth + 1 if self.mode == "chain" else self.num_nodes
+
+    @torch.no_grad()
+    def draft(self, rows: Tensor, host_rows: list[int], roots: Tensor, sampling: Sampling) -> DraftTree:
+        logits, hidden = self._pass(rows, host_rows, 0, 1)
+        root_probs = draft_distribution(logits[:, 0], sampling.temperature)
+        steps = _Steps(self, rows, host_rows, hidden[:, 0])
+        if self.mode == "tree" and not sampling.gumbel:
+            step = steps.eagle2_step(root_probs, self.topk, sampling.temperature)
+            spec = eagle2_dynamic_tree(root_probs, step, self.depth, self.topk, self.num_nodes)
+            return self._from_spec(roots, spec)
+        # Chains (a tree of top-1 children) and sampled trees: shapes decided depth by depth, never pruned later.
+        topk, budget = (1, self.depth + 1) if self.mode == "chain" else (self.topk, self.num_nodes)
+        return steps.grow(roots, root_probs, topk, budget, sampling)
+
+
+class _Steps:
+    """One round of autoregressive drafting: temporary entries of drafted nodes and their hidden states."""
+
+    def __init__(self, owner: Eagle3Drafting, rows: Tensor, host_rows: list[int], root_hidden: Tensor) -> None:
+        self.owner = owner
+        self.context, self.committed = owner._context(rows, host_rows)
+        self.root_position = owner.cache.seq_len[rows] - 1  # the last committed element drafts the root's children
+        # Temporary entries of the drafted nodes, per layer [b, T, kv_heads, head_dim].
+        self.temp: list[tuple[Tensor, Tensor]] = [(k[:, :0], v[:, :0]) for k, v in self.context]
+        self.root_hidden = root_hidden
+
+    def run(self, tokens: Tensor, feats: Tensor, depth: int, sees: Tensor) -> tuple[Tensor, Tensor]:
+        """Drafter on w new nodes (draft ids [b, w], features [b, w, H]) at ``depth``; ``sees`` [b, w, T] marks the
+        temporary entries of their ancestors. Returns logits [b, w, Vd] and hidden [b, w, H]; their entries join the
+        temporary ones."""
+        owner = self.owner
+        batch, width = tokens.shape
+        eye = torch.eye(width, dtype=torch.bool, device=tokens.device).expand(batch, -1, -1)
+        mask = torch.cat([self.committed[:, None, :].expand(-1, width, -1), sees, eye], dim=2)
+        context = [
+            (torch.cat([k, tk], 1), torch.cat([v, tv], 1))
+            for (k, v), (tk, tv) in zip(self.context, self.temp, strict=True)
+        ]
+        positions = (self.root_position + depth)[:, None].expand(-1, width)
+        logits, hidden, new_kv = owner.drafter.forward_cached(owner.draft_ids[tokens], feats, positions, context, mask)
+        self.temp = [
+            (torch.cat([tk, k], 1), torch.cat([tv, v], 1)) for (tk, tv), (k, v) in zip(self.temp, new_kv, strict=True)
+        ]
+        return logits, hidden
+
+    def eagle2_step(self, root_probs: Tensor, topk: int, temperature: float):
+        """The ``draft_step`` of :func:`eagle2_dynamic_tree`. It is told the new frontier's tokens only, so
+        it repeats the expansion (deterministic) to learn each frontier node's parent."""
+        batch, device = root_probs.shape[0], root_probs.device
+        state = {
+            "scores": torch.ones(batch, 1, dtype=torch.float64, device=device),
+            "probs": root_probs[:, None],
+            "hidden": self.root_hidden[:, None],  # [b, F, H] of the frontier
+            "sees": torch.zeros(batch, 1, 0, dtype=torch.bool, device=device),  # [b, F, T] ancestors' entries
+            "depth": 0,
+        }
+
+        def draft_step(tokens: Tensor, candidate_index: Tensor) -> Tensor:
+            _, slot, scores = tree_expand_topk(state["scores"], state["probs"], topk)
+            width = tokens.shape[1]
+            slot = slot[:, :width]
+            feats = state["hidden"].gather(1, slot[..., None].expand(-1, -1, state["hidden"].shape[2]))
+            sees = state["sees"].gather(1, slot[..., None].expand(-1, -1, state["sees"].shape[2]))
+            state["depth"] += 1
+            logits, hidden = self.run(tokens, feats, state["depth"], sees)
+            own = torch.eye(width, dtype=torch.bool, device=device).expand(batch, -1, -1)
+            state.update(scores=scores[:, :width], hidden=hidden, sees=torch.cat([sees, own], dim=2))
+            state["probs"] = draft_distribution(logits, temperature)
+            return state["probs"]
+
+        return draft_step
+
+    def grow(self, roots: Tensor, root_probs: Tensor, topk: int, budget: int, sampling: Sampling) -> DraftTree:
+        """A tree grown depth by depth: the best ``topk`` nodes of a depth (by path probability) each get up to
+        ``topk`` children (top-k, or draws when sampling) while the budget lasts; no node is pruned afterwards."""
+        owner = self.owner
+        batch, device = roots.shape[0], roots.device
+        arange = torch.arange(batch, device=device)[:, None]
+
+        def pick(probs: Tensor, count: int, depth: int) -> Tensor:  # [b, w, V] -> [b, w, count] draft ids
+            if sampling.gumbel:
+                first = depth * owner.config.draft_vocab_size * max(topk, 1)
+                return gumbel_order(probs, count, sampling.seeds, sampling.offset, first)
+            return torch.topk(probs, count, dim=-1).indices
+
+        first = min(topk, budget - 1)
+        tokens = [pick(root_probs[:, None], first, 0)[:, 0]]  # draft ids per level
+        scores = [root_probs.double().gather(1, tokens[0])]
+        parents = [torch.zeros(batch, first, dtype=torch.long, device=device)]
+        node_probs = [root_probs[:, None]]  # distributions of the nodes that have children (node order)
+        level_hidden = self.root_hidden[:, None].expand(-1, first, -1)  # features of the level's nodes (parent's)
+        level_sees = torch.zeros(batch, first, 0, dtype=torch.bool, device=device)
+        start, total = 1, 1 + first
+        for depth in range(1, self.owner.depth):
+            counts = [min(topk, budget - total - j * topk) for j in range(min(topk, tokens[-1].shape[1]))]
+            counts = [c for c in counts if c > 0]
+            if not counts:
+                break
+            order = torch.sort(-scores[-1], dim=1, stable=True).indices[:, : len(counts)]  # frontier: best first
+            frontier_tokens = tokens[-1].gather(1, order)
+            feats = level_hidden.gather(1, order[..., None].expand(-1, -1, level_hidden.shape[2]))
+            sees = level_sees.gather(1, order[..., None].expand(-1, -1, level_sees.shape[2]))
+            logits, hidden = self.run(frontier_tokens, feats, depth, sees)
+            probs = draft_distribution(logits, sampling.temperature)
+            children = pick(probs, max(counts), depth)  # [b, F, max(counts)]
+            rank = torch.tensor([j for j, c in enumerate(counts) for _ in range(c)], device=device)
+            sib = torch.tensor([s for c in counts for s in range(c)], device=device)
+            new_tokens = children[:, rank, sib]
+            new_scores = scores[-1].gather(1, order)[:, rank] * probs.double()[arange, rank, new_tokens]
+            parents.append(start + order[:, rank])
+            tokens.append(new_tokens)
+            scores.append(new_scores)
+            # Node order within a level is the order of the level's nodes; record the frontier's distributions there.
+            level_probs = probs.new_zeros(batch, scores[-2].shape[1], probs.shape[2])
+            level_probs.scatter_(1, order[..., None].expand(-1, -1, probs.shape[2]), probs)
+            node_probs.append(level_probs)
+            own = torch.eye(len(counts), dtype=torch.bool, device=device).expand(batch, -1, -1)
+            level_hidden = hidden[:, rank]
+            level_sees = torch.cat([sees, own], dim=2)[:, rank]
+            start += scores[-2].shape[1]
+            total += new_tokens.shape[1]
+        all_tokens = owner.draft_ids[torch.cat(tokens, 1)]
+        parent = torch.cat([torch.full((batch, 1), -1, dtype=torch.long, device=device), *parents], 1)
+        depth = torch.cat(
+            [
+                torch.full((batch, t.shape[1]), d, dtype=torch.long, device=device)
+                for d, t in enumerate([roots[:, None], *tokens])
+            ],
+            1,
+        )
+        draft_probs = None
+        if sampling.gumbel:
+            levels = torch.cat(node_probs, 1)  # a row per node of every level but the last (its leaves: padding)
+            draft_probs = torch.nn.functional.pad(levels, (0, 0, 0, parent.shape[1] - levels.shape[1]))
+            draft_probs = owner._full_vocab(draft_probs)
+        return _node_tree(roots, all_tokens, parent, depth, draft_probs)

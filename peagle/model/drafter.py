@@ -7,6 +7,8 @@ Two forwards share every weight:
   once on ``mask_hidden``; the fused COD gather then picks the projected rows of the elements.
 - :meth:`PEagleDrafter.forward_inference` runs what a server runs: a prefix of real (token, hidden) pairs followed by
   d mask elements under a plain causal mask.
+- :meth:`PEagleDrafter.forward_cached` runs a batch of new elements after their requests' cached keys/values under an
+  explicit mask (the serving loop's pass; the cache itself is kept by ``peagle.decode``).
 Parameter names follow the speculators / vLLM Eagle3 layout (fc, layers.i.*, norm, lm_head, embed_tokens,
 mask_hidden, d2t, t2d), so a state dict is a servable checkpoint.
 """
@@ -113,16 +115,20 @@ class _SelfAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: object) -> Tensor:
-        n = x.shape[0]
-        q = self.q_proj(x).view(n, self.heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q [..., heads, D], k, v [..., kv_heads, D] of rows x [..., in] (after q/k norms and rotary)."""
+        lead = x.shape[:-1]
+        q = self.q_proj(x).view(*lead, self.heads, self.head_dim)
+        k = self.k_proj(x).view(*lead, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(*lead, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        c, s = cos[:, None], sin[:, None]
-        q = q * c + _rotate_half(q) * s
-        k = k * c + _rotate_half(k) * s
+        c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s, v
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: object) -> Tensor:
+        n = x.shape[0]
+        q, k, v = self.project(x, cos, sin)
         # [1, heads, N, head_dim]: SDPA's fused CPU kernel and flex attention both take this layout.
         q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
         gqa = self.heads != self.kv_heads
@@ -135,6 +141,20 @@ class _SelfAttention(nn.Module):
         else:
             out = _flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa)
         return self.o_proj(out[0].transpose(0, 1).reshape(n, self.heads * self.head_dim))
+
+    def forward_cached(
+        self, x: Tensor, cos: Tensor, sin: Tensor, past_k: Tensor, past_v: Tensor, mask: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Batched rows x [B, n, in] after cached keys/values [B, C, kv_heads, D]; mask [B, n, C + n] bool.
+        Returns the output [B, n, hidden] and the rows' own keys and values [B, n, kv_heads, D]."""
+        batch, n = x.shape[:2]
+        q, k, v = self.project(x, cos, sin)
+        keys = torch.cat([past_k, k], dim=1).transpose(1, 2)
+        values = torch.cat([past_v, v], dim=1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=mask[:, None], enable_gqa=self.heads != self.kv_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(batch, n, self.heads * self.head_dim)), k, v
 
 
 _FLEX = None
@@ -177,13 +197,31 @@ class _DecoderLayer(nn.Module):
         self.mlp = _MLP(hidden, config.intermediate_size)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: object, embeds: Tensor | None = None) -> Tensor:
+        return self._block(x, embeds, lambda h: self.self_attn(h, cos, sin, mask))
+
+    def forward_cached(
+        self, x: Tensor, cos: Tensor, sin: Tensor, past_k: Tensor, past_v: Tensor, mask: Tensor, embeds: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The layer on batched rows after cached keys/values (see ``_SelfAttention.forward_cached``); returns the
+        output and the rows' keys and values."""
+        new = []
+
+        def attend(h: Tensor) -> Tensor:
+            out, k, v = self.self_attn.forward_cached(h, cos, sin, past_k, past_v, mask)
+            new.append((k, v))
+            return out
+
+        x = self._block(x, embeds, attend)
+        return x, *new[0]
+
+    def _block(self, x: Tensor, embeds: Tensor | None, attend) -> Tensor:
         if self.first:
             hidden = self.hidden_norm(x)
             residual = hidden if self.norm_before_residual else x
             attn_in = torch.cat([self.input_layernorm(embeds), hidden], dim=-1)
         else:
             residual, attn_in = x, self.input_layernorm(x)
-        x = residual + self.self_attn(attn_in, cos, sin, mask)
+        x = residual + attend(attn_in)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -320,7 +358,7 @@ class PEagleDrafter(nn.Module):
             )
         dtype = self.fc.weight.dtype
         projected = self.project(hidden.to(dtype))  # fc on the T depth-0 rows ...
-        mask_projected = self.project(self.mask_hidden.reshape(1, width).to(dtype))[0]  # ... and once on mask_hidden
+        mask_projected = self.projected_mask_hidden()  # ... and once on mask_hidden
         inputs = cod_gather(input_ids, projected, mask_projected, anchors, depths, cfg.mask_token_id, cfg.vocab_size)
         if mask is None:
             mask = self.element_mask(anchors, depths, document_ids, attention)
@@ -373,3 +411,45 @@ class PEagleDrafter(nn.Module):
         positions = torch.arange(ids.numel(), device=ids.device) + start_position
         out = self._trunk(self.embed_tokens(ids), feats, positions, None)
         return self.lm_head(out)
+
+    def forward_cached(
+        self,
+        input_ids: Tensor,
+        feats: Tensor,
+        position_ids: Tensor,
+        context: list[tuple[Tensor, Tensor]],
+        mask: Tensor,
+        rows: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, list[tuple[Tensor, Tensor]]]:
+        """The drafter on a batch of new elements after cached ones (what a serving loop runs every round).
+
+        Args:
+            input_ids: [B, n] token of each new element; feats: [B, n, H] its features (``project`` of target
+                states or of ``mask_hidden``, or a hidden state the drafter produced, as in :meth:`forward_features`).
+            position_ids: [B, n].
+            context: per layer the cached keys and values [B, C, kv_heads, head_dim] (as this method returned them).
+            mask: [B, n, C + n] bool, which cached and new elements each new element sees (every row must see one).
+            rows: [B, m] indices into n: the elements whose logits and hidden states are wanted (default: all).
+
+        Returns:
+            logits [B, m, draft_vocab], the hidden states [B, m, H] autoregressive drafting feeds back (as
+            :meth:`forward_features`), and per layer the new elements' keys and values [B, n, kv_heads, head_dim].
+        """
+        batch, n = input_ids.shape
+        embeds = self.embed_tokens(input_ids.long())
+        cos, sin = self.rotary(position_ids.reshape(-1), feats.dtype)
+        cos, sin = cos.view(batch, n, -1), sin.view(batch, n, -1)
+        x = feats
+        new_kv = []
+        for layer, (past_k, past_v) in zip(self.layers, context, strict=True):
+            x, k, v = layer.forward_cached(x, cos, sin, past_k, past_v, mask, embeds)
+            new_kv.append((k, v))
+        if rows is not None:
+            x = x.gather(1, rows[..., None].expand(-1, -1, x.shape[-1]))
+        out = self.norm(x)
+        return self.lm_head(out), out if self.config.norm_output else x, new_kv
+
+    def projected_mask_hidden(self) -> Tensor:
+        """``project(mask_hidden)`` [H]: the features of every mask element."""
+        width = self.config.num_aux * self.config.hidden_size
+        return self.project(self.mask_hidden.reshape(1, width).to(self.fc.weight.dtype))[0]

@@ -1,0 +1,463 @@
+"""SpeculativeDecoder: the round loop over a batch of requests; stopping and metrics.
+
+Per generate call: prefill commits every prompt in the target's paged cache and yields the first token (the target's
+own: greedy argmax or a sample); the drafter then commits one element per prompt token. Each round, for the requests
+still running:
+
+1. draft (:mod:`peagle.decode.drafting`): the drafter runs the elements committed last round and drafts a tree whose
+   root is the last emitted token;
+2. one target forward over every tree node (:class:`peagle.decode.target.TargetRunner`): node i at KV slot
+   ``seq_len + i``, position ``seq_len + depth[i]``, tree attention mask;
+3. verify: ``tree_verify_greedy`` (temperature 0) or ``tree_rejection_sample`` on the target rows after temperature /
+   top-k / top-p (:mod:`peagle.decode.sampling`), with the draft probabilities of sampled drafts and per-request
+   uniforms;
+4. commit: ``kv_compact`` moves the accepted path's KV entries behind the committed prefix (``seq_len +=
+   num_accepted + 1``), hybrid targets commit their GDN/conv states at the last accepted node, and the accepted
+   nodes' target states paired with the next tokens become the drafter's next elements;
+5. emit: the host reads the emitted tokens once per round; a request stops at EOS or ``max_new_tokens`` (also inside an
+   accepted run: the rest is dropped).
+
+Everything a round needs stays on the tensors' device; only the emitted tokens and counts are read back.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from peagle.decode.drafting import DraftTree, Eagle3Drafting, PEagleDrafting, Sampling, root_tree
+from peagle.decode.sampling import DRAFT_STREAM, STREAMS, VERIFY_STREAM, target_probs, uniforms
+from peagle.decode.target import TargetRunner
+from peagle.model import PEagleDrafter, from_pretrained
+from peagle.ops import TreeVerifyOutput, tree_rejection_sample, tree_verify_greedy
+
+__all__ = ["GenerateMetrics", "GenerateOutput", "RequestStats", "SpeculativeDecoder"]
+
+Mode = Literal["chain", "tree"]
+Method = Literal["peagle", "eagle3"]
+DraftSampling = Literal["gumbel", "topk"]
+
+
+@dataclass
+class RequestStats:
+    """One request's figures. A round is one target forward after prefill (prefill's first token is not counted)."""
+
+    prompt_tokens: int
+    new_tokens: int
+    finish_reason: str  # "eos" or "length"
+    accepted: list[int]  # accepted drafts of each round (the verifier emitted one token more)
+    max_depth: int  # the deepest draft position of the configuration
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def emitted(self) -> int:
+        """Tokens the verifier emitted over the rounds, before truncation at EOS / max_new_tokens."""
+        return sum(self.accepted) + len(self.accepted)
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens emitted per target forward."""
+        return self.emitted / self.rounds if self.rounds else 0.0
+
+    @property
+    def conditional_acceptance(self) -> list[float]:
+        """P(draft position d accepted | positions < d accepted), d = 1 .. max_depth."""
+        return _conditional(self.accepted, self.max_depth)
+
+
+@dataclass
+class GenerateMetrics:
+    """Figures over all requests of a generate call (times in seconds, wall clock)."""
+
+    new_tokens: int
+    rounds: int  # batched target forwards after prefill
+    request_rounds: int  # sum over requests of their rounds
+    acceptance_length: float  # tokens emitted per target forward of a request
+    conditional_acceptance: list[float]  # P(position d accepted | positions < d accepted), d = 1 ..
+    prefill_s: float
+    draft_s: float
+    verify_s: float  # target forward + verification
+    other_s: float  # commit, read-back, bookkeeping
+    total_s: float
+    tokens_per_s: float  # new tokens / total_s
+
+
+@dataclass
+class GenerateOutput:
+    tokens: list[list[int]]  # new tokens per request (EOS included when it stopped the request)
+    requests: list[RequestStats]
+    metrics: GenerateMetrics
+
+
+def _conditional(accepted: Sequence[int], depth: int) -> list[float]:
+    counts = torch.bincount(torch.tensor(accepted, dtype=torch.long), minlength=depth + 1)[: depth + 1]
+    reached = counts.flip(0).cumsum(0).flip(0).tolist()  # reached[d]: rounds with >= d accepted drafts
+    return [reached[d] / reached[d - 1] if reached[d - 1] else 0.0 for d in range(1, depth + 1)]
+
+
+class SpeculativeDecoder:
+    """Speculative decoding of a Hugging Face target with a P-EAGLE / EAGLE-3 drafter (or the target alone).
+
+    Args:
+        target: a model directory or a transformers causal LM of model_type llama, mistral, qwen2, qwen3 or
+            qwen3_next.
+        drafter: a drafter checkpoint directory, a :class:`~peagle.model.PEagleDrafter`, or None (target-only
+            decoding: one token per target forward).
+        mode: "chain" or "tree".
+        method: "peagle" (parallel drafting: depth <= the drafter's K) or "eagle3" (autoregressive); default "peagle"
+            for drafters with K > 1, "eagle3" for K = 1.
+        depth: drafts per chain / tree depth (P-EAGLE: default K; EAGLE-3: default 4).
+        topk: tree branching. P-EAGLE: children per node at each depth (an int for every depth, or one per depth;
+            default 2); EAGLE-3: the EAGLE-2 top-k (default 4).
+        num_nodes: tree node budget, root included (default 16, at most the full tree).
+        draft_sampling: at temperature > 0, "gumbel" draws drafts without replacement from the drafter's
+            distribution; "topk" drafts deterministically (as at temperature 0). Both are lossless.
+        block_size: paged KV cache block size; prefill_chunk: prompt tokens per prefill forward.
+        dtype, device: of the target (a directory loads in float32 on the CPU by default; a module given with them
+            is moved). The drafter follows the target's device and keeps its own dtype.
+    """
+
+    def __init__(
+        self,
+        target: str | os.PathLike | nn.Module,
+        drafter: str | os.PathLike | PEagleDrafter | None = None,
+        mode: Mode = "chain",
+        *,
+        method: Method | None = None,
+        depth: int | None = None,
+        topk: int | Sequence[int] | None = None,
+        num_nodes: int | None = None,
+        draft_sampling: DraftSampling = "gumbel",
+        block_size: int = 16,
+        prefill_chunk: int = 256,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+    ) -> None:
+        if mode not in ("chain", "tree"):
+            raise ValueError(f"mode must be 'chain' or 'tree', got {mode!r}")
+        if draft_sampling not in ("gumbel", "topk"):
+            raise ValueError(f"draft_sampling must be 'gumbel' or 'topk', got {draft_sampling!r}")
+        drafter = _load_drafter(drafter)
+        aux = drafter.config.aux_layer_ids if drafter is not None else ()
+        self.runner = TargetRunner(
+            target, aux, block_size=block_size, prefill_chunk=prefill_chunk, dtype=dtype, device=device
+        )
+        self.mode, self.draft_sampling, self.block_size = mode, draft_sampling, block_size
+        self.drafting: PEagleDrafting | Eagle3Drafting | None = None
+        if drafter is not None:
+            self.drafting = self._drafting(drafter.to(self.runner.device), mode, method, depth, topk, num_nodes)
+            limit = self.runner.max_nodes
+            if limit is not None and self.drafting.max_nodes > limit:
+                raise ValueError(
+                    f"a hybrid target verifies at most {limit} nodes per tree; this configuration "
+                    f"drafts up to {self.drafting.max_nodes} (lower num_nodes or depth)"
+                )
+        elif any(v is not None for v in (method, depth, topk, num_nodes)):
+            raise ValueError("method, depth, topk and num_nodes need a drafter (drafter=None decodes with the target)")
+
+    @property
+    def max_depth(self) -> int:
+        return self.drafting.depth if self.drafting is not None else 0
+
+    def _drafting(self, drafter: PEagleDrafter, mode, method, depth, topk, num_nodes):
+        cfg = self.runner.config
+        dcfg = drafter.config
+        if dcfg.hidden_size != cfg.hidden_size or dcfg.vocab_size != self.runner.vocab_size:
+            raise ValueError(
+                f"drafter (hidden_size {dcfg.hidden_size}, vocab_size {dcfg.vocab_size}) does not fit the target "
+                f"(hidden_size {cfg.hidden_size}, vocab_size {self.runner.vocab_size})"
+            )
+        method = method or ("peagle" if dcfg.num_depths > 1 else "eagle3")
+        if method not in ("peagle", "eagle3"):
+            raise ValueError(f"method must be 'peagle' or 'eagle3', got {method!r}")
+        vocab = self.runner.vocab_size
+        if method == "peagle":
+            depth = dcfg.num_depths if depth is None else depth
+            if not isinstance(depth, int) or not 1 <= depth <= dcfg.num_depths:
+                raise ValueError(f"depth must be an int in [1, {dcfg.num_depths}] (the drafter's K), got {depth!r}")
+            topk = [2] * depth if topk is None else [topk] * depth if isinstance(topk, int) else list(topk)
+            if len(topk) != depth or not all(isinstance(k, int) and 1 <= k <= dcfg.draft_vocab_size for k in topk):
+                raise ValueError(
+                    f"topk must be an int or {depth} ints in [1, {dcfg.draft_vocab_size}] (one per depth), got {topk!r}"
+                )
+            full = 1 + sum(math.prod(topk[: d + 1]) for d in range(depth))
+            num_nodes = _budget(num_nodes, full)
+            return PEagleDrafting(drafter, vocab, mode, depth, topk, num_nodes)
+        depth = 4 if depth is None else depth
+        if not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"depth must be an int >= 1, got {depth!r}")
+        topk = 4 if topk is None else topk
+        if not isinstance(topk, int) or not 1 <= topk <= dcfg.draft_vocab_size:
+            raise ValueError(f"topk must be an int in [1, {dcfg.draft_vocab_size}] for EAGLE-3, got {topk!r}")
+        num_nodes = _budget(num_nodes, 1 + topk + (depth - 1) * topk * topk)
+        return Eagle3Drafting(drafter, vocab, mode, depth, topk, num_nodes)
+
+    # -----------------------------------------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        eos_token_id: int | Sequence[int] | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | Sequence[int] = 0,
+    ) -> GenerateOutput:
+        """Generates up to ``max_new_tokens`` tokens for every prompt (token-id lists, ragged).
+
+        ``temperature`` 0 decodes greedily; above 0 the output is distributed as the target's samples after
+        temperature / top-k (0 = off) / top-p (1 = off). ``seed``: one int (request i uses seed + i) or one per
+        request, each in [0, 2^32); a request's output depends only on its prompt and its seed.
+        """
+        vocab = self.runner.vocab_size
+        prompt_list = _check_prompts(prompts, vocab)
+        eos = _check_eos(eos_token_id, vocab)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+        if not isinstance(top_k, int) or top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
+        seeds = _check_seeds(seed, len(prompt_list))
+        return _Generation(self, prompt_list, max_new_tokens, eos, float(temperature), top_p, top_k, seeds).run()
+
+
+def _budget(num_nodes: int | None, full: int) -> int:
+    if num_nodes is None:
+        return min(16, full)
+    if not isinstance(num_nodes, int) or num_nodes < 2:
+        raise ValueError(f"num_nodes must be an int >= 2 (the root and at least one draft), got {num_nodes!r}")
+    return min(num_nodes, full)
+
+
+def _load_drafter(drafter) -> PEagleDrafter | None:
+    if drafter is None or isinstance(drafter, PEagleDrafter):
+        return drafter
+    if isinstance(drafter, (str, os.PathLike)):
+        return from_pretrained(drafter)
+    raise TypeError(f"drafter must be a checkpoint directory, a PEagleDrafter or None, got {type(drafter).__name__}")
+
+
+def _ints(values) -> list[int] | None:
+    """The values as Python ints (numpy / torch integers accepted), or None if one is not an integer."""
+    try:
+        return [operator.index(v) for v in values]
+    except TypeError:
+        return None
+
+
+def _check_prompts(prompts, vocab: int) -> list[list[int]]:
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, Tensor)) or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    result = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, Tensor):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, Sequence) or isinstance(prompt, (str, bytes)) or len(prompt) == 0:
+            raise ValueError(f"prompts[{i}] must be a non-empty list of token ids")
+        ids = _ints(prompt)
+        if ids is None or not all(0 <= t < vocab for t in ids):
+            raise ValueError(f"prompts[{i}] must hold token ids in [0, {vocab}), got {list(prompt)!r}")
+        result.append(ids)
+    return result
+
+
+def _check_eos(eos, vocab: int) -> set[int]:
+    values = _ints([] if eos is None else [eos] if not isinstance(eos, Sequence) else eos)
+    if values is None or not all(0 <= t < vocab for t in values):
+        raise ValueError(f"eos_token_id must be None, a token id or token ids in [0, {vocab}), got {eos!r}")
+    return set(values)
+
+
+def _check_seeds(seed, batch: int) -> list[int]:
+    if isinstance(seed, Sequence):
+        seeds = _ints(seed)
+    else:
+        single = _ints([seed])
+        seeds = None if single is None else [single[0] + i for i in range(batch)]
+    if seeds is None or len(seeds) != batch or not all(0 <= s < 2**32 for s in seeds):
+        raise ValueError(f"seed must be an int or {batch} ints (one per request), each in [0, 2^32), got {seed!r}")
+    return seeds
+
+
+class _Clock:
+    """Wall-clock spans of the phases of a round: perf_counter on the CPU, CUDA events on the GPU (read once at the
+    end, so timing adds no synchronisation inside a round)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.spans: dict[str, list] = {}
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def add(self, name: str, start, end) -> None:
+        self.spans.setdefault(name, []).append((start, end))
+
+    def total(self, name: str) -> float:
+        spans = self.spans.get(name, [])
+        if self.cuda:
+            torch.cuda.synchronize()
+            return sum(start.elapsed_time(end) for start, end in spans) / 1000.0
+        return sum(end - start for start, end in spans)
+
+
+class _Generation:
+    """The state of one generate call."""
+
+    def __init__(self, decoder: SpeculativeDecoder, prompts, max_new_tokens, eos, temperature, top_p, top_k, seeds):
+        self.decoder, self.runner, self.drafting = decoder, decoder.runner, decoder.drafting
+        self.prompts, self.max_new, self.eos = prompts, max_new_tokens, eos
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.device = self.runner.device
+        self.seeds = torch.tensor(seeds, dtype=torch.long, device=self.device)
+        self.gumbel = temperature > 0 and decoder.draft_sampling == "gumbel"
+        batch = len(prompts)
+        self.tokens: list[list[int]] = [[] for _ in range(batch)]
+        self.finish = [""] * batch
+        self.accepted: list[list[int]] = [[] for _ in range(batch)]
+        self.clock = _Clock(self.device)
+        self.batched_rounds = 0
+
+    def run(self) -> GenerateOutput:
+        start = time.perf_counter()
+        mark = self.clock.mark()
+        roots = self._prefill()
+        self.clock.add("prefill", mark, self.clock.mark())
+        active = [r for r in range(len(self.prompts)) if not self.finish[r]]
+        step = 1
+        while active:
+            active = self._round(active, roots, step)
+            step += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return self._output(time.perf_counter() - start)
+
+    @torch.no_grad()
+    def _prefill(self) -> Tensor:
+        runner, batch = self.runner, len(self.prompts)
+        max_nodes = self.drafting.max_nodes if self.drafting is not None else 1
+        longest = max(len(p) for p in self.prompts)
+        capacity = longest + self.max_new + max_nodes + 1
+        runner.allocate(batch, capacity)
+        last, aux = runner.prefill(self.prompts)
+        roots = torch.zeros(batch, dtype=torch.long, device=self.device)
+        rows = torch.arange(batch, device=self.device)
+        first = self._verify(root_tree(roots), runner.logits(last)[:, None], rows, 0).emitted_tokens[:, 0]
+        host_first = first.tolist()
+        for r, token in enumerate(host_first):
+            self._emit(r, [token])
+        if self.drafting is not None:
+            self.drafting.allocate(batch, capacity, max(longest, max_nodes + 1), self.decoder.block_size)
+            # Element i pairs token x_{i+1} with g_i: the prompt's tokens after the first, then the first new token.
+            padded = [
+                [*p[1:], first, *[0] * (longest - len(p))] for p, first in zip(self.prompts, host_first, strict=True)
+            ]
+            tokens = torch.tensor(padded, dtype=torch.long, device=self.device)
+            lengths = [len(p) for p in self.prompts]
+            self.drafting.set_pending(rows, list(range(batch)), tokens, aux, lengths)
+        return first
+
+    def _verify(self, tree: DraftTree, logits: Tensor, rows: Tensor, step: int) -> TreeVerifyOutput:
+        if self.temperature == 0:
+            return tree_verify_greedy(tree.parent, tree.tokens, tree.num_nodes, logits.float())
+        probs = target_probs(logits, self.temperature, self.top_k, self.top_p)
+        u = uniforms(self.seeds[rows], step * STREAMS + VERIFY_STREAM, tree.tokens.shape[1])
+        return tree_rejection_sample(tree.parent, tree.tokens, tree.num_nodes, probs, tree.draft_probs, u)
+
+    def _emit(self, request: int, tokens: list[int]) -> None:
+        """Appends a request's new tokens up to EOS / max_new_tokens and marks it finished there."""
+        out = self.tokens[request]
+        room = self.max_new - len(out)
+        for i, token in enumerate(tokens[:room]):
+            if token in self.eos:
+                out.extend(tokens[: i + 1])
+                self.finish[request] = "eos"
+                return
+        out.extend(tokens[:room])
+        if len(out) >= self.max_new:
+            self.finish[request] = "length"
+
+    @torch.no_grad()
+    def _round(self, active: list[int], roots: Tensor, step: int) -> list[int]:
+        runner, drafting = self.runner, self.drafting
+        rows = torch.tensor(active, device=self.device)
+        clock = self.clock
+        t0 = clock.mark()
+        if drafting is None:
+            tree = root_tree(roots[rows])
+        else:
+            offset = step * STREAMS + DRAFT_STREAM
+            sampling = Sampling(self.temperature, self.gumbel, self.seeds[rows], offset)
+            tree = drafting.draft(rows, active, roots[rows], sampling)
+        t1 = clock.mark()
+        final, aux = runner.forward(rows, active, tree.tokens, tree.depth, tree.mask, tree.parent, tree.num_nodes)
+        result = self._verify(tree, runner.logits(final), rows, step)
+        t2 = clock.mark()
+        # The one read-back of the round.
+        emitted, accepted = (
+            torch.cat([result.emitted_tokens, result.num_accepted[:, None]], 1)
+            .cpu()
+            .split([result.emitted_tokens.shape[1], 1], 1)
+        )
+        host_accepted = accepted[:, 0].tolist()
+        runner.commit(rows, active, result.accepted_path, result.num_accepted, result.last_node, host_accepted)
+        width = max(host_accepted) + 1
+        rows_index = torch.arange(len(active), device=self.device)
+        roots[rows] = result.emitted_tokens[rows_index, result.num_accepted]
+        if drafting is not None:
+            path = result.accepted_path[:, :width].clamp(min=0)
+            new_aux = aux.gather(1, path[..., None].expand(-1, -1, aux.shape[2]))
+            counts = [m + 1 for m in host_accepted]
+            drafting.set_pending(rows, active, result.emitted_tokens[:, :width].clamp(min=0), new_aux, counts)
+        host_emitted = emitted.tolist()
+        for i, r in enumerate(active):
+            m = host_accepted[i]
+            self.accepted[r].append(m)
+            self._emit(r, host_emitted[i][: m + 1])
+        self.batched_rounds += 1
+        clock.add("draft", t0, t1)
+        clock.add("verify", t1, t2)
+        clock.add("other", t2, clock.mark())
+        return [r for r in active if not self.finish[r]]
+
+    def _output(self, total: float) -> GenerateOutput:
+        depth = self.decoder.max_depth
+        requests = [
+            RequestStats(len(p), len(self.tokens[r]), self.finish[r], self.accepted[r], depth)
+            for r, p in enumerate(self.prompts)
+        ]
+        every = [a for accepted in self.accepted for a in accepted]
+        new_tokens = sum(len(t) for t in self.tokens)
+        metrics = GenerateMetrics(
+            new_tokens=new_tokens,
+            rounds=self.batched_rounds,
+            request_rounds=len(every),
+            acceptance_length=(sum(every) + len(every)) / len(every) if every else 0.0,
+            conditional_acceptance=_conditional(every, depth),
+            prefill_s=self.clock.total("prefill"),
+            draft_s=self.clock.total("draft"),
+            verify_s=self.clock.total("verify"),
+            other_s=self.clock.total("other"),
+            total_s=total,
+            tokens_per_s=new_tokens / total if total > 0 else 0.0,
+        )
+        return GenerateOutput(self.tokens, requests, metrics)
