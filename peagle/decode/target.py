@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -31,9 +32,25 @@ from torch import Tensor, nn
 from peagle.decode.hybrid import MAX_GDN_NODES, GdnStates, gated_attention_projections
 from peagle.decode.kv_cache import PagedKVCache
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "TargetRunner", "load_target_model"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "TargetRunner", "load_target", "load_target_model"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_next")
+
+
+def load_target(
+    path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> nn.Module:
+    """A transformers causal LM from a directory, with weights owned in memory, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    if not Path(path).exists():
+        raise FileNotFoundError(f"target model directory {path} does not exist")
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    with torch.no_grad():
+        # Own the weights instead of reading a memory-mapped file on every use (much faster on the CPU).
+        for param in model.parameters():
+            param.data = param.data.clone()
+    return model.to(device).eval()
 
 
 def load_target_model(
@@ -41,8 +58,6 @@ def load_target_model(
 ) -> nn.Module:
     """The target module (from a directory, or as given) after checking that its family is supported."""
     if isinstance(target, (str, os.PathLike)):
-        from peagle.train.extract import load_target
-
         model = load_target(target, dtype=dtype or torch.float32, device=device or "cpu")
     elif isinstance(target, nn.Module):
         model = target

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 from safetensors.torch import load_file
 
+from peagle.decode.target import load_target
 from peagle.io import atomic_save_tensors, atomic_write_json
 from peagle.model.config import default_aux_layer_ids
 from peagle.train.data import MANIFEST, iter_prepared_rows, read_manifest
@@ -34,25 +35,11 @@ __all__ = [
     "ExtractionTarget",
     "extract",
     "extraction_backends",
-    "load_target",
     "load_target_head",
     "register_extraction_backend",
 ]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-
-
-def load_target(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    from transformers import AutoModelForCausalLM
-
-    if not Path(path).exists():
-        raise FileNotFoundError(f"target model directory {path} does not exist")
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-    with torch.no_grad():
-        # Own the weights instead of reading a memory-mapped file on every use (much faster on the CPU).
-        for param in model.parameters():
-            param.data = param.data.clone()
-    return model.to(device).eval()
 
 
 def _target_text_config(model):
