@@ -18,7 +18,13 @@ KEYS = ["messages", "conversations", "conversation", "text", "prompt_ids", "comp
         "from", "value"]  # fmt: skip
 ROLES = ["user", "assistant", "system", "human", "gpt", "tool", ""]
 
-scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True) | st.text(max_size=12)
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True, allow_subnormal=False)
+    | st.text(max_size=12)
+)
 words = st.lists(st.sampled_from(["w1", "w2", "w30", "hello", "<|end|>", "<s>"]), max_size=6).map(" ".join)
 json_values = st.recursive(
     scalars | words,
@@ -32,7 +38,11 @@ turn = st.fixed_dictionaries(
 ) | st.fixed_dictionaries({"from": st.sampled_from(ROLES), "value": words})
 token_ids = st.lists(st.integers(-3, 80) | json_values, max_size=6)
 records = (
-    st.fixed_dictionaries({st.sampled_from(["messages", "conversations"]): st.lists(turn, max_size=4) | json_values})
+    st.builds(
+        lambda key, turns: {key: turns},
+        st.sampled_from(["messages", "conversations"]),
+        st.lists(turn, max_size=4) | json_values,
+    )
     | st.fixed_dictionaries({"text": words | json_values})
     | st.fixed_dictionaries({"completion_ids": token_ids}, optional={"prompt_ids": token_ids})
     | st.fixed_dictionaries({"prompt_ids": token_ids})
@@ -51,7 +61,7 @@ def tokenizer(tmp_path_factory):
     return tiny_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(content=lines)
 def test_any_line_is_a_document_or_an_error_naming_its_line(tokenizer, tmp_path, content):
     source = Path(tmp_path) / "data.jsonl"
