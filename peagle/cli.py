@@ -76,8 +76,11 @@ def cmd_example(args: argparse.Namespace) -> int:
     return 0 if same else 1
 
 
-def _ints(text: str) -> list[int]:
-    return [int(t) for t in text.split(",") if t.strip()]
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
 
 
 def _floats(text: str) -> list[float]:
@@ -176,7 +179,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
         args.data,
         args.target,
         args.out,
-        _ints(args.layers) if args.layers else None,
+        _ints(args.layers, "--layers") if args.layers else None,
         args.dtype,
         args.rows_per_shard,
         args.device,

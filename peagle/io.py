@@ -115,7 +115,9 @@ def staging_directory(final: str | os.PathLike) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     for old in final.parent.glob(f".{final.name}.staging-*"):
         shutil.rmtree(old, ignore_errors=True)
-    return Path(tempfile.mkdtemp(prefix=f".{final.name}.staging-", dir=final.parent))
+    staging = final.parent / f".{final.name}.staging-{os.getpid()}-{os.urandom(4).hex()}"
+    staging.mkdir()  # the usual permissions (mkdtemp's would be owner-only once published)
+    return staging
 
 
 def publish_directory(staging: str | os.PathLike, final: str | os.PathLike) -> None:

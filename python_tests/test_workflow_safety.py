@@ -233,6 +233,7 @@ BAD_ARGUMENTS = {
         lambda w, t: extract_argv(w, w / "prep", t / "new", "--rows-per-shard", "0"),
         "--rows-per-shard",
     ),
+    "extract layers not integers": (lambda w, t: extract_argv(w, w / "prep", t / "new", "--layers", "1,x"), "--layers"),
     "extract out a file": (lambda w, t: extract_argv(w, w / "prep", t / "a-file"), "--out"),
     "eval max-rows 0": (
         lambda w, t: ["eval", "--checkpoint", str(t / "ckpt"), "--data", str(w / "ext"), "--max-rows", "0"],

@@ -9,7 +9,11 @@ not reproduce exactly since BPE decoding does not round-trip.
 
 Output directory: ``rows-XXXXX.safetensors`` shards (``input_ids`` int32 [R, T], ``loss_mask`` uint8 [R, T],
 ``document_ids`` int32 [R, T], -1 = padding), ``token_freq.safetensors`` (counts of trained tokens, for a draft
-vocabulary), the tokenizer, and ``manifest.json``. Documents stream through: only one shard is held in memory.
+vocabulary), the tokenizer, and ``manifest.json`` (shards with their rows and sizes; readers check it against the
+files). Documents stream through: only one shard is held in memory. The directory is built beside the output and
+published whole, so a failed run never leaves new shards beside an old manifest.
+
+A bad record raises ValueError "FILE:LINE: reason"; a record with nothing to train is skipped and counted.
 """
 
 from __future__ import annotations
@@ -83,7 +87,7 @@ def read_located_records(source: str) -> Iterator[tuple[str, dict[str, Any]]]:
         try:
             import datasets
         except ImportError as err:
-            raise RuntimeError("reading hf:NAME needs the `datasets` package (pip install datasets)") from err
+            raise ValueError(f"input (--input) {source} needs the `datasets` package (pip install datasets)") from err
         name, _, split = source[3:].partition(":")
         for number, record in enumerate(datasets.load_dataset(name, split=split or "train", streaming=True), 1):
             yield f"{source} record {number}", dict(record)

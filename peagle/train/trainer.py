@@ -56,7 +56,9 @@ class TrainArgs:
     """Settings of one training run: the fields of ``peagle train`` (each field's metadata holds its option)."""
 
     data: str = option(help="an extract output directory")
-    out: str = option(help="output directory: checkpoints, metrics.jsonl, final/")
+    out: str = option(
+        help="output directory: checkpoints, metrics.jsonl, final/; new or empty unless --resume or --overwrite"
+    )
     num_layers: int = option(4, "drafter decoder layers", flag="--layers")
     num_depths: int = option(8, "parallel depths K, 1 = EAGLE-3", flag="--depths")
     num_heads: int | None = option(None, "attention heads (default: the target's)", flag="--heads")
