@@ -72,11 +72,19 @@ def atomic_torch_save(path: str | os.PathLike, obj: Any) -> None:
 # Output directories: staged and published whole, or refused when they hold an earlier run.
 
 
-def check_output_directory(path: str | os.PathLike, flag: str = "--out") -> Path:
-    """``path`` as a Path; ValueError naming ``flag`` when it exists and is not a directory."""
+def check_output_directory(
+    path: str | os.PathLike, inputs: dict[str, str | os.PathLike] | None = None, flag: str = "--out"
+) -> Path:
+    """``path`` as a Path; ValueError naming ``flag`` when it exists and is not a directory, or when it is or holds
+    one of ``inputs`` ({option: path}): clearing or replacing it would destroy that input."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ValueError(f"output ({flag}) {path} is a file; expected a directory (new or empty)")
+    out = path.resolve()
+    for option, source in (inputs or {}).items():
+        resolved = Path(source).resolve()
+        if resolved == out or out in resolved.parents:
+            raise ValueError(f"output ({flag}) {path} holds the input ({option}) {source}; choose another directory")
     return path
 
 

@@ -235,6 +235,9 @@ BAD_ARGUMENTS = {
     ),
     "extract layers not integers": (lambda w, t: extract_argv(w, w / "prep", t / "new", "--layers", "1,x"), "--layers"),
     "extract out a file": (lambda w, t: extract_argv(w, w / "prep", t / "a-file"), "--out"),
+    "prepare out holds the input": (lambda w, t: prepare_argv(w, w / "chats.jsonl", w, "--overwrite"), "--input"),
+    "extract out is the data": (lambda w, t: extract_argv(w, w / "prep", w / "prep", "--overwrite"), "--data"),
+    "train out holds the data": (lambda w, t: train_argv(w, w, "--overwrite"), "--data"),
     "eval max-rows 0": (
         lambda w, t: ["eval", "--checkpoint", str(t / "ckpt"), "--data", str(w / "ext"), "--max-rows", "0"],
         "--max-rows",

@@ -263,7 +263,12 @@ MAX_SEQ_LEN = 1 << 20  # positions of a packed row; far beyond what one row's tr
 
 
 def check_prepare_args(
-    source: str, out_dir: str | os.PathLike, seq_len: int, rows_per_shard: int, max_records: int | None
+    source: str,
+    out_dir: str | os.PathLike,
+    seq_len: int,
+    rows_per_shard: int,
+    max_records: int | None,
+    tokenizer_path: str | os.PathLike = "",
 ) -> None:
     """ValueError naming the option of the first bad argument of :func:`prepare_data` (before any work)."""
     if not 4 <= seq_len <= MAX_SEQ_LEN:
@@ -272,9 +277,10 @@ def check_prepare_args(
         raise ValueError(f"rows_per_shard (--rows-per-shard) must be at least 1, got {rows_per_shard}")
     if max_records is not None and max_records < 1:
         raise ValueError(f"max_records (--max-records) must be at least 1 (or None for all), got {max_records}")
-    if not source.startswith("hf:"):
-        _input_file(source)
-    check_output_directory(out_dir)
+    inputs = {} if source.startswith("hf:") else {"--input": _input_file(source)}
+    if tokenizer_path:
+        inputs["--tokenizer"] = tokenizer_path
+    check_output_directory(out_dir, inputs)
 
 
 def prepare_data(
@@ -293,7 +299,7 @@ def prepare_data(
     fails leaves ``out_dir`` as it was. A non-empty ``out_dir`` is refused unless ``overwrite`` (then it is replaced
     when the new data is complete). Records with nothing to train (a chat without an assistant turn, an empty
     completion) are skipped and counted in the manifest (``skipped_records``, ``first_skipped``)."""
-    check_prepare_args(source, out_dir, seq_len, rows_per_shard, max_records)
+    check_prepare_args(source, out_dir, seq_len, rows_per_shard, max_records, tokenizer_path)
     out = Path(out_dir)
     if not overwrite and not is_empty_directory(out):
         raise ValueError(

@@ -229,7 +229,7 @@ def extract(
         raise ValueError(f"dtype (--dtype) must be one of {sorted(DTYPES)}, got {dtype!r}")
     if rows_per_shard < 1:
         raise ValueError(f"rows_per_shard (--rows-per-shard) must be at least 1, got {rows_per_shard}")
-    out = check_output_directory(out_dir)
+    out = check_output_directory(out_dir, {"--data": data_dir, "--target": target_path})
     registered = _backend(backend)
     prepared = read_manifest(data_dir, "peagle-prepared")
     if not Path(target_path).exists():

@@ -148,7 +148,7 @@ class TrainArgs:
             )
         if self.resume and self.overwrite:
             raise ValueError("--overwrite clears --out, --resume continues it: give one of them")
-        check_output_directory(self.out)
+        check_output_directory(self.out, {"--data": self.data})
 
 
 def _flag(name: str) -> str:
