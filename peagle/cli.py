@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import time
 import types
 import typing
@@ -75,8 +76,11 @@ def cmd_example(args: argparse.Namespace) -> int:
     return 0 if same else 1
 
 
-def _ints(text: str) -> list[int]:
-    return [int(t) for t in text.split(",") if t.strip()]
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
 
 
 def _floats(text: str) -> list[float]:
@@ -131,8 +135,21 @@ def cmd_prepare_data(args: argparse.Namespace) -> int:
     from peagle.train.data import prepare_data
 
     manifest = prepare_data(
-        args.input, args.tokenizer, args.out, args.seq_len, args.rows_per_shard, args.max_records, not args.quiet
+        args.input,
+        args.tokenizer,
+        args.out,
+        args.seq_len,
+        args.rows_per_shard,
+        args.max_records,
+        not args.quiet,
+        args.overwrite,
     )
+    if manifest["skipped_records"]:
+        print(
+            f"peagle prepare-data: skipped {manifest['skipped_records']} records with nothing to train (a chat "
+            f"without an assistant turn, or an empty completion), first at {manifest['first_skipped']}",
+            file=sys.stderr,
+        )
     print(
         f"prepared {manifest['num_rows']} rows of T = {manifest['seq_len']} ({manifest['trained_tokens']} trained "
         f"tokens) in {args.out}"
@@ -162,12 +179,13 @@ def cmd_extract(args: argparse.Namespace) -> int:
         args.data,
         args.target,
         args.out,
-        _ints(args.layers) if args.layers else None,
+        _ints(args.layers, "--layers") if args.layers else None,
         args.dtype,
         args.rows_per_shard,
         args.device,
         not args.quiet,
         args.backend,
+        args.overwrite,
     )
     print(f"extracted {manifest['num_rows']} rows (aux layers {manifest['aux_layer_ids']}) into {args.out}")
     return 0
@@ -192,6 +210,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from peagle.model import from_pretrained
     from peagle.train.evaluate import evaluate, format_table
 
+    for flag, value in (("--max-rows", args.max_rows), ("--depths", args.depths)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1 (or left out), got {value}")
     model = from_pretrained(args.checkpoint, dtype=torch.float32)
     rows = list(range(args.max_rows)) if args.max_rows else None
     if rows is not None:
@@ -262,11 +283,18 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument(
         "--input",
         required=True,
-        help="a .jsonl file ({'messages': [...]}, {'conversations': [...]} "
-        "or {'text': ...} per line) or hf:NAME[:SPLIT] (needs the datasets package)",
+        help="a .jsonl file, one record a line: {'messages': [{'role', 'content'}, ...]} or ShareGPT "
+        "{'conversations': [{'from', 'value'}, ...]} (assistant turns trained), {'text': ...} (every token trained), "
+        "or {'prompt_ids': [...], 'completion_ids': [...]} (token ids; the completion trained, prompt_ids optional); "
+        "or hf:NAME[:SPLIT] (needs the datasets package)",
     )
     prep.add_argument("--tokenizer", required=True, help="the target's tokenizer directory (chat template for chats)")
-    prep.add_argument("--out", required=True, help="output directory")
+    prep.add_argument(
+        "--out",
+        required=True,
+        help="output directory: new or empty (built beside it and published whole when complete)",
+    )
+    prep.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (once the new data is done)")
     prep.add_argument("--seq-len", type=int, default=2048, help="positions T of a packed row (default 2048)")
     prep.add_argument("--rows-per-shard", type=int, default=256, help="rows per output shard (default 256)")
     prep.add_argument("--max-records", type=int, default=None, help="stop after this many records")
@@ -276,7 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
     ext = commands.add_parser("extract", help=cmd_extract.__doc__, description=cmd_extract.__doc__)
     ext.add_argument("--data", required=True, help="a prepare-data output directory")
     ext.add_argument("--target", required=True, help="the target model directory (Hugging Face format)")
-    ext.add_argument("--out", required=True, help="output directory (an interrupted run there resumes)")
+    ext.add_argument(
+        "--out",
+        required=True,
+        help="output directory: new or empty; an interrupted extraction of the same data and settings there resumes",
+    )
+    ext.add_argument("--overwrite", action="store_true", help="clear a non-empty --out that holds anything else")
     ext.add_argument(
         "--layers",
         default=None,
@@ -320,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="draft the K tokens one after another, feeding back the drafter's own hidden state and token (vLLM's "
         "eagle3 proposer without parallel_drafting: how an EAGLE-3 / K = 1 drafter is served)",
     )
-    ev.add_argument("--max-rows", type=int, default=None, help="evaluate the first N rows only")
+    ev.add_argument("--max-rows", type=int, default=None, help="evaluate the first N rows only (N >= 1)")
     ev.add_argument("--json", default=None, help="also write the result to this JSON file")
     ev.set_defaults(func=cmd_eval)
 
@@ -351,8 +384,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (FileNotFoundError, ValueError) as err:
-        # Missing files and mismatched configs: one clear line, not a traceback.
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, ValueError) as err:
+        # Bad input, missing files and mismatched configs: one clear line, not a traceback.
         parser.exit(2, f"peagle {args.command}: error: {err}\n")
 
 

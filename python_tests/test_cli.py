@@ -52,7 +52,7 @@ TRAIN_FLAGS = """
 --fc-norm --norm-before-fc --norm-output --draft-vocab-size --mask-token-id
 --reuse-special-token-as-mask --ratio --ratio-min --max-anchors --segments --memory-budget-mb --loss
 --depth-weights --steps --batch-size --lr --min-lr-ratio --warmup-steps --weight-decay --grad-clip
---seed --attention --save-every --log-every --resume --tensorboard --save-grads-step --quiet""".split()
+--seed --attention --save-every --log-every --resume --overwrite --tensorboard --save-grads-step --quiet""".split()
 
 
 def _train_parser():

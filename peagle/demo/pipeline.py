@@ -338,7 +338,7 @@ def stage_data(run: DemoRun) -> None:
             prepared,
             _complete(prepared),
             lambda records=records, prepared=prepared: prepare_data(
-                str(records), run.target_dir, prepared, run.spec.seq_len, 256, None, run.progress
+                str(records), run.target_dir, prepared, run.spec.seq_len, 256, None, run.progress, overwrite=True
             ),
         )
         # Held-out states in float32: the offline verification takes the target's argmax from them.
@@ -371,6 +371,7 @@ def stage_train_pair(run: DemoRun) -> dict[str, float]:
             max_anchors=spec.max_anchors,
             seed=0,
             progress=run.progress,
+            overwrite=True,  # an unfinished stage starts over
         )
         label = f"train {name} (K = {k}, {spec.steps} steps x {spec.batch_size} rows)"
         run.stages.run(label, out, _complete(out / "final", "config.json"), lambda args=args: train(args))

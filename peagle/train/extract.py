@@ -5,7 +5,8 @@ of decoder layer i, i.e. ``hidden_states[i]`` of Hugging Face, the vLLM conventi
 hidden state [T, H]; the target's LM head (and input embeddings, to initialise the drafter) are written once. The
 target distribution at any position is ``lm_head(final_hidden)``: H numbers a position instead of a vocabulary.
 Each document of a packed row runs separately (no attention across documents). Shards are written atomically and
-recorded in the manifest as they finish, so an interrupted run resumes after the last finished shard.
+recorded in the manifest as they finish, so an interrupted run resumes after the last finished shard; the manifest
+records a digest of the prepared data, so a resumed run never mixes two versions of it.
 
 Backends come from a registry (:func:`register_extraction_backend`): ``hf`` (here) runs the transformers model in this
 process; ``vllm`` runs the target in vLLM and gives the same states within float tolerance. The vLLM backend registers
@@ -26,9 +27,16 @@ import torch
 from safetensors.torch import load_file
 
 from peagle.decode.target import load_target
-from peagle.io import atomic_save_tensors, atomic_write_json
+from peagle.io import (
+    atomic_save_tensors,
+    atomic_write_json,
+    check_output_directory,
+    clear_directory,
+    is_empty_directory,
+    remove_temporaries,
+)
 from peagle.model.config import default_aux_layer_ids
-from peagle.train.data import MANIFEST, iter_prepared_rows, read_manifest
+from peagle.train.data import MANIFEST, iter_prepared_rows, manifest_fingerprint, read_manifest
 
 __all__ = [
     "ExtractionBackend",
@@ -194,15 +202,21 @@ def extract(
     device: str = "cpu",
     progress: bool = True,
     backend: str = "hf",
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Runs step 2 (resuming an interrupted run in ``out_dir``) and returns the manifest.
 
+    ``out_dir`` must be new, empty, or an extraction of the same prepared data with the same settings (which then
+    resumes, or stands when complete); anything else is refused unless ``overwrite``, which clears it first.
     ``backend``: "hf" (transformers, on ``device``), "vllm" (vLLM on its own device; import
     :mod:`peagle.vllm.extract` first) or another registered name (:func:`register_extraction_backend`)."""
     from transformers import AutoConfig
 
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        raise ValueError(f"dtype (--dtype) must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if rows_per_shard < 1:
+        raise ValueError(f"rows_per_shard (--rows-per-shard) must be at least 1, got {rows_per_shard}")
+    out = check_output_directory(out_dir, {"--data": data_dir, "--target": target_path})
     registered = _backend(backend)
     prepared = read_manifest(data_dir, "peagle-prepared")
     if not Path(target_path).exists():
@@ -220,23 +234,32 @@ def extract(
         )
     if registered.check_target is not None:
         registered.check_target(cfg)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     settings = {
         "target": str(Path(target_path).resolve()),
         "data": str(Path(data_dir).resolve()),
+        "data_fingerprint": manifest_fingerprint(prepared),
         "aux_layer_ids": layer_ids,
         "dtype": dtype,
         "rows_per_shard": rows_per_shard,
     }
     manifest_path = out / MANIFEST
-    if manifest_path.exists():
+    if overwrite and out.exists():
+        clear_directory(out)
+    elif manifest_path.exists():
         manifest = read_manifest(out, "peagle-extracted")
         previous = {k: manifest.get(k) for k in settings}
         if previous != settings:
-            raise ValueError(f"{out} holds an extraction with other settings {previous}; use a new directory")
+            changed = ", ".join(f"{k}: {previous[k]!r} -> {v!r}" for k, v in settings.items() if previous[k] != v)
+            raise ValueError(
+                f"output (--out) {out} holds an extraction of other data or settings ({changed}); pass --overwrite "
+                "to replace it"
+            )
         if manifest["complete"]:
             return manifest
+        remove_temporaries(out)
+    elif not is_empty_directory(out):
+        raise ValueError(f"output (--out) {out} is not empty and holds no extraction; pass --overwrite to clear it")
+    out.mkdir(parents=True, exist_ok=True)
     if device == "cpu":
         torch.set_flush_denormal(True)  # tiny activations of random/small targets otherwise run ~10x slower
     states_backend = registered.open(ExtractionTarget(Path(target_path), cfg, layer_ids, prepared["seq_len"], device))
@@ -291,7 +314,7 @@ def _extract_rows(states_backend, manifest, data_dir, out: Path, rows_per_call: 
         name = f"states-{len(manifest['shards']):05d}.safetensors"
         tensors = {k: torch.stack([r[k] for r in batch]) for k in batch[0]}
         atomic_save_tensors(out / name, tensors)
-        manifest["shards"].append({"file": name, "rows": len(batch)})
+        manifest["shards"].append({"file": name, "rows": len(batch), "bytes": (out / name).stat().st_size})
         atomic_write_json(out / MANIFEST, manifest)
         batch.clear()
 

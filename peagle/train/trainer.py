@@ -14,7 +14,7 @@ import json
 import math
 import os
 import time
-from dataclasses import MISSING, asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,7 +23,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from peagle.io import atomic_torch_save, atomic_write_bytes, atomic_write_json
+from peagle.io import (
+    atomic_torch_save,
+    atomic_write_bytes,
+    atomic_write_json,
+    check_output_directory,
+    clear_directory,
+    is_empty_directory,
+    publish_directory,
+    remove_temporaries,
+    staging_directory,
+)
 from peagle.model import DrafterConfig, PEagleDrafter, load_state_dict, save_pretrained
 from peagle.ops import cod_sample
 from peagle.train.data import load_tokenizer, resolve_mask_token
@@ -46,7 +56,9 @@ class TrainArgs:
     """Settings of one training run: the fields of ``peagle train`` (each field's metadata holds its option)."""
 
     data: str = option(help="an extract output directory")
-    out: str = option(help="output directory: checkpoints, metrics.jsonl, final/")
+    out: str = option(
+        help="output directory: checkpoints, metrics.jsonl, final/; new or empty unless --resume or --overwrite"
+    )
     num_layers: int = option(4, "drafter decoder layers", flag="--layers")
     num_depths: int = option(8, "parallel depths K, 1 = EAGLE-3", flag="--depths")
     num_heads: int | None = option(None, "attention heads (default: the target's)", flag="--heads")
@@ -91,11 +103,58 @@ class TrainArgs:
     )
     save_every: int = option(0, "checkpoint every N steps, 0 = only at the end")
     log_every: int = option(1, "metrics.jsonl record every N steps")
-    resume: bool = option(False, "continue from the latest checkpoint in --out")
+    resume: bool = option(False, "continue from the latest complete checkpoint in --out")
+    overwrite: bool = option(False, "clear a non-empty --out first (without it or --resume, a used --out is refused)")
     tensorboard: bool = option(False, "also log to TensorBoard (needs tensorboard)")
     # Tests: write the summed gradients of this step to OUT/grads-STEP.pt (partitioned == whole-row gradients).
     save_grads_step: int | None = option(None, "write the gradients of this step", hidden=True)
     progress: bool = option(True, "no progress bar", flag="--quiet")
+
+    def check(self) -> None:
+        """ValueError naming the option of the first setting out of range; runs before any work."""
+        optional = lambda value, ok: value is None or ok(value)  # noqa: E731
+        rules = [
+            ("num_layers", self.num_layers >= 1, "at least 1"),
+            ("num_depths", self.num_depths >= 1, "at least 1"),
+            ("num_heads", optional(self.num_heads, lambda v: v >= 1), "at least 1"),
+            ("num_kv_heads", optional(self.num_kv_heads, lambda v: v >= 1), "at least 1"),
+            ("head_dim", optional(self.head_dim, lambda v: v >= 1), "at least 1"),
+            ("intermediate_size", optional(self.intermediate_size, lambda v: v >= 1), "at least 1"),
+            ("draft_vocab_size", optional(self.draft_vocab_size, lambda v: v >= 1), "at least 1"),
+            ("mask_token_id", optional(self.mask_token_id, lambda v: v >= 0), "at least 0"),
+            ("ratio", 0 < self.ratio <= 1, "in (0, 1]"),
+            ("ratio_min", 0 <= self.ratio_min <= 1, "in [0, 1]"),
+            ("max_anchors", optional(self.max_anchors, lambda v: v >= 1), "at least 1"),
+            ("segments", 1 <= self.segments <= 1024, "in [1, 1024]"),
+            ("memory_budget_mb", optional(self.memory_budget_mb, lambda v: 0 < v < math.inf), "positive"),
+            ("steps", self.steps >= 0, "at least 0"),
+            ("batch_size", self.batch_size >= 1, "at least 1"),
+            ("lr", 0 < self.lr < math.inf, "positive"),
+            ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
+            ("warmup_steps", self.warmup_steps >= 0, "at least 0"),
+            ("weight_decay", 0 <= self.weight_decay < math.inf, "at least 0"),
+            ("grad_clip", 0 <= self.grad_clip < math.inf, "at least 0 (0 = off)"),
+            ("seed", 0 <= self.seed < 2**63, "in [0, 2^63)"),
+            ("save_every", self.save_every >= 0, "at least 0"),
+            ("log_every", self.log_every >= 0, "at least 0"),
+        ]
+        for name, ok, expected in rules:
+            if not ok:
+                raise ValueError(f"{_flag(name)} must be {expected}, got {getattr(self, name)!r}")
+        weights = self.depth_weights
+        if weights is not None and (len(weights) != self.num_depths or not all(0 <= w < math.inf for w in weights)):
+            raise ValueError(
+                f"--depth-weights must be {self.num_depths} (--depths) finite weights >= 0, got {list(weights)}"
+            )
+        if self.resume and self.overwrite:
+            raise ValueError("--overwrite clears --out, --resume continues it: give one of them")
+        check_output_directory(self.out, {"--data": self.data})
+
+
+def _flag(name: str) -> str:
+    """The ``peagle train`` option of a TrainArgs field."""
+    meta = next(f.metadata for f in fields(TrainArgs) if f.name == name)
+    return meta.get("flag") or "--" + name.replace("_", "-")
 
 
 def element_loss(logits: Tensor, target_logits: Tensor, kind: str) -> Tensor:
@@ -246,6 +305,13 @@ def train_row(
 
 class Trainer:
     def __init__(self, args: TrainArgs) -> None:
+        # Before any work, and before the process group forms: no rank has written to --out yet.
+        args.check()
+        if not (args.resume or args.overwrite or is_empty_directory(args.out)):
+            raise ValueError(
+                f"output (--out) {args.out} is not empty (an earlier run?); pass --resume to continue it or "
+                "--overwrite to start over"
+            )
         self.args = args
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
@@ -288,8 +354,6 @@ class Trainer:
             norm_output=args.norm_output,
         )
         weights = list(args.depth_weights or [1.0] * args.num_depths)
-        if len(weights) != args.num_depths:
-            raise ValueError(f"--depth-weights has {len(weights)} values, expected num_depths = {args.num_depths}")
         self.depth_weights = torch.tensor(weights, dtype=torch.float32, device=self.device)
         torch.manual_seed(args.seed)
         self.model = PEagleDrafter(self.config).to(self.device)
@@ -324,7 +388,8 @@ class Trainer:
     def row_slot(self, slot: int) -> int:
         rows = len(self.data)
         epoch, offset = divmod(slot, rows)
-        perm = torch.randperm(rows, generator=torch.Generator().manual_seed(self.args.seed * 7919 + epoch))
+        seed = (self.args.seed * 7919 + epoch) % 2**63  # the same seeds as ever below 2^63 / 7919
+        perm = torch.randperm(rows, generator=torch.Generator().manual_seed(seed))
         return int(perm[offset])
 
     def row_elements(self, row: TrainRow, slot: int) -> tuple[Tensor, Tensor]:
@@ -412,34 +477,48 @@ class Trainer:
     # -----------------------------------------------------------------------------------------------------------------
 
     def save(self, final: bool = False) -> Path:
+        """Writes ``final`` or ``checkpoint-STEP`` whole: built in a staging directory, published by one rename, and
+        only then named by ``latest.json``. A save killed at any point leaves the previous checkpoint the latest."""
         name = "final" if final else f"checkpoint-{self.step:07d}"
         directory = self.out / name
         if self.rank == 0:
-            save_pretrained(self.model, directory)
+            staging = staging_directory(directory)
+            save_pretrained(self.model, staging)
             if self.tokenizer is not None:
-                self.tokenizer.save_pretrained(str(directory / "tokenizer"))
+                self.tokenizer.save_pretrained(str(staging / "tokenizer"))
             state = {
                 "step": self.step,
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "args": asdict(self.args),
             }
-            atomic_torch_save(directory / "trainer_state.pt", state)
+            atomic_torch_save(staging / TRAINER_STATE, state)
+            publish_directory(staging, directory)
             if not final:
                 atomic_write_json(self.out / "latest.json", {"step": self.step, "checkpoint": name})
         if self.world > 1:
             dist.barrier()
         return directory
 
-    def load_latest(self) -> bool:
+    def resumable_checkpoint(self) -> Path | None:
+        """The checkpoint ``--resume`` continues from: the one ``latest.json`` names when it is complete (has its
+        trainer state), else the newest complete ``checkpoint-*``; None when there is none."""
         latest = self.out / "latest.json"
-        if not latest.exists():
+        if latest.exists():
+            named = self.out / json.loads(latest.read_text())["checkpoint"]
+            if _complete_checkpoint(named):
+                return named
+        complete = sorted(d for d in self.out.glob("checkpoint-*") if _complete_checkpoint(d))
+        return complete[-1] if complete else None
+
+    def load_latest(self) -> bool:
+        directory = self.resumable_checkpoint()
+        if directory is None:
             return False
-        name = json.loads(latest.read_text())["checkpoint"]
-        directory = self.out / name
-        state = torch.load(directory / "trainer_state.pt", map_location=self.device, weights_only=False)
+        state = torch.load(directory / TRAINER_STATE, map_location=self.device, weights_only=False)
         # Settings that change what a step computes must match, or the run would not continue exactly.
-        free = {"steps", "save_every", "log_every", "resume", "progress", "out", "tensorboard", "save_grads_step"}
+        free = {"steps", "save_every", "log_every", "resume", "overwrite", "progress", "out", "tensorboard"}
+        free.add("save_grads_step")
         current = asdict(self.args)
         changed = {k: (v, current.get(k)) for k, v in state["args"].items() if k not in free and current.get(k) != v}
         if changed:
@@ -468,6 +547,10 @@ class Trainer:
         from tqdm import tqdm
 
         args = self.args
+        if self.rank == 0:
+            if args.overwrite and self.out.exists():
+                clear_directory(self.out)
+            remove_temporaries(self.out)  # what killed saves left
         self.out.mkdir(parents=True, exist_ok=True)
         if args.resume and self.load_latest():
             # Drop metrics of steps after the checkpoint (an interrupted run may have logged them).
@@ -498,6 +581,13 @@ class Trainer:
         bar.close()
         self.save(final=True)
         return records
+
+
+TRAINER_STATE = "trainer_state.pt"
+
+
+def _complete_checkpoint(directory: Path) -> bool:
+    return directory.is_dir() and (directory / TRAINER_STATE).is_file() and (directory / "config.json").is_file()
 
 
 def atomic_write_json_lines(path: Path, lines: list[str]) -> None:
