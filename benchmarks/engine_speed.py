@@ -6,7 +6,7 @@ without, a demo-sized Llama target (``peagle.demo.target.QUICK_TARGET``'s shape)
 weights (acceptance near zero, so only the per-round cost means something).
 
     PYTHONPATH=. python benchmarks/engine_speed.py [--target DIR --drafter DIR] [--prompts 32 --new-tokens 128]
-        [--threads 1] [--profile tree16]
+        [--threads 1] [--temperature 0] [--profile tree16]
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled (Gumbel drafts)")
     parser.add_argument("--topk", type=int, default=2, help="tree children per node at every depth")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--profile", default=None, help="a configuration to profile with cProfile afterwards")
@@ -99,7 +100,7 @@ def main() -> None:
         tokens, seconds, cpu, parts, rounds, emitted = 0, 0.0, 0.0, [0.0, 0.0, 0.0], 0, 0
         for prompt in prompts:  # one request at a time
             start, start_cpu = time.perf_counter(), time.process_time()
-            out = decoder.generate([prompt], args.new_tokens)
+            out = decoder.generate([prompt], args.new_tokens, temperature=args.temperature)
             seconds += time.perf_counter() - start
             cpu += time.process_time() - start_cpu
             m = out.metrics
