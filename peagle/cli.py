@@ -219,7 +219,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         from peagle.train.dataset import ExtractedData
 
         rows = rows[: len(ExtractedData(args.data))]
-    result = evaluate(model, args.data, rows, args.depths, autoregressive=args.autoregressive)
+    result = evaluate(
+        model, args.data, rows, args.depths, args.autoregressive, tree_budget=args.tree_budget, tree_topk=args.tree_topk
+    )
     print(format_table(result))
     if args.json:
         from peagle.io import atomic_write_json
@@ -354,6 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
         "eagle3 proposer without parallel_drafting: how an EAGLE-3 / K = 1 drafter is served)",
     )
     ev.add_argument("--max-rows", type=int, default=None, help="evaluate the first N rows only (N >= 1)")
+    ev.add_argument("--tree-budget", type=int, default=None, help="also score P-EAGLE parallel trees of N nodes")
+    ev.add_argument(
+        "--tree-topk", type=_ints, default=None, help="the trees' children per node: K, or K,K,.. one per depth"
+    )
     ev.add_argument("--json", default=None, help="also write the result to this JSON file")
     ev.set_defaults(func=cmd_eval)
 

@@ -14,6 +14,7 @@ import torch
 
 from peagle.decode import SpeculativeDecoder, TargetRunner
 from peagle.decode.drafting import Eagle3Drafting, PEagleDrafting, Sampling
+from peagle.decode.engine import _Generation
 from peagle.model import DrafterConfig, PEagleDrafter
 from peagle.ops.gdn import tree_path
 from peagle.train.evaluate import chain_drafts
@@ -112,6 +113,21 @@ def test_target_alone_decodes_greedily_one_token_per_forward(dense):
     assert out.tokens == [dense.reference(p)[:40] for p in PROMPTS]
     assert out.metrics.acceptance_length == 1.0
     assert [r.rounds for r in out.requests] == [39] * 4  # prefill emits the first token
+
+
+def test_num_threads_applies_during_generate_only(dense, monkeypatch):
+    seen, round_ = [], _Generation._round
+
+    def counted(self, *args):
+        seen.append(torch.get_num_threads())
+        return round_(self, *args)
+
+    monkeypatch.setattr(_Generation, "_round", counted)
+    out = SpeculativeDecoder(dense.model, num_threads=2).generate(PROMPTS[:1], 5)
+    assert out.tokens == [dense.reference(PROMPTS[0])[:5]]
+    assert set(seen) == {2} and torch.get_num_threads() == 1  # the module's setting is back
+    with pytest.raises(ValueError, match="num_threads"):
+        SpeculativeDecoder(dense.model, num_threads=0)
 
 
 @pytest.mark.parametrize(("method", "mode"), [("peagle", "tree"), ("eagle3", "chain")])

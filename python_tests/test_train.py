@@ -523,3 +523,61 @@ def test_train_row_equals_the_plain_loss_over_all_elements():
     assert stats["loss"] == pytest.approx(float(loss), rel=1e-10)
     for name, p in model.named_parameters():
         torch.testing.assert_close(ours[name], p.grad, rtol=1e-8, atol=1e-10, msg=name)
+
+
+def test_tree_eval_with_top1_is_the_chain_and_full_trees_accept_more(work, tmp_path):
+    """`peagle eval --tree-budget/--tree-topk`: top-1 trees are the chains (identical figures), and a full tree
+    contains the chain, so its acceptance is at least the chain's at every position."""
+    from peagle.model import from_pretrained
+    from peagle.train.evaluate import evaluate
+
+    args = TrainArgs(data=str(work / "ext-train"), out=str(tmp_path / "k3"), num_layers=1, num_depths=3, steps=40,
+                     batch_size=2, lr=3e-3, warmup_steps=2, progress=False)  # fmt: skip
+    Trainer(args).run()
+    model = from_pretrained(tmp_path / "k3" / "final", dtype=torch.float32)
+    held = str(work / "ext-held")
+    chain = evaluate(model, held, tree_budget=64, tree_topk=1)
+    assert chain["tree"]["num_nodes"] == 4 and chain["tree"]["topk"] == [1, 1, 1]
+    assert chain["tree"]["acceptance_length"] == chain["acceptance_length"] > 1.0
+    assert chain["tree"]["conditional_acceptance"] == chain["conditional_acceptance"]
+    wide = evaluate(model, held, tree_budget=15, tree_topk=[2, 2, 2])  # 1 + 2 + 4 + 8: the full tree
+    assert wide["acceptance_length"] == chain["acceptance_length"]
+    reach_chain = torch.tensor(chain["conditional_acceptance"]).cumprod(0)
+    reach_tree = torch.tensor(wide["tree"]["conditional_acceptance"]).cumprod(0)
+    assert (reach_tree >= reach_chain - 1e-12).all()
+    assert wide["tree"]["acceptance_length"] > chain["acceptance_length"]
+    assert main(["eval", "--checkpoint", str(tmp_path / "k3" / "final"), "--data", held, "--tree-budget", "8",
+                 "--tree-topk", "3,2,1", "--json", str(tmp_path / "tree.json")]) == 0  # fmt: skip
+    tree = json.loads((tmp_path / "tree.json").read_text())["tree"]
+    assert tree["num_nodes"] == 8 and tree["topk"] == [3, 2, 1] and 1.0 <= tree["acceptance_length"] <= 4.0
+    with pytest.raises(ValueError, match="tree_topk"):
+        evaluate(model, held, tree_topk=[2, 2])
+    with pytest.raises(ValueError, match="tree_budget"):
+        evaluate(model, held, tree_budget=1)
+    with pytest.raises(ValueError, match="autoregressive"):
+        evaluate(model, held, autoregressive=True, tree_budget=8)
+
+
+def test_tree_acceptance_walks_the_matching_branch():
+    """Hand-built tree (node: parent, token): 1: 0, 5; 2: 0, 7; 3: 2, 9; 4: 2, 4; 5: 1, 9; 6: 4, 1. A node is accepted
+    when its parent is and its token is the target at its parent's depth."""
+    from peagle.train.evaluate import greedy_tree_acceptance
+
+    parent = torch.tensor([-1, 0, 0, 2, 2, 1, 4])
+    tokens = torch.tensor([-1, 5, 7, 9, 4, 9, 1])
+    depth = torch.tensor([0, 1, 1, 2, 2, 2, 3])
+    cases = {  # targets at depths 0, 1, 2 -> accepted drafts
+        (7, 4, 1): 3,  # 0 -> 2 -> 4 -> 6
+        (7, 9, 1): 2,  # 0 -> 2 -> 3, a leaf
+        (5, 9, 1): 2,  # 0 -> 1 -> 5 (token 9 also sits under node 2: only the accepted branch counts)
+        (5, 4, 1): 1,  # node 1's only child has token 9
+        (4, 7, 1): 0,  # targets of other depths do not count
+        (3, 3, 3): 0,
+    }
+    n = len(cases)
+    targets = torch.tensor(list(cases))
+    expand = [t.expand(n, -1) for t in (parent, tokens, depth)]
+    full = torch.full((n,), 7)
+    assert greedy_tree_acceptance(*expand, full, targets).tolist() == list(cases.values())
+    # Without node 6 (padding past num_nodes) the deepest path stops at node 4.
+    assert greedy_tree_acceptance(*expand, full - 1, targets).tolist()[0] == 2

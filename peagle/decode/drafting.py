@@ -62,7 +62,7 @@ class Sampling(NamedTuple):
 
     temperature: float
     gumbel: bool
-    seeds: Tensor
+    seeds: Tensor | list[int]
     offset: int
 
 
@@ -180,9 +180,9 @@ class _CachedDrafter:
 
     def _context(self, rows: Tensor, host_rows: list[int]) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
         """Committed keys/values of every layer [b, C, ...] and which of the C slots are committed [b, C]."""
-        length = self.cache.max_len(host_rows)
-        slots = self.cache.context_slots(rows, length)
-        context = [self.cache.read(layer, slots) for layer in range(self.config.num_layers)]
+        length = self.cache.padded_len(host_rows)
+        blocks = self.cache.context_blocks(rows, length)
+        context = [self.cache.read(layer, blocks) for layer in range(self.config.num_layers)]
         committed = torch.arange(length, device=self.device)[None, :] < self.cache.seq_len[rows][:, None]
         return context, committed
 

@@ -126,6 +126,8 @@ class SpeculativeDecoder:
         block_size: paged KV cache block size; prefill_chunk: prompt tokens per prefill forward.
         dtype, device: of the target (a directory loads in float32 on the CPU by default; a module given with them
             is moved). The drafter follows the target's device and keeps its own dtype.
+        num_threads: torch's intra-op CPU threads while ``generate`` runs (restored afterwards); None leaves torch's
+            setting. A small target on the CPU is bound by per-op overhead, where 1 thread is usually fastest.
     """
 
     def __init__(
@@ -143,11 +145,17 @@ class SpeculativeDecoder:
         prefill_chunk: int = 256,
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
+        num_threads: int | None = None,
     ) -> None:
         if mode not in ("chain", "tree"):
             raise ValueError(f"mode must be 'chain' or 'tree', got {mode!r}")
         if draft_sampling not in ("gumbel", "topk"):
             raise ValueError(f"draft_sampling must be 'gumbel' or 'topk', got {draft_sampling!r}")
+        if num_threads is not None and (
+            isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
+        ):
+            raise ValueError(f"num_threads must be None or an int >= 1, got {num_threads!r}")
+        self.num_threads = num_threads
         drafter = _load_drafter(drafter)
         aux = drafter.config.aux_layer_ids if drafter is not None else ()
         self.runner = TargetRunner(
@@ -233,7 +241,13 @@ class SpeculativeDecoder:
         if not isinstance(top_k, int) or top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
         seeds = _check_seeds(seed, len(prompt_list))
-        return _Generation(self, prompt_list, max_new_tokens, eos, float(temperature), top_p, top_k, seeds).run()
+        threads = torch.get_num_threads()
+        if self.num_threads is not None:
+            torch.set_num_threads(self.num_threads)
+        try:
+            return _Generation(self, prompt_list, max_new_tokens, eos, float(temperature), top_p, top_k, seeds).run()
+        finally:
+            torch.set_num_threads(threads)
 
 
 def _budget(num_nodes: int | None, full: int) -> int:
@@ -328,7 +342,7 @@ class _Generation:
         self.prompts, self.max_new, self.eos = prompts, max_new_tokens, eos
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.device = self.runner.device
-        self.seeds = torch.tensor(seeds, dtype=torch.long, device=self.device)
+        self.seeds = seeds
         self.gumbel = temperature > 0 and decoder.draft_sampling == "gumbel"
         batch = len(prompts)
         self.tokens: list[list[int]] = [[] for _ in range(batch)]
@@ -361,7 +375,7 @@ class _Generation:
         last, aux = runner.prefill(self.prompts)
         roots = torch.zeros(batch, dtype=torch.long, device=self.device)
         rows = torch.arange(batch, device=self.device)
-        first = self._verify(root_tree(roots), runner.logits(last)[:, None], rows, 0).emitted_tokens[:, 0]
+        first = self._verify(root_tree(roots), runner.logits(last)[:, None], list(range(batch)), 0).emitted_tokens[:, 0]
         host_first = first.tolist()
         for r, token in enumerate(host_first):
             self._emit(r, [token])
@@ -376,11 +390,13 @@ class _Generation:
             self.drafting.set_pending(rows, list(range(batch)), tokens, aux, lengths)
         return first
 
-    def _verify(self, tree: DraftTree, logits: Tensor, rows: Tensor, step: int) -> TreeVerifyOutput:
+    def _verify(self, tree: DraftTree, logits: Tensor, host_rows: list[int], step: int) -> TreeVerifyOutput:
         if self.temperature == 0:
             return tree_verify_greedy(tree.parent, tree.tokens, tree.num_nodes, logits.float())
         probs = target_probs(logits, self.temperature, self.top_k, self.top_p)
-        u = uniforms(self.seeds[rows], step * STREAMS + VERIFY_STREAM, tree.tokens.shape[1])
+        u = uniforms(
+            [self.seeds[r] for r in host_rows], step * STREAMS + VERIFY_STREAM, tree.tokens.shape[1], self.device
+        )
         return tree_rejection_sample(tree.parent, tree.tokens, tree.num_nodes, probs, tree.draft_probs, u)
 
     def _emit(self, request: int, tokens: list[int]) -> None:
@@ -406,11 +422,11 @@ class _Generation:
             tree = root_tree(roots[rows])
         else:
             offset = step * STREAMS + DRAFT_STREAM
-            sampling = Sampling(self.temperature, self.gumbel, self.seeds[rows], offset)
+            sampling = Sampling(self.temperature, self.gumbel, [self.seeds[r] for r in active], offset)
             tree = drafting.draft(rows, active, roots[rows], sampling)
         t1 = clock.mark()
         final, aux = runner.forward(rows, active, tree.tokens, tree.depth, tree.mask, tree.parent, tree.num_nodes)
-        result = self._verify(tree, runner.logits(final), rows, step)
+        result = self._verify(tree, runner.logits(final), active, step)
         t2 = clock.mark()
         # The one read-back of the round.
         emitted, accepted = (

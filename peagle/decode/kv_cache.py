@@ -50,6 +50,12 @@ class PagedKVCache:
     def max_len(self, rows: list[int]) -> int:
         return max(self.host_len[r] for r in rows)
 
+    def padded_len(self, rows: list[int], extra: int = 0) -> int:
+        """The longest of ``rows``'s committed lengths plus ``extra``, rounded up to whole blocks (what
+        :meth:`read` returns for :meth:`context_blocks` of that length)."""
+        length = self.max_len(rows) + extra
+        return min(-(-length // self.block_size) * self.block_size, self.capacity)
+
     def flat_slots(self, rows: Tensor, logical: Tensor, valid: Tensor | None = None) -> Tensor:
         """Flat slot index [b, m] (into ``k[l].view(-1, kv_heads, head_dim)``) of logical slots [b, m] of ``rows``;
         invalid entries (``valid`` False, or beyond the capacity) map to the scratch block."""
@@ -61,15 +67,15 @@ class PagedKVCache:
         flat = table.gather(1, logical // self.block_size) * self.block_size + logical % self.block_size
         return torch.where(ok, flat, self.scratch)
 
-    def context_slots(self, rows: Tensor, length: int) -> Tensor:
-        """Flat slots [b, length] of logical slots 0 .. length - 1 (the caller masks those past ``seq_len``)."""
-        logical = torch.arange(length, device=rows.device).expand(rows.numel(), length)
-        return self.flat_slots(rows, logical)
+    def context_blocks(self, rows: Tensor, length: int) -> Tensor:
+        """Block ids [b, length / block_size] holding logical slots 0 .. length - 1 of ``rows`` (``length`` a
+        multiple of the block size, e.g. :meth:`padded_len`; the caller masks the slots past its requests' ends)."""
+        return self.block_table[rows, : length // self.block_size]
 
-    def read(self, layer: int, slots: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys and values [b, m, kv_heads, head_dim] at flat ``slots`` [b, m]."""
-        k, v = self.k[layer], self.v[layer]
-        return k.view(-1, *k.shape[2:])[slots], v.view(-1, *v.shape[2:])[slots]
+    def read(self, layer: int, blocks: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values [b, m * block_size, kv_heads, head_dim] of the blocks [b, m] (whole live blocks are
+        copied, never the whole cache)."""
+        return self.k[layer][blocks].flatten(1, 2), self.v[layer][blocks].flatten(1, 2)
 
     def write(self, layer: int, slots: Tensor, key: Tensor, value: Tensor) -> None:
         """Stores keys/values [b, m, kv_heads, head_dim] at flat ``slots`` [b, m]."""
@@ -87,8 +93,11 @@ class PagedKVCache:
         self, rows: Tensor, host_rows: list[int], accepted_path: Tensor, num_accepted: Tensor, host_accepted: list[int]
     ) -> None:
         """Keeps each request's accepted path of the last round (``kv_compact``) and commits it."""
-        seq_len = self.seq_len[rows]
-        kv_compact(self.k, self.v, self.block_table[rows], seq_len, accepted_path, num_accepted)
-        self.seq_len[rows] = seq_len
+        if max(host_accepted) == 0:  # every path is the root alone, already at slot seq_len: nothing moves
+            self.seq_len[rows] += 1
+        else:
+            seq_len = self.seq_len[rows]
+            kv_compact(self.k, self.v, self.block_table[rows], seq_len, accepted_path, num_accepted)
+            self.seq_len[rows] = seq_len
         for r, m in zip(host_rows, host_accepted, strict=True):
             self.host_len[r] += m + 1

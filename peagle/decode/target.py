@@ -10,13 +10,16 @@ KV layout (:class:`peagle.decode.kv_cache.PagedKVCache`): per attention layer ``
 kv_heads, head_dim]`` (after k_norm and rotary); per request a block-table row and ``seq_len`` committed entries, slot
 s holding position s. One forward takes a batch of draft trees: node i of request b is written at slot
 ``seq_len[b] + i`` with position ``seq_len[b] + depth[i]`` and attends to the committed prefix plus its ancestors and
-itself (``mask``, as ``TreeSpec.mask``). It returns, per node, the final normalised hidden state (``logits`` turns it
-into logits) and the aux hidden states the drafter reads: layer id i is the residual stream after i decoder layers
-(``hidden_states[i]`` of transformers, before the final norm for i = L), the ids concatenated in the drafter's order,
-exactly what :mod:`peagle.train.extract` stores. :meth:`TargetRunner.commit` keeps each request's accepted path
-(``kv_compact``: node ``accepted_path[j]`` moves to slot ``seq_len + j``, then ``seq_len += num_accepted + 1``) and
-commits hybrid targets' GDN states at the last accepted node. Prefill runs prompts as chains of ``prefill_chunk``
-tokens (ragged prompts batched), each chunk committed in place.
+itself (``mask``, as ``TreeSpec.mask``); each attention layer writes the nodes' keys/values, then reads the live
+blocks of its requests (up to the longest committed length plus the tree, whole blocks), never the whole cache. On the
+CPU, dense layers run q|k|v and gate|up as one matmul each (concatenated copies of the weights) and plain RMSNorms as
+one ``F.rms_norm``: a small target's round is bound by per-op overhead there. It returns, per node, the final
+normalised hidden state (``logits`` turns it into logits) and the aux hidden states the drafter reads: layer id i is
+the residual stream after i decoder layers (``hidden_states[i]`` of transformers, before the final norm for i = L), the
+ids concatenated in the drafter's order, exactly what :mod:`peagle.train.extract` stores. :meth:`TargetRunner.commit`
+keeps each request's accepted path (``kv_compact``: node ``accepted_path[j]`` moves to slot ``seq_len + j``, then
+``seq_len += num_accepted + 1``) and commits hybrid targets' GDN states at the last accepted node. Prefill runs prompts
+as chains of ``prefill_chunk`` tokens (ragged prompts batched), each chunk committed in place.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +93,52 @@ def _rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([rot * c + _rotate_half(rot) * s, keep], dim=-1)
 
 
+# RMSNorm modules computing weight * (x * rsqrt(mean(x^2) + eps)) in float32, which F.rms_norm computes in one op.
+_PLAIN_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+
+
+def _norm_fn(module: nn.Module):
+    """The module as a function of x; one ``F.rms_norm`` for a plain RMSNorm on float32 inputs."""
+    if type(module).__name__ not in _PLAIN_RMS_NORMS:
+        return module
+    weight, eps = module.weight, module.variance_epsilon
+
+    def norm(x: Tensor) -> Tensor:
+        return F.rms_norm(x, weight.shape, weight, eps) if x.dtype == torch.float32 == weight.dtype else module(x)
+
+    return norm
+
+
+class _FusedDense(NamedTuple):
+    """A dense decoder layer's projections with concatenated weights (q|k|v and gate|up: one matmul each)."""
+
+    qkv_weight: Tensor
+    qkv_bias: Tensor | None
+    sizes: tuple[int, int, int]
+    gate_up: Tensor
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> _FusedDense | None:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = [getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj")]
+        gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
+        if not all(isinstance(m, nn.Linear) for m in (*projections, gate, up)) or gate.bias is not None:
+            return None
+        if up.bias is not None or not hasattr(mlp, "act_fn") or not hasattr(mlp, "down_proj"):
+            return None
+        biases = [m.bias for m in projections]
+        qkv_bias = None
+        if any(b is not None for b in biases):
+            qkv_bias = torch.cat([b if b is not None else m.weight.new_zeros(m.out_features)
+                                  for b, m in zip(biases, projections, strict=True)])  # fmt: skip
+        return cls(
+            torch.cat([m.weight for m in projections]),
+            qkv_bias,
+            tuple(m.out_features for m in projections),
+            torch.cat([gate.weight, up.weight]),
+        )
+
+
 class TargetRunner:
     """A target model over a paged KV cache (see the module docstring)."""
 
@@ -126,6 +176,14 @@ class TargetRunner:
         # GDN kernels take at most 64 nodes per forward (prefill chunks included).
         self.max_nodes = MAX_GDN_NODES if self.hybrid else None
         self.prefill_chunk = min(prefill_chunk, MAX_GDN_NODES) if self.hybrid else prefill_chunk
+        layers = self.inner.layers[: self.num_layers]
+        # On the CPU a small target's round is bound by per-op overhead: fewer, wider matmuls and one-op norms. The
+        # fused weights are copies (constant across rounds), so they are not made on accelerators, where memory
+        # counts.
+        cpu = self.device.type == "cpu"
+        self.fused = [_FusedDense.of(layer) if cpu and not self.hybrid else None for layer in layers]
+        self.norms = [(_norm_fn(layer.input_layernorm), _norm_fn(layer.post_attention_layernorm)) for layer in layers]
+        self.final_norm = _norm_fn(self.inner.norm)
         self.kv: PagedKVCache | None = None
         self.gdn: GdnStates | None = None
 
@@ -197,37 +255,71 @@ class TargetRunner:
         device = tokens.device
         index = torch.arange(nodes, device=device)
         seq = self.kv.seq_len[rows]
-        context = self.kv.max_len(host_rows)
         valid = index[None, :] < num_nodes[:, None]
         positions = seq[:, None] + depth.clamp(min=0)
         hidden = self.inner.embed_tokens(tokens.clamp(min=0))
         cos, sin = self.inner.rotary_emb(hidden, positions)
-        context_slots = self.kv.context_slots(rows, context)
         write_slots = self.kv.flat_slots(rows, seq[:, None] + index, valid)
+        # Each attention layer writes the nodes' keys/values first, then reads the live blocks: slot s < seq is
+        # committed, slot seq + j is node j (the read covers every node of every request).
+        length = self.kv.padded_len(host_rows, nodes)
+        blocks = self.kv.context_blocks(rows, length)
+        column = torch.arange(length, device=device)[None, :] - seq[:, None]  # node index of a tree slot
+        in_tree = (column >= 0) & (column < nodes)
+        node = column.clamp(0, nodes - 1)
         tree = (mask & valid[:, :, None] & valid[:, None, :]) | torch.eye(nodes, dtype=torch.bool, device=device)
-        committed = torch.arange(context, device=device)[None, :] < seq[:, None]
-        full = torch.cat([committed[:, None, :].expand(batch, nodes, context), tree], dim=2)
+        tree_part = tree.gather(2, node[:, None, :].expand(batch, nodes, length)) & in_tree[:, None, :]
+        full = (column < 0)[:, None, :] | tree_part
         masks = {None: full}
         for window in set(self.window) - {None}:
-            key_pos = torch.cat([torch.arange(context, device=device).expand(batch, context), positions], dim=1)
+            key_pos = torch.where(column < 0, column + seq[:, None], positions.gather(1, node))
             masks[window] = full & (key_pos[:, None, :] > positions[:, :, None] - window)
         states = {}
         for i, layer in enumerate(self.inner.layers[: self.num_layers]):
-            residual = hidden
-            normed = layer.input_layernorm(hidden)
+            input_norm, post_norm = self.norms[i]
+            normed = input_norm(hidden)
             if self.linear[i]:
                 out = self.gdn.layer_forward(i, layer, normed, parent.long(), rows)
             else:
-                out = self._attention(
-                    i, layer.self_attn, normed, cos, sin, context_slots, write_slots, masks[self.window[i]]
-                )
-            hidden = residual + out
-            mlp = layer.mlp(layer.post_attention_layernorm(hidden))
-            hidden = hidden + (mlp[0] if isinstance(mlp, tuple) else mlp)
+                out = self._attention(i, layer.self_attn, normed, cos, sin, blocks, write_slots, masks[self.window[i]])
+            hidden = hidden + out
+            hidden = hidden + self._mlp(i, layer.mlp, post_norm(hidden))
             if i + 1 in self.aux_layer_ids:
                 states[i + 1] = hidden
         aux = torch.cat([states[i] for i in self.aux_layer_ids], dim=-1) if self.aux_layer_ids else hidden[..., :0]
-        return self.inner.norm(hidden), aux
+        return self.final_norm(hidden), aux
+
+    def _mlp(self, layer: int, mlp: nn.Module, hidden: Tensor) -> Tensor:
+        fused = self.fused[layer]
+        if fused is None:
+            out = mlp(hidden)
+            return out[0] if isinstance(out, tuple) else out
+        gate, up = F.linear(hidden, fused.gate_up).chunk(2, dim=-1)
+        return mlp.down_proj(mlp.act_fn(gate) * up)
+
+    def _projections(self, layer: int, attn: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor):
+        """Query, key, value [b, n, heads, D] after q/k norms and rotary, and the output gate (hybrid) or None."""
+        batch, nodes, _ = hidden.shape
+        shape = (batch, nodes, -1, attn.head_dim)
+        fused = self.fused[layer]
+        gate = None
+        if self.hybrid:  # q/k norms applied there
+            query, key, value, gate = gated_attention_projections(attn, hidden)
+            return _rotary(query, cos, sin), _rotary(key, cos, sin), value, gate
+        if fused is not None:
+            qkv = F.linear(hidden, fused.qkv_weight, fused.qkv_bias)
+            q_size, k_size, _ = fused.sizes
+            if getattr(attn, "q_norm", None) is None:  # rotary of queries and keys at once
+                qk = _rotary(qkv[..., : q_size + k_size].view(shape), cos, sin)
+                query, key = qk.split([q_size // attn.head_dim, k_size // attn.head_dim], dim=2)
+                return query, key, qkv[..., q_size + k_size :].view(shape), None
+            query, key, value = (t.view(shape) for t in qkv.split(fused.sizes, dim=-1))
+        else:
+            query, key, value = (attn.q_proj(hidden).view(shape), attn.k_proj(hidden).view(shape),
+                                 attn.v_proj(hidden).view(shape))  # fmt: skip
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3
+            query, key = attn.q_norm(query), attn.k_norm(key)
+        return _rotary(query, cos, sin), _rotary(key, cos, sin), value, gate
 
     def _attention(
         self,
@@ -236,31 +328,22 @@ class TargetRunner:
         hidden: Tensor,
         cos: Tensor,
         sin: Tensor,
-        context_slots: Tensor,
+        blocks: Tensor,
         write_slots: Tensor,
         mask: Tensor,
     ) -> Tensor:
         batch, nodes, _ = hidden.shape
-        if self.hybrid:
-            query, key, value, gate = gated_attention_projections(attn, hidden)
-        else:
-            shape = (batch, nodes, -1, attn.head_dim)
-            query, key, value = (
-                attn.q_proj(hidden).view(shape),
-                attn.k_proj(hidden).view(shape),
-                attn.v_proj(hidden).view(shape),
-            )
-            if getattr(attn, "q_norm", None) is not None:  # Qwen3
-                query, key = attn.q_norm(query), attn.k_norm(key)
-            gate = None
-        query, key = _rotary(query, cos, sin), _rotary(key, cos, sin)
+        query, key, value, gate = self._projections(layer, attn, hidden, cos, sin)
         cache = self.cache_index[layer]
-        past_k, past_v = self.kv.read(cache, context_slots)
         self.kv.write(cache, write_slots, key, value)
-        keys = torch.cat([past_k, key], dim=1).transpose(1, 2)
-        values = torch.cat([past_v, value], dim=1).transpose(1, 2)
+        keys, values = self.kv.read(cache, blocks)
         out = F.scaled_dot_product_attention(
-            query.transpose(1, 2), keys, values, attn_mask=mask[:, None], scale=attn.scaling, enable_gqa=True
+            query.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask[:, None],
+            scale=attn.scaling,
+            enable_gqa=True,
         )
         out = out.transpose(1, 2).reshape(batch, nodes, -1)
         if gate is not None:

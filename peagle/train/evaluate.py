@@ -16,21 +16,41 @@ Reported: per-depth top-1 accuracy (every valid element), the conditional accept
 chain start (the papers' offline measure) and, as ``serving_walk``, over only the chains a greedy server would draft
 on the same text: from the first draft after the target's own first token, the next chain starting after the
 accepted drafts and the bonus token. On the target's own greedy text the walk drafts where the server drafts.
+
+With a node budget and a top-k per depth (parallel drafting only), ``tree`` reports the same per-position acceptance
+and AL for the P-EAGLE parallel tree each anchor's K distributions give (``tree_build_parallel``, as the engine
+drafts), verified greedily with the same teacher forcing: a node at depth d + 1 is accepted when its parent is and its
+token is the target's argmax at a + d, so the accepted path is the chain of the row's target argmaxes (on
+self-distilled rows, the row's next tokens). With top-k 1 at every depth the tree is the chain and the figures agree.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from peagle.model import PEagleDrafter
 from peagle.model.drafter import document_blocks
+from peagle.ops.tree_build import tree_build_parallel
 from peagle.ops.tree_verify import tree_verify_greedy
 from peagle.train.dataset import ExtractedData
 from peagle.train.extract import load_target_head
 
-__all__ = ["chain_drafts", "check_compatible", "evaluate", "format_table", "greedy_chain_acceptance"]
+__all__ = [
+    "chain_drafts",
+    "check_compatible",
+    "evaluate",
+    "format_table",
+    "greedy_chain_acceptance",
+    "greedy_tree_acceptance",
+    "tree_options",
+]
+
+# Anchors per tree_build_parallel call (bounds the [anchors, K, draft_vocab] probabilities in memory).
+TREE_BATCH = 512
 
 
 def chain_elements(document_ids: torch.Tensor, loss_mask: torch.Tensor, depth: int) -> tuple[torch.Tensor, ...]:
@@ -110,16 +130,26 @@ def evaluate(
     depth: int | None = None,
     autoregressive: bool = False,
     max_tokens: int | None = None,
+    tree_budget: int | None = None,
+    tree_topk: int | Sequence[int] | None = None,
 ) -> dict:
     """Offline acceptance on extracted rows: K = ``depth`` (default the drafter's K) tokens drafted in parallel, or
     one after another with ``autoregressive`` (how vLLM serves a drafter without parallel drafting). ``max_tokens``:
-    the serving walk stops where a server generating that many tokens per request stops drafting."""
+    the serving walk stops where a server generating that many tokens per request stops drafting. ``tree_budget``
+    (nodes, root included) / ``tree_topk`` (children per node: one int, or one per depth): also score the P-EAGLE
+    parallel tree (parallel drafting; either option enables it, defaults 16 nodes and top-2 as the engine's)."""
     data = ExtractedData(data_dir)
     cfg = model.config
     check_compatible(cfg, data.manifest)
     k = depth or cfg.num_depths
     if k < 1:
         raise ValueError(f"depth must be >= 1, got {k}")
+    tree = None
+    if tree_budget is not None or tree_topk is not None:
+        if autoregressive:
+            raise ValueError("tree_budget / tree_topk score P-EAGLE parallel trees: not with autoregressive drafting")
+        tree = tree_options(tree_budget, tree_topk, k, cfg.draft_vocab_size)
+    tree_reached = torch.zeros(k, dtype=torch.float64)
     lm_head = load_target_head(data_dir)["lm_head.weight"]
     device = next(model.parameters()).device
     draft_ids = model.draft_ids()
@@ -146,6 +176,10 @@ def evaluate(
         else:
             out = model.forward_train(ids, hidden, anchors, depths, docs)
             drafted = draft_ids[out.logits.argmax(-1)]
+            if tree is not None:
+                grid = _chain_grid(out.logits, chains, ids.numel(), k)
+                tree_accepted = _tree_acceptance(grid, draft_ids, _chain_grid(target, chains, ids.numel(), k), *tree)
+                tree_reached += (tree_accepted[:, None] > torch.arange(k, device=device)).sum(0).double().cpu()
         hit = drafted == target
         valid = loss_mask[label] & (docs[anchors] >= 0)
         correct += torch.bincount(depths[valid], weights=hit[valid].double(), minlength=k).cpu()
@@ -162,7 +196,7 @@ def evaluate(
             walk_reached[:count_walk] += 1
             walk_drafts += 1
     acc = (correct / count.clamp(min=1)).tolist()
-    return {
+    result = {
         "depths": k,
         "drafting": "autoregressive" if autoregressive else "parallel",
         "chains": chains_total,
@@ -170,6 +204,61 @@ def evaluate(
         **_acceptance(accepted_at, chains_total),
         "serving_walk": {"drafts": walk_drafts, **_acceptance(walk_reached, walk_drafts)},
     }
+    if tree is not None:
+        result["tree"] = {"num_nodes": tree[1], "topk": tree[0], **_acceptance(tree_reached, chains_total)}
+    return result
+
+
+def tree_options(budget: int | None, topk: int | Sequence[int] | None, depth: int, draft_vocab: int) -> tuple:
+    """Checked (top-k per depth, node budget) of a P-EAGLE tree of ``depth`` levels; the budget is capped at the full
+    tree's size."""
+    topk = [2] * depth if topk is None else [topk] * depth if isinstance(topk, int) else list(topk)
+    if len(topk) == 1:
+        topk = topk * depth
+    if len(topk) != depth or not all(isinstance(c, int) and 1 <= c <= draft_vocab for c in topk):
+        raise ValueError(
+            f"tree_topk must be an int or {depth} ints in [1, {draft_vocab}] (one per depth), got {topk!r}"
+        )
+    budget = 16 if budget is None else budget
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 2:
+        raise ValueError(f"tree_budget must be an int >= 2 (the root and at least one draft), got {budget!r}")
+    full = 1 + sum(math.prod(topk[: d + 1]) for d in range(depth))
+    return topk, min(budget, full)
+
+
+def _tree_acceptance(
+    logits: torch.Tensor, draft_ids: torch.Tensor, targets: torch.Tensor, topk: list[int], budget: int
+) -> torch.Tensor:
+    """Accepted drafts [n] of the parallel trees built from per-anchor draft logits [n, K, draft_vocab]."""
+    accepted = []
+    for start in range(0, logits.shape[0], TREE_BATCH):
+        probs = logits[start : start + TREE_BATCH].float().softmax(-1)
+        spec = tree_build_parallel(probs, topk, budget)
+        tokens = torch.where(spec.tokens >= 0, draft_ids[spec.tokens.clamp(min=0)], -1)
+        accepted.append(
+            greedy_tree_acceptance(spec.parent, tokens, spec.depth, spec.num_nodes, targets[start : start + TREE_BATCH])
+        )
+    return torch.cat(accepted)
+
+
+def greedy_tree_acceptance(
+    parent: torch.Tensor, tokens: torch.Tensor, depth: torch.Tensor, num_nodes: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    """Accepted drafts [n] of n draft trees under greedy verification by :func:`peagle.ops.tree_verify_greedy`, with
+    the target's argmax after any depth-d node being ``targets[c, d]`` [n, K] (teacher forcing along the text).
+
+    Trees as :class:`peagle.ops.TreeSpec` lays them out ([n, N]; node 0 the root, whose token is not read). Greedy
+    verification only compares a node's token with the argmax at its parent, so node i is renamed to id 0 when its
+    token is the target at its parent's depth and to i + 1 otherwise (siblings keep distinct ids), and every target
+    row is one-hot at id 0.
+    """
+    n, nodes = tokens.shape
+    parent_depth = (depth - 1).clamp(0, targets.shape[1] - 1)
+    index = torch.arange(1, nodes + 1, device=tokens.device).expand(n, nodes)
+    renamed = torch.where(tokens == targets.gather(1, parent_depth), 0, index)
+    rows = torch.zeros(n, nodes, nodes + 1, device=tokens.device)
+    rows[..., 0] = 1.0
+    return tree_verify_greedy(parent, renamed, num_nodes, rows).num_accepted
 
 
 def _chain_grid(values: torch.Tensor, chains: torch.Tensor, length: int, k: int) -> torch.Tensor:
@@ -244,4 +333,12 @@ def format_table(result: dict[str, Any]) -> str:
         f"{'top-1 accuracy':<22}| " + " | ".join(f"{v:6.3f}" for v in result["top1_accuracy"]) + " |",
         f"({result['chains']} chains of {k} drafts, {result.get('drafting', 'parallel')} drafting)",
     ]
+    tree = result.get("tree")
+    if tree is not None:
+        lines[2:2] = [
+            f"{'tree acceptance':<22}| "
+            + " | ".join(f"{v:6.3f}" for v in tree["conditional_acceptance"])
+            + f" | {tree['acceptance_length']:.3f}",
+        ]
+        lines.append(f"(tree: {tree['num_nodes']} nodes, top-k {','.join(map(str, tree['topk']))} per depth)")
     return "\n".join(lines)
