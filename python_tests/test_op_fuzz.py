@@ -17,6 +17,8 @@ from peagle.ops import (
     cod_gather_reference,
     cod_sample,
     cod_sample_reference,
+    kv_compact,
+    kv_compact_reference,
     mask_block,
     mask_block_reference,
     mask_dense,
@@ -233,3 +235,32 @@ def test_tree_rejection_sample_fuzz(case, data):
     )
     if got is not None:
         assert_same(got, tree_rejection_sample_reference(parent, tokens, num_nodes, target, draft, uniforms))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Paged KV cache
+
+
+@FUZZ
+@given(data=st.data())
+def test_kv_compact_fuzz(data):
+    layers, blocks, block_size = (
+        data.draw(st.integers(1, 2)),
+        data.draw(st.integers(0, 4)),
+        data.draw(st.integers(1, 4)),
+    )
+    batch, max_blocks, path = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 3)), data.draw(st.integers(0, 4))
+    caches = [data.draw(floats_tensor((blocks, block_size, 1, 2), -2, 2)) for _ in range(2 * layers)]
+    table = ints(data.draw, batch * max_blocks, -1, blocks).reshape(batch, max_blocks)
+    seq_len = ints(data.draw, batch, -1, max_blocks * block_size)
+    accepted = ints(data.draw, batch * path, -1, path).reshape(batch, path)
+    num_accepted = ints(data.draw, batch, -1, path)
+    ours = [c.clone() for c in caches], seq_len.clone()
+    ok = run_or_clear_error(
+        "kv_compact",
+        lambda: kv_compact(ours[0][:layers], ours[0][layers:], table, ours[1], accepted, num_accepted) or True,
+    )
+    if ok:
+        ref = [c.clone() for c in caches], seq_len.clone()
+        kv_compact_reference(ref[0][:layers], ref[0][layers:], table, ref[1], accepted, num_accepted)
+        assert_same([*ours[0], ours[1]], [*ref[0], ref[1]])
