@@ -415,3 +415,20 @@ def test_reused_cpu_output_blocks_never_alias_live_tensors(generator):
     del third
     assert torch.ops.peagle.release_cpu_buffers() >= 2 * kept.numel() * kept.element_size()
     assert torch.ops.peagle.release_cpu_buffers() == 0
+
+
+def test_cod_sample_rejects_document_ids_below_minus_one():
+    # -1 is padding in every op; -2 used to be padding here but a real document for the mask ops.
+    docs = torch.tensor([0, 0, -2, -2])
+    with pytest.raises(RuntimeError, match=r"peagle\.cod_sample: document_ids must be >= -1 \(-1 = padding\), got -2"):
+        cod_sample(torch.ones(4, dtype=torch.bool), docs, 2, 0.5, 0.1)
+
+
+def test_cod_gather_checks_input_ids_against_vocab_size():
+    args = dict(hidden=torch.zeros(4, 8), mask_hidden=torch.zeros(8), anchors=torch.tensor([0, 1]))
+    args.update(depths=torch.tensor([0, 1]), mask_token_id=3, vocab_size=10)
+    with pytest.raises(RuntimeError, match=r"peagle\.cod_gather: input_ids must be in \[0, vocab_size\) = \[0, 10\)"):
+        cod_gather(torch.tensor([1, 2, 10, 3]), **args)
+    with pytest.raises(RuntimeError, match=r"input_ids must be in \[0, vocab_size\)"):
+        cod_gather(torch.tensor([1, -1, 0, 3]), **args)
+    cod_gather(torch.tensor([1, 2, 9, 3]), **args)  # in range: fine

@@ -3,6 +3,7 @@ satisfies the built-tree contract."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tree_spec_checks import check_spec_invariants, spec_token_paths
 
@@ -52,3 +53,34 @@ def test_eagle2_dynamic_tree(generator):
     check_spec_invariants(spec, num_nodes)
     for b in range(batch):
         assert spec_token_paths(spec, b) == brute_force_eagle2(root[b], table, depth, topk, num_nodes)
+
+
+def test_eagle2_dynamic_tree_rejects_a_draft_step_with_another_vocabulary():
+    root = torch.softmax(torch.randn(2, 12), -1)
+
+    def wider_step(tokens, candidate_index):
+        return torch.softmax(torch.randn(*tokens.shape, 20), -1)  # 20 != the root's 12 tokens
+
+    with pytest.raises(ValueError, match=r"draft_step must return \[B, width, V\] = \[2, 3, 12\]"):
+        eagle2_dynamic_tree(root, wider_step, 3, 3, 8)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (dict(root_probs=torch.rand(12)), r"root_probs must be 2-D \[B, V\]"),
+        (dict(root_probs=torch.zeros(2, 12, dtype=torch.long)), "root_probs must be floating"),
+        (dict(depth=-1), r"depth must be >= 1, got -1"),
+        (dict(topk=0), r"topk must be in \[1, V\] = \[1, 12\], got 0"),
+        (dict(topk=13), r"topk must be in \[1, V\] = \[1, 12\], got 13"),
+        (dict(num_nodes=0), r"num_nodes must be >= 1, got 0"),
+        (dict(draft_step=None), "draft_step must be callable"),
+    ],
+)
+def test_eagle2_dynamic_tree_validates_arguments(args, message):
+    table = torch.softmax(torch.randn(12, 12), -1)
+    call = dict(root_probs=torch.softmax(torch.randn(2, 12), -1), draft_step=lambda t, i: table[t], depth=3, topk=2)
+    call.update(num_nodes=6)
+    call.update(args)
+    with pytest.raises(ValueError, match=message):
+        eagle2_dynamic_tree(**call)

@@ -326,7 +326,39 @@ def test_bad_inputs(bad, op):
 
 def test_bad_block_size():
     a = torch.tensor([0, 1])
-    with pytest.raises(RuntimeError, match=r"peagle\.mask_block: block_size must be >= 1, got 0"):
-        torch.ops.peagle.mask_block(a, a, torch.zeros(2, dtype=torch.long), 0, None)
-    with pytest.raises(ValueError, match="block_size must be >= 1"):
+    with pytest.raises(RuntimeError, match=r"peagle\.mask_block: block_size must be in \[1, 65536\], got 0"):
+        torch.ops.peagle.mask_block(a, torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long), 0, None)
+    with pytest.raises(ValueError, match=r"block_size must be in \[1, 65536\], got 0"):
         BlockMaskBuilder(0)
+
+
+@pytest.mark.parametrize("op", ["mask_dense", "mask_block"])
+def test_document_ids_below_minus_one_are_rejected_as_in_cod_sample(op):
+    # One rule for every op: -1 is padding, other negative ids are an error (cod_sample treats them alike).
+    a, d = torch.tensor([0, 1]), torch.tensor([0, 0])
+    docs = torch.tensor([-2, -2, 0, 0])
+    with pytest.raises(RuntimeError, match=rf"peagle\.{op}: document_ids must be >= -1 \(-1 = padding\), got -2"):
+        if op == "mask_dense":
+            torch.ops.peagle.mask_dense(a, d, docs, None)
+        else:
+            torch.ops.peagle.mask_block(a, d, docs, 128, None)
+
+
+@pytest.mark.parametrize("op", ["mask_dense", "mask_block"])
+def test_depths_past_the_row_are_rejected_before_window_arithmetic(op):
+    # A depth near 2^63 overflowed anchor + depth - window; the element rule is cod's: anchor + depth < T.
+    a, d = torch.tensor([0, 1]), torch.tensor([0, 2**63 - 2])
+    docs = torch.zeros(4, dtype=torch.long)
+    with pytest.raises(RuntimeError, match=rf"peagle\.{op}: element 1 \(anchor 1, depth {2**63 - 2}\) is out of range"):
+        if op == "mask_dense":
+            torch.ops.peagle.mask_dense(a, d, docs, 3)
+        else:
+            torch.ops.peagle.mask_block(a, d, docs, 128, 3)
+
+
+def test_block_size_is_bounded():
+    a = torch.tensor([0, 1])
+    with pytest.raises(
+        RuntimeError, match=r"peagle\.mask_block: block_size must be in \[1, 65536\], got 1099511627776"
+    ):
+        torch.ops.peagle.mask_block(a, torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long), 2**40, None)

@@ -142,7 +142,7 @@ def test_construction_opcheck_and_errors(generator):
     bad[1, 2, 4] = math.nan
     with pytest.raises(RuntimeError, match="in row 2 of request 1 at token 4"):
         tree_build_parallel(bad, [1, 1, 1], 4)
-    with pytest.raises(RuntimeError, match="num_nodes must be >= 1"):
+    with pytest.raises(RuntimeError, match=r"num_nodes must be in \[1, 4096\], got 0"):
         tree_build_parallel(probs, [1, 1, 1], 0)
     p2 = parent.clone()
     p2[0, 5] = 5
@@ -150,7 +150,7 @@ def test_construction_opcheck_and_errors(generator):
         tree_select(tokens, p2, scores, torch.full((3,), 9), 4)
     s2 = scores.clone()
     s2[1, 4] = s2[1, parent[1, 4]] + 1
-    with pytest.raises(RuntimeError, match=r"cand_scores\[1, 4\] must not be NaN and must not exceed its parent"):
+    with pytest.raises(RuntimeError, match=r"cand_scores\[1, 4\] must be finite and must not exceed its parent"):
         tree_select(tokens, parent, s2, torch.full((3,), 9), 4)
     with pytest.raises(RuntimeError, match=r"num_candidates\[2\] must be in \[1, M\], got 10"):
         tree_select(tokens, parent, scores, torch.tensor([9, 9, 10]), 4)
@@ -167,3 +167,43 @@ def test_ancestor_mask_matches_paths(kind):
         for b in range(3):
             for i in range(nodes):
                 assert mask[b, i].nonzero()[:, 0].tolist() == tree_path(parent[b], i)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0])
+def test_expand_topk_rejects_non_finite_or_negative_frontier_scores(generator, bad):
+    probs = torch.softmax(torch.randn(2, 3, 10, generator=generator), -1)
+    scores = torch.rand(2, 3, generator=generator, dtype=torch.float64)
+    scores[1, 2] = bad
+    with pytest.raises(
+        RuntimeError, match=r"peagle\.tree_expand_topk: frontier_scores\[1, 2\] must be finite and >= 0"
+    ):
+        tree_expand_topk(scores, probs, 2)
+
+
+@pytest.mark.parametrize("op", ["tree_build_parallel", "tree_expand_topk"])
+def test_construction_rejects_infinite_draft_probabilities(generator, op):
+    probs = torch.softmax(torch.randn(2, 3, 10, generator=generator), -1)
+    probs[1, 2, 4] = math.inf
+    with pytest.raises(RuntimeError, match=r"must be finite and non-negative.* in row 2 of request 1 at token 4"):
+        if op == "tree_build_parallel":
+            tree_build_parallel(probs, [1, 1, 1], 4)
+        else:
+            tree_expand_topk(torch.ones(2, 3, dtype=torch.float64), probs, 2)
+
+
+def test_select_rejects_infinite_scores(generator):
+    tokens, parent, scores, count = random_candidates(generator, 2, 6)
+    scores = scores.clone()
+    scores[:, 0] = math.inf
+    with pytest.raises(RuntimeError, match=r"cand_scores\[0, 0\] must be finite"):
+        tree_select(tokens, parent, scores, count, 4)
+
+
+def test_construction_bounds_num_nodes(generator):
+    # num_nodes sizes the [B, N, N] mask: an absurd value must be a clear error, not an allocation attempt.
+    probs = torch.softmax(torch.randn(1, 2, 10, generator=generator), -1)
+    with pytest.raises(RuntimeError, match=r"tree_build_parallel: num_nodes must be in \[1, 4096\], got 1000000000"):
+        tree_build_parallel(probs, [2, 2], 10**9)
+    tokens, parent, scores, count = random_candidates(generator, 2, 6)
+    with pytest.raises(RuntimeError, match=r"tree_select: num_nodes must be in \[1, 4096\], got 4097"):
+        tree_select(tokens, parent, scores, count, 4097)

@@ -32,6 +32,7 @@ inline void check_cod_sample_args(const at::Tensor& loss_mask, const at::Tensor&
               ratio, "], got ", ratio_min);
   TORCH_CHECK(!max_anchors.has_value() || *max_anchors >= 1, "peagle.cod_sample: max_anchors must be None or >= 1, ",
               "got ", max_anchors.value_or(0));
+  check_document_ids(op, document_ids);
 }
 
 // Returns the number of positions T.
@@ -70,6 +71,12 @@ inline int64_t check_cod_gather_args(const at::Tensor& input_ids, const at::Tens
   if (vocab_size.has_value()) {
     TORCH_CHECK(mask_token_id < *vocab_size, "peagle.cod_gather: mask_token_id must be < vocab_size = ", *vocab_size,
                 ", got ", mask_token_id);
+    if (input_ids.numel() > 0) {
+      const auto [lo, hi] = at::aminmax(input_ids);
+      const int64_t low = lo.item<int64_t>(), high = hi.item<int64_t>();
+      TORCH_CHECK(low >= 0 && high < *vocab_size, "peagle.cod_gather: input_ids must be in [0, vocab_size) = [0, ",
+                  *vocab_size, "), got values in [", low, ", ", high, "]");
+    }
   }
   return hidden.size(0);
 }

@@ -9,6 +9,20 @@
 
 namespace peagle {
 
+constexpr int64_t kMaxMaskBlockSize = 65536;
+
+// The element rule of cod_sample / cod_gather: anchor + depth < T. It also keeps the window arithmetic (anchor + depth
+// - window) inside int64. Written as depth <= T - 1 - anchor so that checking cannot overflow.
+inline void check_elements_inside_row(const char* op, const at::Tensor& anchors, const at::Tensor& depths,
+                                      int64_t length) {
+  const at::Tensor outside = depths.to(at::kLong) > (length - 1) - anchors.to(at::kLong);
+  if (!outside.any().item<bool>()) return;
+  const int64_t i = outside.nonzero()[0][0].item<int64_t>();
+  TORCH_CHECK(false, "peagle.", op, ": element ", i, " (anchor ", anchors[i].item<int64_t>(), ", depth ",
+              depths[i].item<int64_t>(), ") is out of range for T = ", length,
+              ": expected 0 <= anchor, 0 <= depth and anchor + depth < T");
+}
+
 // Checks the elements and documents of a mask op; values are checked too (anchors index document_ids).
 inline void check_mask_elements(const char* op, const at::Tensor& anchors, const at::Tensor& depths,
                                 const at::Tensor& document_ids, const c10::optional<int64_t>& window) {
@@ -33,13 +47,17 @@ inline void check_mask_elements(const char* op, const at::Tensor& anchors, const
                 " (len(document_ids)), got values in [", lo, ", ", hi, "]");
     const int64_t dmin = depths.min().item<int64_t>();
     TORCH_CHECK(dmin >= 0, "peagle.", op, ": depths must be >= 0, got ", dmin);
+    check_elements_inside_row(op, anchors, depths, length);
   }
+  check_document_ids(op, document_ids);
 }
 
 inline void check_mask_block_args(const at::Tensor& anchors, const at::Tensor& depths, const at::Tensor& document_ids,
                                   int64_t block_size, const c10::optional<int64_t>& window) {
   check_mask_elements("mask_block", anchors, depths, document_ids, window);
-  TORCH_CHECK(block_size >= 1, "peagle.mask_block: block_size must be >= 1, got ", block_size);
+  // block_size sizes the per-block buffers: bounded so that an absurd value is an error, not an allocation.
+  TORCH_CHECK(block_size >= 1 && block_size <= kMaxMaskBlockSize, "peagle.mask_block: block_size must be in [1, ",
+              kMaxMaskBlockSize, "], got ", block_size);
 }
 
 // [nb, block_size]: each block's valid anchors sorted ascending, then padding (defined in csrc/cpu/mask_cpu.cpp with

@@ -130,6 +130,12 @@ inline void raise_tree_error(const char* op, const at::Tensor& errors, const at:
 // ---------------------------------------------------------------------------------------------------------------------
 // Construction.
 
+// num_nodes sizes the outputs ([B, N, N] mask): bounded so that an absurd value is an error, not an allocation.
+inline void check_num_nodes(const char* op, int64_t num_nodes) {
+  TORCH_CHECK(num_nodes >= 1 && num_nodes <= tree::kMaxTreeNodes, "peagle.", op, ": num_nodes must be in [1, ",
+              tree::kMaxTreeNodes, "], got ", num_nodes);
+}
+
 // Checks shapes, dtypes and devices of tree_select; returns M (candidates per request).
 inline int64_t check_tree_select_args(const at::Tensor& cand_tokens, const at::Tensor& cand_parent,
                                       const at::Tensor& cand_scores, const at::Tensor& num_candidates,
@@ -151,7 +157,7 @@ inline int64_t check_tree_select_args(const at::Tensor& cand_tokens, const at::T
   TORCH_CHECK(num_candidates.size(0) == batch, "peagle.tree_select: num_candidates must have shape [", batch, "], got ",
               shape_str(num_candidates));
   TORCH_CHECK(m >= 1, "peagle.tree_select: need M >= 1 candidates (the root), got shape ", shape_str(cand_tokens));
-  TORCH_CHECK(num_nodes >= 1, "peagle.tree_select: num_nodes must be >= 1, got ", num_nodes);
+  check_num_nodes(op, num_nodes);
   check_same_device(op, "cand_parent", cand_parent, cand_tokens, "cand_tokens");
   check_same_device(op, "cand_scores", cand_scores, cand_tokens, "cand_tokens");
   check_same_device(op, "num_candidates", num_candidates, cand_tokens, "cand_tokens");
@@ -165,7 +171,7 @@ inline void check_tree_build_parallel_args(const at::Tensor& draft_probs, at::In
   const int64_t depths = draft_probs.size(1), vocab = draft_probs.size(2);
   TORCH_CHECK(static_cast<int64_t>(topk.size()) == depths, "peagle.tree_build_parallel: topk must have one entry per ",
               "depth (K = ", depths, "), got ", topk.size());
-  TORCH_CHECK(num_nodes >= 1, "peagle.tree_build_parallel: num_nodes must be >= 1, got ", num_nodes);
+  check_num_nodes("tree_build_parallel", num_nodes);
   int64_t candidates = 1, level = 1;
   for (const int64_t k : topk) {
     TORCH_CHECK(k >= 1 && k <= vocab, "peagle.tree_build_parallel: every topk entry must be in [1, V] = [1, ", vocab,
@@ -213,10 +219,13 @@ inline void raise_build_error(const char* op, const at::Tensor& errors) {
                     ") (parents come before their children)");
       case tree::kCandidateScore:
         TORCH_CHECK(false, "peagle.", op, ": cand_scores[", b, ", ", i,
-                    "] must not be NaN and must not exceed its parent's score");
+                    "] must be finite and must not exceed its parent's score");
       case tree::kDraftRow:
-        TORCH_CHECK(false, "peagle.", op, ": draft probabilities must be non-negative and not NaN, got a bad entry ",
+        TORCH_CHECK(false, "peagle.", op, ": draft probabilities must be finite and non-negative, got a bad entry ",
                     "in row ", i, " of request ", b, " at token ", detail);
+      case tree::kFrontierScore:
+        TORCH_CHECK(false, "peagle.", op, ": frontier_scores[", b, ", ", i,
+                    "] must be finite and >= 0 (a product of draft probabilities)");
       default:
         TORCH_CHECK(false, "peagle.", op, ": internal error code ", code);
     }

@@ -251,7 +251,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_expand_topk_cpu(const at::Te
       flat_tok.resize(m);
       flat_score.resize(m);
       bool ok = true;
-      for (int64_t f = 0; f < width; ++f) {
+      for (int64_t f = 0; f < width && ok; ++f) {
+        if (!tree::frontier_score_ok(s[b * width + f])) {
+          tree::set_error(err, b, tree::kFrontierScore, f, 0);
+          ok = false;
+        }
+      }
+      for (int64_t f = 0; f < width && ok; ++f) {
         const float* row = p + (b * width + f) * vocab;
         int64_t bad = 0;
         if (!row_topk(row, vocab, topk, ids, &bad)) {

@@ -375,3 +375,22 @@ TEST(TreeOrders, TiesBreakTowardsTheSmallerIndex) {
 }
 
 }  // namespace
+
+TEST(TreeBuildChecks, NonFiniteScoresAndProbabilitiesAreRejected) {
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_TRUE(tree::draft_entry_ok(0.0f));
+  EXPECT_TRUE(tree::draft_entry_ok(3.0f));  // unnormalised rows only rank
+  EXPECT_FALSE(tree::draft_entry_ok(inf));
+  EXPECT_FALSE(tree::draft_entry_ok(nan));
+  EXPECT_FALSE(tree::draft_entry_ok(-1e-30f));
+  EXPECT_TRUE(tree::frontier_score_ok(0.25));
+  EXPECT_FALSE(tree::frontier_score_ok(static_cast<double>(inf)));
+  EXPECT_FALSE(tree::frontier_score_ok(static_cast<double>(nan)));
+  EXPECT_FALSE(tree::frontier_score_ok(-0.5));
+  const int64_t parent[3] = {-1, 0, 1};
+  const double finite[3] = {1.0, 0.5, 0.25}, infinite[3] = {static_cast<double>(inf), static_cast<double>(inf), 1.0};
+  int64_t node = -1;
+  EXPECT_EQ(tree::check_candidates(parent, finite, 3, &node), tree::kBuildOk);
+  EXPECT_EQ(tree::check_candidates(parent, infinite, 3, &node), tree::kCandidateScore);
+  EXPECT_EQ(node, 0);
+}

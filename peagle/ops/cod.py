@@ -40,7 +40,8 @@ def cod_sample(
 
     Args:
         loss_mask: [T] bool/int/float, nonzero where the label at that index is trained.
-        document_ids: [T] int32/int64 document of each position, -1 for padding.
+        document_ids: [T] int32/int64 document of each position, -1 for padding (the rule of every op: ids below -1
+            are an error).
         num_depths: K >= 1, the number of parallel depths (K = 1: depth 0 only, autoregressive EAGLE-3).
         ratio: r in (0, 1], geometric keep ratio per depth.
         ratio_min: floor of the keep ratio, in [0, ratio].

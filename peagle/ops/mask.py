@@ -40,6 +40,7 @@ __all__ = [
 ]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
+MAX_BLOCK_SIZE = 65536  # the bound mask_block checks (csrc/checks/mask.h): block_size sizes its buffers
 
 
 class MaskBlocks(NamedTuple):
@@ -55,8 +56,10 @@ def mask_dense(anchors: Tensor, depths: Tensor, document_ids: Tensor, window: in
     """Dense boolean attention mask [N, N] (True = query row may attend to key column) of N elements.
 
     Args:
-        anchors, depths: [N] int32/int64 elements (any order), anchors in [0, T), depths >= 0.
-        document_ids: [T] int32/int64 document of each position, -1 = padding (padding queries see nothing).
+        anchors, depths: [N] int32/int64 elements (any order): anchors in [0, T), depths >= 0 and, as in
+            :func:`~peagle.ops.cod_sample`, anchor + depth < T.
+        document_ids: [T] int32/int64 document of each position, -1 = padding (padding queries see nothing); ids
+            below -1 are an error, as in every op.
         window: sliding window W >= 1 over depth-0 keys, None for none.
     """
     return torch.ops.peagle.mask_dense(anchors, depths, document_ids, window)
@@ -67,7 +70,7 @@ def mask_block(
 ) -> MaskBlocks:
     """Classifies every (q block, kv block) pair of N elements as empty / partial / full from per-block summaries.
 
-    Same arguments as :func:`mask_dense`, plus ``block_size`` (elements per block on both sides).
+    Same arguments as :func:`mask_dense`, plus ``block_size`` (elements per block on both sides, in [1, 65536]).
     """
     return MaskBlocks(*torch.ops.peagle.mask_block(anchors, depths, document_ids, block_size, window))
 
@@ -135,8 +138,8 @@ class BlockMaskBuilder:
     """
 
     def __init__(self, block_size: int = 128, max_elements: int = 0, device: torch.device | str | None = None) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
         self.block_size = block_size
         self._capacity = 0
         self._device = torch.device(device) if device is not None else None

@@ -228,7 +228,7 @@ def tree_build_parallel_reference(draft_probs: Tensor, topk: list[int], num_node
         values, ids = _topk_stable(draft_probs[:, d], k)
         tokens.append(ids.repeat(1, level_count))
         parents.append((level_start + torch.arange(level_count, device=device)).repeat_interleave(k).expand(batch, -1))
-        scores.append((scores[-1][:, :, None] * values.double()[:, None, :]).reshape(batch, -1))
+        scores.append((scores[-1][:, :, None] * values.double()[:, None, :]).reshape(batch, level_count * k))
         level_start += level_count
         level_count *= k
     tok, par, sc = torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1)
@@ -242,7 +242,8 @@ def tree_expand_topk_reference(
     """Reference of :func:`tree_expand_topk`."""
     batch, width, _ = child_probs.shape
     values, ids = _topk_stable(child_probs, topk)
-    scores = (frontier_scores.double()[:, :, None] * values.double()).reshape(batch, -1)
+    m = width * topk  # explicit: an empty batch has no -1 to infer
+    scores = (frontier_scores.double()[:, :, None] * values.double()).reshape(batch, m)
     order = _stable_order(-scores)
-    slots = torch.arange(width, device=child_probs.device).repeat_interleave(topk).expand(batch, -1)
-    return ids.reshape(batch, -1).gather(1, order), slots.gather(1, order), scores.gather(1, order)
+    slots = torch.arange(width, device=child_probs.device).repeat_interleave(topk).expand(batch, m)
+    return ids.reshape(batch, m).gather(1, order), slots.gather(1, order), scores.gather(1, order)

