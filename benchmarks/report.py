@@ -1,37 +1,74 @@
-"""Turns a pytest-benchmark JSON file into the ratio table: for each case, every implementation's mean time and how
-many times faster each peagle variant ("peagle", "peagle-...") is than it (ratios measured in the same run, so machine
+"""Turns pytest-benchmark JSON files into the ratio table: for each case, every implementation's time and how many
+times faster each peagle variant ("peagle", "peagle-...") is than it (ratios measured in the same run, so machine
 noise mostly cancels).
 
-    python benchmarks/report.py results.json [--markdown]
+    python benchmarks/report.py results.json [more.json ...]                  # plain table on stdout
+    python benchmarks/report.py results.json [...] --markdown [--out PATH]    # writes benchmarks/RESULTS.md
+
+A benchmark names its case and implementation in extra_info {"case": ..., "impl": ...}; its time is the benchmark's
+mean. Baselines timed inside the same benchmark go in extra_info {"baselines": {name: seconds}} (same case), and an
+optional extra_info {"note": ...} explains a row (e.g. what would change a loss). The markdown file has one row per
+case (a case measured again in a later file takes the later times): the fastest peagle implementation against the
+strongest (fastest) baseline, the ratio, the other baselines, and the machine (cores, load average at the start and end
+of the run), the date and the command of each JSON file.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections import defaultdict
+import os
+from dataclasses import dataclass, field
 
 OURS = "peagle"
+DEFAULT_MARKDOWN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+
+
+def is_ours(impl: str) -> bool:
+    return impl == OURS or impl.startswith(OURS + "-")
+
+
+@dataclass
+class Case:
+    source: str  # the benchmark file
+    name: str
+    ms: dict[str, float] = field(default_factory=dict)  # implementation -> time (ms)
+    info: dict[str, dict] = field(default_factory=dict)  # implementation -> its other extra_info
+    notes: dict[str, str] = field(default_factory=dict)  # implementation -> note (a later run of it replaces it)
+
+
+def collect_cases(runs: list[dict]) -> list[Case]:
+    cases: dict[tuple[str, str], Case] = {}
+    for data in runs:
+        for bench in data["benchmarks"]:
+            info = dict(bench.get("extra_info", {}))
+            source = bench.get("fullname", bench["name"]).split("::")[0]
+            name = info.pop("case", bench.get("group") or bench["name"])
+            case = cases.setdefault((source, name), Case(source, name))
+            impl = info.pop("impl", bench["name"])
+            baselines = info.pop("baselines", {})
+            note = info.pop("note", None)
+            case.ms[impl] = bench["stats"]["mean"] * 1e3
+            case.info[impl] = info
+            for base, seconds in baselines.items():
+                case.ms[base] = seconds * 1e3
+            if note:
+                case.notes[impl] = note
+    return list(cases.values())
 
 
 def ratio_rows(data: dict) -> list[dict]:
-    cases: dict[str, dict[str, dict]] = defaultdict(dict)
-    for bench in data["benchmarks"]:
-        info = bench.get("extra_info", {})
-        cases[info.get("case", bench["group"] or bench["name"])][info.get("impl", bench["name"])] = {
-            "mean_ms": bench["stats"]["mean"] * 1e3,
-            **{k: v for k, v in info.items() if k not in ("impl", "case")},
-        }
+    """Every implementation of every case, fastest first, with how many times faster each peagle variant is."""
     rows = []
-    for case, impls in cases.items():
-        ours = {k: v["mean_ms"] for k, v in impls.items() if k.startswith(OURS)}
-        for impl, stats in sorted(impls.items(), key=lambda kv: kv[1]["mean_ms"]):
-            speedups = {f"{name} x faster": stats["mean_ms"] / ms for name, ms in ours.items() if name != impl}
-            rows.append({"case": case, "impl": impl, **stats, **speedups})
+    for case in collect_cases([data]):
+        ours = {k: v for k, v in case.ms.items() if is_ours(k)}
+        for impl, ms in sorted(case.ms.items(), key=lambda kv: kv[1]):
+            speedups = {f"{name} x faster": ms / t for name, t in ours.items() if name != impl}
+            rows.append({"case": case.name, "impl": impl, "mean_ms": ms, **case.info.get(impl, {}), **speedups})
     return rows
 
 
-def format_table(rows: list[dict], markdown: bool) -> str:
+def format_table(rows: list[dict]) -> str:
     speed_keys = sorted({k for r in rows for k in r if k.endswith(" x faster")})
     extra_keys = sorted({k for r in rows for k in r} - {"case", "impl", "mean_ms", *speed_keys})
     header = ["case", "impl", "mean ms", *speed_keys, *extra_keys]
@@ -45,22 +82,99 @@ def format_table(rows: list[dict], markdown: bool) -> str:
         ]
         for r in rows
     ]
-    if markdown:
-        out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        out += ["| " + " | ".join(line) + " |" for line in lines]
-        return "\n".join(out)
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(header)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return "\n".join([fmt.format(*header), *(fmt.format(*line) for line in lines)])
 
 
+def verdict(baseline_ms: float, ours_ms: float) -> str:
+    ratio = baseline_ms / ours_ms
+    if ratio >= 1:
+        return f"{ratio:.1f}x faster"
+    return f"**peagle loses: {1 / ratio:.1f}x slower**"
+
+
+def summary_row(case: Case) -> str:
+    ours = {k: v for k, v in case.ms.items() if is_ours(k)}
+    theirs = {k: v for k, v in case.ms.items() if not is_ours(k)}
+    best_ours = min(ours, key=ours.get) if ours else None
+    cells = [os.path.basename(case.source), case.name]
+    cells.append(f"{best_ours} {ours[best_ours]:.3f}" if best_ours else "-")
+    if not theirs or best_ours is None:
+        others = ", ".join(f"{k} {v:.3f}" for k, v in sorted(ours.items(), key=lambda kv: kv[1]) if k != best_ours)
+        cells += ["no baseline in this case", "-", "-", others]
+    else:
+        strongest = min(theirs, key=theirs.get)
+        cells += [strongest, f"{theirs[strongest]:.3f}", verdict(theirs[strongest], ours[best_ours])]
+        others = sorted((k for k in theirs if k != strongest), key=theirs.get)
+        cells.append(", ".join(f"{k} {theirs[k]:.3f} ({theirs[k] / ours[best_ours]:.1f}x)" for k in others))
+    return "| " + " | ".join(cells) + " |"
+
+
+def machine_lines(runs: list[tuple[str, dict]]) -> list[str]:
+    lines = []
+    for path, data in runs:
+        machine = data.get("machine_info", {})
+        cpu = machine.get("cpu", {})
+        extra = machine.get("peagle", {})
+        load = extra.get("loadavg_start", "?"), extra.get("loadavg_end", "?")
+        lines.append(
+            f"- `{path}`: {data.get('datetime', '?')}; {cpu.get('count', '?')} cores "
+            f"({cpu.get('brand_raw', '?')}), torch threads {extra.get('torch_threads', '?')}, load average "
+            f"(1/5/15 min) {load[0]} at the start and {load[1]} at the end; torch {extra.get('torch', '?')}; "
+            f"command: `{extra.get('command', '?')}`"
+        )
+    return lines
+
+
+def markdown_report(runs: list[tuple[str, dict]]) -> str:
+    cases = collect_cases([data for _, data in runs])
+    out = [
+        "# peagle benchmark results",
+        "",
+        "Generated by `python benchmarks/report.py " + " ".join(p for p, _ in runs) + " --markdown` from these runs:",
+        "",
+        *machine_lines(runs),
+        "",
+        "Each row: the fastest peagle implementation of the case against the strongest (fastest) baseline measured in",
+        "the same run (times in ms, pytest-benchmark means; baselines timed inside a benchmark: best of a few rounds).",
+        "The machine is shared: other jobs ran beside these benchmarks (see the load averages), so absolute times are",
+        "noisy; ratios come from one run each.",
+        "",
+        "| file | case | peagle (ms) | strongest baseline | baseline ms | peagle vs strongest "
+        "| other baselines (ms, ratio) |",
+        "|---|---|---|---|---|---|---|",
+        *(summary_row(case) for case in cases),
+    ]
+    notes = [(case.name, note) for case in cases for note in case.notes.values()]
+    if notes:
+        out += ["", "## Notes", ""]
+        seen = set()
+        for name, note in notes:
+            if note not in seen:
+                seen.add(note)
+                out.append(f"- {note} (first: {name})")
+    return "\n".join(out) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("json_file")
-    parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("json_files", nargs="+")
+    parser.add_argument("--markdown", action="store_true", help="write the markdown results file (see --out)")
+    parser.add_argument("--out", default=DEFAULT_MARKDOWN, help="markdown output path (default: benchmarks/RESULTS.md)")
     args = parser.parse_args()
-    with open(args.json_file) as f:
-        print(format_table(ratio_rows(json.load(f)), args.markdown))
+    runs = []
+    for path in args.json_files:
+        with open(path) as f:
+            runs.append((path, json.load(f)))
+    if args.markdown:
+        text = markdown_report(runs)
+        with open(args.out, "w") as f:
+            f.write(text)
+        print(text)
+    else:
+        for _, data in runs:
+            print(format_table(ratio_rows(data)))
 
 
 if __name__ == "__main__":

@@ -61,6 +61,18 @@ def test_mask_dense_matches_reference(generator, case, variant):
     assert torch.equal(dense, mask_dense_reference(a, d, docs, window))
 
 
+@pytest.mark.parametrize("shift", ["documents", "depths", "window"])
+def test_mask_dense_values_beyond_int32(generator, shift):
+    """The dense kernel runs on 32-bit copies of the fields when they fit; values that do not take the 64-bit path."""
+    a, d, docs = sample(generator, 300, 6, 0.8, 0.2, 40.0, shuffle=True)
+    window = 2**40 if shift == "window" else 5
+    if shift == "documents":
+        docs = torch.where(docs == -1, docs, docs + 2**40)
+    if shift == "depths":
+        d = d + 2**33 * (d > 0)
+    assert torch.equal(mask_dense(a, d, docs, window), mask_dense_reference(a, d, docs, window))
+
+
 def test_mask_dense_against_scalar_predicate(generator):
     """The reference itself, checked pair by pair against the DESIGN.md predicate written out in plain Python."""
     a, d, docs = sample(generator, 40, 5, 0.9, 0.3, 12.0, shuffle=True)

@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <climits>
 #include <tuple>
 
 #include "checks/mask.h"
@@ -32,6 +33,21 @@ at::Tensor sorted_block_anchors(const at::Tensor& anchors_c, const at::Tensor& e
 
 namespace {
 
+// The general per-cell predicate over int64 fields: only for inputs whose values do not fit the 32-bit row kernel.
+void mask_dense_rows_int64(bool* o, int64_t n, const int64_t* a, const int64_t* d, const int64_t* doc, int64_t w) {
+  at::parallel_for(0, n, std::max<int64_t>(1, 4096 / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t q = begin; q < end; ++q) {
+      bool* row = o + q * n;
+      const int64_t aq = a[q], dq = d[q], docq = doc[q];
+      for (int64_t k = 0; k < n; ++k) row[k] = mask::allowed(aq, dq, docq, a[k], d[k], doc[k], w);
+    }
+  });
+}
+
+bool fits_int32(const at::Tensor& t) {
+  return t.numel() == 0 || (t.min().item<int64_t>() >= INT32_MIN + 1 && t.max().item<int64_t>() <= INT32_MAX - 1);
+}
+
 at::Tensor mask_dense_cpu(const at::Tensor& anchors, const at::Tensor& depths, const at::Tensor& document_ids,
                           c10::optional<int64_t> window) {
   check_mask_elements("mask_dense", anchors, depths, document_ids, window);
@@ -41,15 +57,23 @@ at::Tensor mask_dense_cpu(const at::Tensor& anchors, const at::Tensor& depths, c
   const int64_t n = anchors.size(0);
   const int64_t w = window_arg(window);
   at::Tensor out = at::empty({n, n}, anchors.options().dtype(at::kBool));
-  const int64_t* a = a_c.data_ptr<int64_t>();
-  const int64_t* d = d_c.data_ptr<int64_t>();
-  const int64_t* doc = doc_c.data_ptr<int64_t>();
   bool* o = out.data_ptr<bool>();
+  if (!(fits_int32(a_c) && fits_int32(d_c) && fits_int32(doc_c))) {
+    mask_dense_rows_int64(o, n, a_c.data_ptr<int64_t>(), d_c.data_ptr<int64_t>(), doc_c.data_ptr<int64_t>(), w);
+    return out;
+  }
+  const at::Tensor a32 = a_c.to(at::kInt), d32 = d_c.to(at::kInt), doc32 = doc_c.to(at::kInt);
+  const at::Tensor root32 = at::where(d_c.eq(0), a_c, at::scalar_tensor(INT32_MAX, a_c.options())).to(at::kInt);
+  const int32_t* a = a32.data_ptr<int32_t>();
+  const int32_t* d = d32.data_ptr<int32_t>();
+  const int32_t* doc = doc32.data_ptr<int32_t>();
+  const int32_t* root = root32.data_ptr<int32_t>();
   at::parallel_for(0, n, std::max<int64_t>(1, 4096 / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t q = begin; q < end; ++q) {
-      bool* row = o + q * n;
-      const int64_t aq = a[q], dq = d[q], docq = doc[q];
-      for (int64_t k = 0; k < n; ++k) row[k] = mask::allowed(aq, dq, docq, a[k], d[k], doc[k], w);
+      // Causal keys need a_k > a_q + d_q - W: the bound in int64, clamped into int32 (anchors fit in int32).
+      const int64_t lo64 = w == mask::kNoWindow ? INT32_MIN : std::max<int64_t>(INT32_MIN, a[q] + d[q] - w);
+      const int32_t lo = static_cast<int32_t>(std::min<int64_t>(lo64, INT32_MAX));
+      mask::dense_row(o + q * n, n, a[q], d[q], doc[q], lo, doc, a, d, root);
     }
   });
   return out;

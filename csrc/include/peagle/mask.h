@@ -29,6 +29,23 @@ PEAGLE_HD bool allowed(int64_t aq, int64_t dq, int64_t docq, int64_t ak, int64_t
   return dk == 0 && ak <= aq && (window == kNoWindow || ak > aq + dq - window);
 }
 
+// One row of the dense mask, branch-free over 32-bit key arrays so that the compiler vectorises it (the predicate then
+// costs about as much as writing the row). Per key k: doc[k] (-1 = padding), anchor[k], depth[k] and root[k] =
+// anchor[k] for depth-0 keys, INT32_MAX otherwise. lo: the window's exclusive lower bound on causal anchors (INT32_MIN:
+// none). Callers guarantee anchors, depths and documents fit in int32 (see mask_dense_cpu).
+inline void dense_row(bool* row, int64_t n, int32_t aq, int32_t dq, int32_t docq, int32_t lo, const int32_t* doc,
+                      const int32_t* anchor, const int32_t* depth, const int32_t* root) {
+  if (docq == -1) {
+    for (int64_t k = 0; k < n; ++k) row[k] = false;
+    return;
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    const int32_t causal = (root[k] <= aq) & (root[k] > lo);
+    const int32_t chain = (anchor[k] == aq) & (depth[k] <= dq);
+    row[k] = static_cast<bool>((doc[k] == docq) & (causal | chain));
+  }
+}
+
 // Summary fields of one block, stored as int64 rows of kSummaryFields (valid = document != -1).
 enum SummaryField : int {
   kCount = 0,  // elements in the block (the last block may be short)

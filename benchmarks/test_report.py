@@ -1,0 +1,58 @@
+"""benchmarks/report.py: the strongest baseline of each case, the ratio, losses said plainly, machine and command."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location("bench_report", Path(__file__).with_name("report.py"))
+report = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = report  # dataclasses look their module up there
+_spec.loader.exec_module(report)
+
+
+def bench(case: str, impl: str, seconds: float, **extra) -> dict:
+    return {
+        "name": f"test[{impl}]",
+        "fullname": f"benchmarks/bench_x.py::test[{impl}]",
+        "group": None,
+        "stats": {"mean": seconds},
+        "extra_info": {"case": case, "impl": impl, **extra},
+    }
+
+
+RUN = {
+    "datetime": "2026-11-30T18:00:00",
+    "machine_info": {
+        "cpu": {"count": 2, "brand_raw": "Test CPU"},
+        "peagle": {"command": "python -m pytest benchmarks/bench_x.py", "loadavg_start": "1.00/2.00/3.00"},
+    },
+    "benchmarks": [
+        bench("win", "peagle", 0.001, baselines={"slow": 0.1, "fast": 0.004}, note="why it wins"),
+        bench("win", "peagle-op", 0.002),
+        bench("lose", "peagle", 0.006),
+        bench("lose", "rival", 0.002),
+    ],
+}
+
+
+def test_markdown_names_the_strongest_baseline_and_says_where_peagle_loses():
+    text = report.markdown_report([("run.json", RUN)])
+    rows = {line.split(" | ")[1]: line for line in text.splitlines() if line.startswith("| bench_x.py")}
+    win = rows["win"].split(" | ")
+    assert win[2] == "peagle 1.000" and win[3] == "fast" and win[4] == "4.000" and win[5] == "4.0x faster"
+    assert "slow 100.000 (100.0x)" in win[6]
+    lose = rows["lose"].split(" | ")
+    assert lose[3] == "rival" and "peagle loses: 3.0x slower" in lose[5]
+    assert (
+        "2 cores (Test CPU)" in text and "1.00/2.00/3.00" in text and "python -m pytest benchmarks/bench_x.py" in text
+    )
+    assert "- why it wins (first: win)" in text
+
+
+def test_plain_table_lists_every_implementation_fastest_first():
+    rows = report.ratio_rows(RUN)
+    assert [r["impl"] for r in rows if r["case"] == "win"] == ["peagle", "peagle-op", "fast", "slow"]
+    slow = next(r for r in rows if r["impl"] == "slow")
+    assert round(slow["peagle x faster"]) == 100 and round(slow["peagle-op x faster"]) == 50
