@@ -358,7 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-rows", type=int, default=None, help="evaluate the first N rows only (N >= 1)")
     ev.add_argument("--tree-budget", type=int, default=None, help="also score P-EAGLE parallel trees of N nodes")
     ev.add_argument(
-        "--tree-topk", type=_ints, default=None, help="the trees' children per node: K, or K,K,.. one per depth"
+        "--tree-topk",
+        type=lambda text: _ints(text, "--tree-topk"),
+        default=None,
+        help="the trees' children per node: K, or K,K,.. one per depth",
     )
     ev.add_argument("--json", default=None, help="also write the result to this JSON file")
     ev.set_defaults(func=cmd_eval)

@@ -61,15 +61,16 @@ def test_mask_dense_matches_reference(generator, case, variant):
     assert torch.equal(dense, mask_dense_reference(a, d, docs, window))
 
 
-@pytest.mark.parametrize("shift", ["documents", "depths", "window"])
+@pytest.mark.parametrize("shift", ["documents", "past_row_end", "window"])
 def test_mask_dense_values_beyond_int32(generator, shift):
     """The dense kernel runs on 32-bit copies of the fields when they fit; values that do not take the 64-bit path."""
     a, d, docs = sample(generator, 300, 6, 0.8, 0.2, 40.0, shuffle=True)
     window = 2**40 if shift == "window" else 5
     if shift == "documents":
         docs = torch.where(docs == -1, docs, docs + 2**40)
-    if shift == "depths":
-        d = d + 2**33 * (d > 0)
+    if shift == "past_row_end":  # chains from the last anchors run past the row (depth < T still holds)
+        d = torch.where(d > 0, d + (300 - a).clamp(min=0), d).clamp(max=299)
+        assert ((a + d) >= 300).any()
     assert torch.equal(mask_dense(a, d, docs, window), mask_dense_reference(a, d, docs, window))
 
 
@@ -358,10 +359,10 @@ def test_document_ids_below_minus_one_are_rejected_as_in_cod_sample(op):
 
 @pytest.mark.parametrize("op", ["mask_dense", "mask_block"])
 def test_depths_past_the_row_are_rejected_before_window_arithmetic(op):
-    # A depth near 2^63 overflowed anchor + depth - window; the element rule is cod's: anchor + depth < T.
+    # A depth near 2^63 overflowed anchor + depth - window; depths are bounded by the row: depth < T.
     a, d = torch.tensor([0, 1]), torch.tensor([0, 2**63 - 2])
     docs = torch.zeros(4, dtype=torch.long)
-    with pytest.raises(RuntimeError, match=rf"peagle\.{op}: element 1 \(anchor 1, depth {2**63 - 2}\) is out of range"):
+    with pytest.raises(RuntimeError, match=rf"peagle\.{op}: depths\[1\] = {2**63 - 2} is out of range for T = 4"):
         if op == "mask_dense":
             torch.ops.peagle.mask_dense(a, d, docs, 3)
         else:

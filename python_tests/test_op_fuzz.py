@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -34,6 +35,15 @@ from peagle.ops import (
     tree_verify_greedy,
     tree_verify_greedy_reference,
 )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def gradual_underflow():
+    """Hypothesis draws subnormal floats and refuses to run while the CPU flushes them to zero. Training and extraction
+    turn flushing on for speed, process-wide, so an earlier test in the same process may have left it on."""
+    torch.set_flush_denormal(False)
+    yield
+
 
 FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SPECIAL = [math.nan, math.inf, -math.inf, -1.0, 0.0]

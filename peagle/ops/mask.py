@@ -56,8 +56,8 @@ def mask_dense(anchors: Tensor, depths: Tensor, document_ids: Tensor, window: in
     """Dense boolean attention mask [N, N] (True = query row may attend to key column) of N elements.
 
     Args:
-        anchors, depths: [N] int32/int64 elements (any order): anchors in [0, T), depths >= 0 and, as in
-            :func:`~peagle.ops.cod_sample`, anchor + depth < T.
+        anchors, depths: [N] int32/int64 elements (any order): anchors in [0, T), depths in [0, T) (a chain
+            may run past the row's end, as evaluation's chains from the last anchors do).
         document_ids: [T] int32/int64 document of each position, -1 = padding (padding queries see nothing); ids
             below -1 are an error, as in every op.
         window: sliding window W >= 1 over depth-0 keys, None for none.
