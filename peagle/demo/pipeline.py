@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -184,28 +182,6 @@ def _self_distill(
 def _read_records(path: Path) -> list[dict[str, Any]]:
     with path.open() as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def _serve(name: str, request: dict[str, Any], out: Path, log: Path) -> dict[str, Any]:
-    """Runs one vLLM measurement in a fresh process (vLLM spawns workers and keeps global engine state)."""
-    req_path = out.with_suffix(".request.json")
-    req_path.write_text(json.dumps(request))
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    with log.open("w") as f:
-        proc = subprocess.run(
-            [sys.executable, "-m", "peagle.demo.serve", str(req_path), str(out)],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    if proc.returncode != 0 or not out.exists():
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
-        raise RuntimeError(f"vLLM run '{name}' failed (exit {proc.returncode}); last lines of {log}:\n{tail}")
-    return json.loads(out.read_text())
 
 
 @dataclass
@@ -415,6 +391,8 @@ def _serving_configs(run: DemoRun) -> dict[str, dict[str, Any] | None]:
 
 def stage_serve(run: DemoRun, heldout_records: list[dict[str, Any]]) -> dict[str, Any]:
     """Serving with vLLM: the first held-out prompts without speculation, with P-EAGLE and with EAGLE-3."""
+    from peagle.demo.serve import measure_in_subprocess
+
     spec = run.spec
     prompts = [r["prompt_ids"] for r in heldout_records[: spec.prompts]]
     common = {
@@ -437,7 +415,7 @@ def stage_serve(run: DemoRun, heldout_records: list[dict[str, Any]]) -> dict[str
             f"vLLM-CPU serve: {name}",
             out,
             out.exists(),
-            lambda name=name, config=config, out=out, slug=slug: _serve(
+            lambda name=name, config=config, out=out, slug=slug: measure_in_subprocess(
                 name, {**common, "speculative_config": config}, out, serve_dir / f"{slug}.log"
             ),
         )
