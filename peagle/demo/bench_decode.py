@@ -46,19 +46,36 @@ class EngineConfig:
     options: dict[str, Any] = field(default_factory=dict)
 
 
-def tree_topk(depth: int, draft_vocab: int) -> list[int]:
-    """Children per node at each depth of a P-EAGLE tree: wide near the root, where the drafter is least certain of
-    the best path's rank and a miss costs every deeper draft, then 2 (the node budget keeps the best paths of this
-    Cartesian candidate tree)."""
-    return [min(k, draft_vocab) for k in [4, 3, *[2] * max(0, depth - 2)][:depth]]
+def tree_topk(depth: int, draft_vocab: int, budget: int) -> list[int]:
+    """Children per node at each depth of a P-EAGLE tree: the widest per-depth top-k whose whole Cartesian candidate
+    tree fits the node budget, widened from the root down (one more child at a depth per turn). The tree then always
+    holds the greedy chain, so greedy decoding accepts at least the chain's tokens per round; a wider candidate tree
+    pruned to the budget by path score drops deep chain nodes whenever the drafter's deep distributions are flat."""
+    topk = [1] * depth
+
+    def size(ks: list[int]) -> int:
+        total, width = 1, 1
+        for k in ks:
+            width *= k
+            total += width
+        return total
+
+    grown = True
+    while grown:
+        grown = False
+        for d in range(depth):
+            wider = [*topk[:d], topk[d] + 1, *topk[d + 1 :]]
+            if wider[d] <= draft_vocab and size(wider) <= budget:
+                topk, grown = wider, True
+    return topk
 
 
 def engine_configs(depth: int, draft_vocab: int, budgets: Sequence[int], eagle3: bool) -> list[EngineConfig]:
     """Target alone, P-EAGLE chain and trees (one per budget), EAGLE-3 chain (the EAGLE-3 tree's budget is chosen
     after the P-EAGLE trees ran: see :func:`bench_decode`)."""
-    topk = tree_topk(depth, draft_vocab)
     configs = [EngineConfig(TARGET_ALONE), EngineConfig("P-EAGLE chain", "peagle", "chain")]
     for budget in budgets:
+        topk = tree_topk(depth, draft_vocab, budget)
         name = f"P-EAGLE tree {budget} nodes (top-k {'-'.join(map(str, topk))})"
         configs.append(EngineConfig(name, "peagle", "tree", {"topk": topk, "num_nodes": budget}))
     if eagle3:
