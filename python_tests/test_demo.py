@@ -37,6 +37,21 @@ def _check_acceptance_row(row: dict, k: int) -> None:
     assert 1.0 <= row["acceptance_length"] <= k + 1
 
 
+def _check_engine_rows(report: dict, accepted: bool = True) -> None:
+    """The engine rows: target alone, P-EAGLE chain, the fastest P-EAGLE tree, EAGLE-3 chain and tree, all lossless
+    (output == the engine's target-alone output) and (``accepted``) with drafts accepted."""
+    rows = {r["config"]: r for r in report["engine"]}
+    names = [n.split(" ")[0] + " " + n.split(" ")[1] for n in rows]
+    assert names == ["target alone", "P-EAGLE chain", "P-EAGLE tree", "EAGLE-3 chain", "EAGLE-3 tree"]
+    for name, row in rows.items():
+        assert row["lossless"] is True, name
+        assert row["tokens_per_second"] > 0 and row["generated_tokens"] > 0, name
+        if name == "target alone":
+            assert row["acceptance_length"] == 1.0
+        elif accepted:
+            assert row["acceptance_length"] > 1.0, name
+
+
 def test_demo_quick_end_to_end(tmp_path):
     pytest.importorskip("vllm")
     cmd = [sys.executable, "-m", "peagle.cli", "demo", "--quick", "--quiet", "--workdir", str(tmp_path)]
@@ -44,9 +59,9 @@ def test_demo_quick_end_to_end(tmp_path):
     print(proc.stdout[-4000:], proc.stderr[-4000:])
     assert proc.returncode == 0
     (report_dir,) = tmp_path.glob("demo-quick-*/report")
-    for name in ("report.md", "report.json", "acceptance.png", "throughput.png"):
+    for name in ("report.md", "report.json", "acceptance.png", "throughput.png", "decode.png"):
         assert (report_dir / name).stat().st_size > 0, name
-    for name in ("acceptance.png", "throughput.png"):
+    for name in ("acceptance.png", "throughput.png", "decode.png"):
         assert (report_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = json.loads((report_dir / "report.json").read_text())
     k = report["depths"]
@@ -75,8 +90,10 @@ def test_demo_quick_end_to_end(tmp_path):
         assert s["tokens_per_second"] > 0 and s["generated_tokens"] > 0
     assert serving["P-EAGLE"]["lossless"] is True and serving["EAGLE-3"]["lossless"] is True
     assert report["lossless"] is True
+    _check_engine_rows(report)
     md = (report_dir / "report.md").read_text()
     assert "| P-EAGLE | vLLM |" in md and "Pos 1" in md and f"Pos {k}" in md
+    assert "## peagle decoding engine (greedy)" in md and "| P-EAGLE chain |" in md
 
     # A rerun takes every stage from the cache and writes the same measurements.
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -110,6 +127,8 @@ def test_demo_user_target_and_data(tmp_path):
         _check_acceptance_row(row, report["depths"])
     # Self-distilled from the chats' prompts (the conversation up to the assistant turn), ended at the target's EOS.
     assert report["distill"]["ignore_eos"] is False and report["distill"]["train"]["records"] > 0
+    _check_engine_rows(report, accepted=False)  # drafters of a few steps on a handful of chats
+    assert report["lossless"] is True and "decode.png" in report["plots"]
     assert (tmp_path / "work").glob("demo-user-*/report/report.md")
 
 

@@ -1,7 +1,8 @@
 """`peagle demo`: the whole workflow - target, self-distillation (the target's greedy continuations of prompts from
 the train and held-out splits) -> prepare-data -> extract -> train (P-EAGLE and an EAGLE-3 baseline with the same
 budget) -> offline eval on the held-out continuations -> vLLM serving of held-out prompts (with and without
-speculation) -> report.
+speculation) -> peagle's decoding engine on the same prompts (target alone, P-EAGLE chain and trees, EAGLE-3 chain
+and tree) -> report.
 
 Each stage writes its output directory under the work directory and is skipped when that output is complete, so a
 rerun only redoes what is missing (``--fresh`` starts over).
@@ -12,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -52,6 +51,8 @@ class DemoSpec:
     max_tokens: int = 184
     concurrency: int = 1  # requests vLLM decodes at once (max_num_seqs): 1 = the latency setting speculation is for
     repeats: int = 2  # timed passes over the prompts per configuration; tokens/s of the fastest
+    engine_prompts: int = 8  # held-out prompts the decoding engine decodes (max_tokens each) per configuration
+    engine_budgets: tuple[int, ...] = (8, 16, 32)  # P-EAGLE tree node budgets of the engine rows
     target: TargetSpec = field(default_factory=TargetSpec)
 
     def data_key(self) -> str:
@@ -62,7 +63,7 @@ class DemoSpec:
 
     def drafter_key(self) -> str:
         # K names the P-EAGLE run and the eval / serving outputs, so the K = 1 baseline is shared across --depths.
-        serving = ("prompts", "max_tokens", "concurrency", "repeats")
+        serving = ("prompts", "max_tokens", "concurrency", "repeats", "engine_prompts", "engine_budgets")
         fields = {k: v for k, v in asdict(self).items() if k not in ("target", "depths", *serving)}
         return settings_key(fields)
 
@@ -83,6 +84,7 @@ QUICK = DemoSpec(
     prompts=16,
     max_tokens=88,
     repeats=1,
+    engine_prompts=4,
     target=QUICK_TARGET,
 )
 
@@ -184,28 +186,6 @@ def _self_distill(
 def _read_records(path: Path) -> list[dict[str, Any]]:
     with path.open() as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def _serve(name: str, request: dict[str, Any], out: Path, log: Path) -> dict[str, Any]:
-    """Runs one vLLM measurement in a fresh process (vLLM spawns workers and keeps global engine state)."""
-    req_path = out.with_suffix(".request.json")
-    req_path.write_text(json.dumps(request))
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    with log.open("w") as f:
-        proc = subprocess.run(
-            [sys.executable, "-m", "peagle.demo.serve", str(req_path), str(out)],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    if proc.returncode != 0 or not out.exists():
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
-        raise RuntimeError(f"vLLM run '{name}' failed (exit {proc.returncode}); last lines of {log}:\n{tail}")
-    return json.loads(out.read_text())
 
 
 @dataclass
@@ -416,6 +396,8 @@ def _serving_configs(run: DemoRun) -> dict[str, dict[str, Any] | None]:
 
 def stage_serve(run: DemoRun, heldout_records: list[dict[str, Any]]) -> dict[str, Any]:
     """Serving with vLLM: the first held-out prompts without speculation, with P-EAGLE and with EAGLE-3."""
+    from peagle.demo.serve import measure_in_subprocess
+
     spec = run.spec
     prompts = [r["prompt_ids"] for r in heldout_records[: spec.prompts]]
     common = {
@@ -438,12 +420,41 @@ def stage_serve(run: DemoRun, heldout_records: list[dict[str, Any]]) -> dict[str
             f"vLLM-CPU serve: {name}",
             out,
             out.exists(),
-            lambda name=name, config=config, out=out, slug=slug: _serve(
+            lambda name=name, config=config, out=out, slug=slug: measure_in_subprocess(
                 name, {**common, "speculative_config": config}, out, serve_dir / f"{slug}.log"
             ),
         )
         served[name] = json.loads(out.read_text())
     return served
+
+
+def stage_engine(run: DemoRun, heldout_records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The decoding engine (greedy) on the first served prompts: target alone, P-EAGLE chain and trees, EAGLE-3 chain
+    and tree (:func:`peagle.demo.bench_decode.bench_decode`, without its vLLM rows: the serving stage has them)."""
+    from peagle.demo.bench_decode import bench_decode
+
+    spec = run.spec
+    prompts = [r["prompt_ids"] for r in heldout_records[: spec.engine_prompts]]
+    budgets = "-".join(map(str, spec.engine_budgets))
+    out = run.drafter_root / f"engine-k{spec.depths}-p{len(prompts)}-g{spec.max_tokens}-n{budgets}"
+    final = {name: directory / "final" for name, (directory, _) in run.drafters.items()}
+    run.stages.run(
+        f"decoding engine ({len(prompts)} prompts x {spec.max_tokens} tokens per configuration)",
+        out,
+        (out / "bench.json").exists(),
+        lambda: bench_decode(
+            run.target_dir,
+            final["P-EAGLE"],
+            final["EAGLE-3"],
+            prompts=prompts,
+            max_new_tokens=spec.max_tokens,
+            budgets=spec.engine_budgets,
+            out=out,
+            vllm=False,
+            progress=run.progress,
+        ),
+    )
+    return json.loads((out / "bench.json").read_text())
 
 
 def stage_report(run: DemoRun, results: dict[str, Any], machine: dict[str, Any], total_start: float) -> dict[str, Any]:
@@ -509,7 +520,9 @@ def run_demo(
     offline = stage_eval_pair(run)
     heldout_records = _read_records(run.data_root / "distill" / "heldout.jsonl")
     served = stage_serve(run, heldout_records) if serve else {}
+    engine = stage_engine(run, heldout_records)
     results = {
+        "engine": engine,
         "offline": offline,
         "served": served,
         "train_seconds": train_seconds,

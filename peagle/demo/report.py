@@ -9,7 +9,7 @@ from typing import Any
 
 from peagle.io import atomic_write_bytes, atomic_write_json
 
-__all__ = ["acceptance_rows", "served_acceptance", "serving_rows", "write_report"]
+__all__ = ["acceptance_rows", "engine_rows", "served_acceptance", "serving_rows", "write_report"]
 
 
 def served_acceptance(result: dict[str, Any], depths: int) -> dict[str, Any] | None:
@@ -173,8 +173,10 @@ def write_report(
     heldout_completions: list[list[int]] | None = None,
     load: dict[str, Any] | None = None,
     when_run: dict[str, float] | None = None,
+    engine: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Writes report.json, report.md and the plots into ``out``; returns the report."""
+    """Writes report.json, report.md and the plots into ``out``; returns the report. ``engine``: the decoding engine's
+    bench report (:func:`peagle.demo.bench_decode.bench_decode`)."""
     out.mkdir(parents=True, exist_ok=True)
     k = spec.depths
     table = acceptance_rows(offline, served, k)
@@ -192,23 +194,82 @@ def write_report(
         "acceptance": table,
         "offline": offline,
         "serving": serving,
-        "lossless": all(s.get("lossless", True) for s in serving) if serving else None,
+        "engine": engine_rows(engine),
+        "lossless": _lossless(serving, engine),
         "train_seconds": train_seconds,
         "stage_seconds": stages,
         "cached_stages": cached,
         "stage_seconds_when_run": when_run or {},
         "total_seconds": total_seconds,
     }
-    report["plots"] = _plots(out, table, serving, k)
+    report["plots"] = _plots(out, table, serving, k) + _engine_plot(out, engine)
     atomic_write_json(out / "report.json", report)
     lines = ["# peagle demo report", ""]
     lines += _setup_lines(spec, target_info, distill)
     lines += _acceptance_lines(spec, report, same_text, len(reference["outputs"]) if reference else None)
     lines += _serving_lines(spec, serving, len(reference["outputs"]) if reference else None)
+    lines += _engine_lines(engine, report["engine"])
     lines += _timing_lines(stages, cached, when_run, total_seconds, load)
     lines += [""] + [f"![{p}]({p})" for p in report["plots"]] + [""]
     atomic_write_bytes(out / "report.md", "\n".join(lines).encode())
     return report
+
+
+def engine_rows(engine: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The engine rows of the report: target alone, P-EAGLE chain, the fastest P-EAGLE tree, EAGLE-3 chain and tree."""
+    if engine is None:
+        return []
+    best_tree = engine["ratios"]["best_tree"]
+    return [
+        r
+        for r in engine["rows"]
+        if not r["config"].startswith("P-EAGLE tree") or r["config"] == best_tree
+        if not r["config"].startswith("vLLM")
+    ]
+
+
+def _lossless(serving: list[dict[str, Any]], engine: dict[str, Any] | None) -> bool | None:
+    """Every speculative output equals its reference (vLLM without speculation; the engine's target alone)."""
+    checks = [s["lossless"] for s in serving if "lossless" in s]
+    checks += [r["lossless"] for r in engine["rows"]] if engine is not None else []
+    return all(checks) if checks else None
+
+
+def _engine_plot(out: Path, engine: dict[str, Any] | None) -> list[str]:
+    if engine is None:
+        return []
+    from peagle.demo.bench_decode import plot_rows
+
+    settings = engine["settings"]
+    title = f"peagle decoding engine, greedy: {settings['prompts']} prompts x {settings['max_new_tokens']} tokens"
+    plot_rows(engine["rows"], out / "decode.png", title)
+    return ["decode.png"]
+
+
+def _engine_lines(engine: dict[str, Any] | None, rows: list[dict[str, Any]]) -> list[str]:
+    """The decoding engine's table (the fastest P-EAGLE tree of the budgets; decode.png shows them all)."""
+    if engine is None:
+        return []
+    from peagle.demo.bench_decode import format_table
+
+    s, ratios = engine["settings"], engine["ratios"]
+    return [
+        "",
+        "## peagle decoding engine (greedy)",
+        "",
+        f"`peagle.decode.SpeculativeDecoder` on the first {s['prompts']} served prompts, {s['max_new_tokens']} tokens "
+        f"each, {s['batch_size']} request(s) at a time, {s['threads']} torch thread(s). P-EAGLE trees at node budgets "
+        f"{', '.join(map(str, s['budgets']))} (the fastest shown: {ratios['best_tree']}); the EAGLE-3 dynamic tree at "
+        "the fastest tree's budget. Speedup over the engine's target alone; lossless: the output equals the target "
+        "alone's for every prompt. Draft / verify / other: shares of the wall time (other: prefill, KV compaction, "
+        "bookkeeping).",
+        "",
+        format_table(rows),
+        "",
+        f"Best tree AL / chain AL {ratios['tree_al_over_chain_al']:.2f}x, tokens/s "
+        f"{ratios['best_tree_tps_over_chain_tps']:.2f}x; best P-EAGLE tokens/s over the target alone "
+        f"{ratios['best_peagle_tps_over_target_tps']:.2f}x.",
+    ]
 
 
 def _setup_lines(spec, t: dict[str, Any], distill: dict[str, Any] | None) -> list[str]:

@@ -12,11 +12,36 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-__all__ = ["spec_counters"]
+__all__ = ["measure_in_subprocess", "spec_counters"]
+
+
+def measure_in_subprocess(name: str, request: dict[str, Any], out: Path, log: Path) -> dict[str, Any]:
+    """Runs one measurement (``request`` as above) in a fresh process; its result is written to ``out`` and its
+    output to ``log``. ``name`` labels the error when the run fails."""
+    req_path = out.with_suffix(".request.json")
+    req_path.write_text(json.dumps(request))
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    with log.open("w") as f:
+        proc = subprocess.run(
+            [sys.executable, "-m", "peagle.demo.serve", str(req_path), str(out)],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    if proc.returncode != 0 or not out.exists():
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        raise RuntimeError(f"vLLM run '{name}' failed (exit {proc.returncode}); last lines of {log}:\n{tail}")
+    return json.loads(out.read_text())
 
 
 def spec_counters(metrics) -> dict[str, Any]:

