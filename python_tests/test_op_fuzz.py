@@ -10,14 +10,23 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from torch import Tensor
 
 from peagle.ops import (
+    causal_conv1d_commit,
+    causal_conv1d_commit_reference,
+    causal_conv1d_tree,
+    causal_conv1d_tree_reference,
     cod_gather,
     cod_gather_reference,
     cod_sample,
     cod_sample_reference,
+    gdn_commit,
+    gdn_commit_reference,
+    gdn_tree_verify,
+    gdn_tree_verify_reference,
     kv_compact,
     kv_compact_reference,
     mask_block,
@@ -274,3 +283,85 @@ def test_kv_compact_fuzz(data):
         ref = [c.clone() for c in caches], seq_len.clone()
         kv_compact_reference(ref[0][:layers], ref[0][layers:], table, ref[1], accepted, num_accepted)
         assert_same([*ours[0], ours[1]], [*ref[0], ref[1]])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Gated DeltaNet: floating-point ops whose kernels use the closed form over the tree while the references run the
+# recurrence path by path, so "equal" means close where the reference is finite, and non-finite where it is not.
+
+
+def assert_close_where_finite(got: Tensor, want: Tensor) -> None:
+    finite = torch.isfinite(want)
+    assert bool((~torch.isfinite(got[~finite])).all()), "a non-finite reference value came out finite"
+    torch.testing.assert_close(got[finite].double(), want[finite].double(), rtol=1e-3, atol=1e-3)
+
+
+def tree_parents(draw, batch: int, nodes: int) -> Tensor:
+    """Mostly valid parents (parent[i] in [-1, i)), sometimes one that points forward or out of range."""
+    rows = [([-1] if nodes else []) + [draw(st.integers(-1, i - 1)) for i in range(1, nodes)] for _ in range(batch)]
+    if batch and nodes and draw(st.floats(0, 1)) < 0.15:
+        rows[draw(st.integers(0, batch - 1))][draw(st.integers(0, nodes - 1))] = draw(st.integers(nodes, nodes + 3))
+    return torch.tensor(rows, dtype=torch.long).reshape(batch, nodes)
+
+
+@FUZZ
+@given(data=st.data())
+def test_gdn_tree_verify_and_commit_fuzz(data):
+    batch, nodes = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 6))
+    heads, group, dk, dv = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 2)), 4, 3
+    hv, pool = heads * group, data.draw(st.integers(1, 4))
+    special = data.draw(st.sampled_from([0.0, 0.05]))
+    q = data.draw(floats_tensor((batch, nodes, heads, dk), -1, 1, special))
+    k = data.draw(floats_tensor((batch, nodes, heads, dk), -1, 1, special))
+    v = data.draw(floats_tensor((batch, nodes, hv, dv), -1, 1, special))
+    g = data.draw(floats_tensor((batch, nodes, hv), -2, 0, special))
+    beta = data.draw(floats_tensor((batch, nodes, hv), 0, 1, special))
+    parent = tree_parents(data.draw, batch, nodes)
+    state_pool = data.draw(floats_tensor((pool, hv, dk, dv), -1, 1, 0.0))
+    slots = ints(data.draw, batch, -1, pool)
+    l2norm = data.draw(st.booleans())
+    verify_args = (q, k, v, g, beta, parent, state_pool, slots)
+    out = run_or_clear_error("gdn_tree_verify", lambda: gdn_tree_verify(*verify_args, use_qk_l2norm=l2norm))
+    if out is None:
+        return
+    assert_close_where_finite(out.o, gdn_tree_verify_reference(*verify_args, use_qk_l2norm=l2norm))
+    last = ints(data.draw, batch, -1, nodes - 1) if nodes else torch.full((batch,), -1, dtype=torch.long)
+    if batch and len(set(slots.tolist())) < batch:  # two requests may not commit into one slot
+        return
+    pool_after = state_pool.clone()
+    commit = lambda: gdn_commit(k, g, out.u, parent, last, pool_after, slots, use_qk_l2norm=l2norm)  # noqa: E731
+    if run_or_clear_error("gdn_commit", lambda: commit() or True) is None:
+        return
+    want = gdn_commit_reference(k, v, g, beta, parent, last, state_pool, slots, use_qk_l2norm=l2norm)
+    assert_close_where_finite(pool_after, want)
+    event("gdn: verified and committed")
+
+
+@FUZZ
+@given(data=st.data())
+def test_causal_conv1d_tree_and_commit_fuzz(data):
+    batch, nodes, channels = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 6)), data.draw(st.integers(0, 4))
+    width = data.draw(st.integers(1, 4))
+    special = data.draw(st.sampled_from([0.0, 0.05]))
+    x = data.draw(floats_tensor((batch, nodes, channels), -2, 2, special))
+    parent = tree_parents(data.draw, batch, nodes)
+    state = data.draw(floats_tensor((batch, channels, width - 1), -2, 2, special))
+    weight = data.draw(floats_tensor((channels, width), -1, 1, special))
+    bias = data.draw(st.one_of(st.none(), floats_tensor((channels,), -1, 1, special)))
+    activation = data.draw(st.sampled_from([None, "silu"]))
+    out = run_or_clear_error(
+        "causal_conv1d_tree", lambda: causal_conv1d_tree(x, parent, state, weight, bias, activation)
+    )
+    if out is None:
+        return
+    assert_close_where_finite(out, causal_conv1d_tree_reference(x, parent, state, weight, bias, activation))
+    last = ints(data.draw, batch, -1, nodes - 1) if nodes else torch.full((batch,), -1, dtype=torch.long)
+    committed = state.clone()
+    if (
+        run_or_clear_error("causal_conv1d_commit", lambda: causal_conv1d_commit(x, parent, last, committed) or True)
+        is None
+    ):
+        return
+    want = causal_conv1d_commit_reference(x, parent, last, state)
+    event("conv: computed and committed")
+    assert torch.equal(committed, want) or torch.allclose(committed, want, rtol=0, atol=0, equal_nan=True)
