@@ -279,7 +279,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         prompts=args.prompts,
         num_prompts=args.num_prompts,
         max_new_tokens=args.max_new_tokens,
-        budgets=_ints(args.budgets),
+        budgets=_ints(args.budgets, "--budgets"),
         batch_size=args.batch_size,
         out=args.out,
         vllm=not args.no_vllm,
