@@ -347,10 +347,11 @@ def test_cod_gather_backward_rejects_bad_input():
         torch.ops.peagle.cod_gather_backward(
             grad, torch.zeros(3, dtype=torch.long), torch.zeros(2, dtype=torch.long), 4
         )
-    with pytest.raises(RuntimeError, match="num_positions must be >= 0"):
-        torch.ops.peagle.cod_gather_backward(
-            grad, torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long), -1
-        )
+    for absurd in (-1, 2**40):  # num_positions sizes the [T, D] gradient: bounded, never an absurd allocation
+        with pytest.raises(RuntimeError, match=rf"num_positions must be in \[0, 16777216\], got {absurd}"):
+            torch.ops.peagle.cod_gather_backward(
+                grad, torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long), absurd
+            )
     with pytest.raises(RuntimeError, match="out of range for T = 4"):
         torch.ops.peagle.cod_gather_backward(grad, torch.tensor([0, 3]), torch.tensor([0, 1]), 4)
 

@@ -81,6 +81,10 @@ inline int64_t check_cod_gather_args(const at::Tensor& input_ids, const at::Tens
   return hidden.size(0);
 }
 
+// num_positions (T) sizes the [T, D] gradient the backward allocates: bounded so that an absurd value is an error, not
+// an allocation (2^24 positions is far beyond any trained row: prepare-data caps --seq-len at 2^20).
+constexpr int64_t kMaxCodPositions = int64_t{1} << 24;
+
 inline void check_cod_gather_backward_args(const at::Tensor& grad_feats, const at::Tensor& anchors,
                                            const at::Tensor& depths, int64_t num_positions) {
   const char* op = "cod_gather_backward";
@@ -92,7 +96,8 @@ inline void check_cod_gather_backward_args(const at::Tensor& grad_feats, const a
   TORCH_CHECK(anchors.size(0) == grad_feats.size(0) && depths.size(0) == grad_feats.size(0),
               "peagle.cod_gather_backward: grad_feats, anchors and depths must agree on N, got ", grad_feats.size(0),
               ", ", anchors.size(0), " and ", depths.size(0));
-  TORCH_CHECK(num_positions >= 0, "peagle.cod_gather_backward: num_positions must be >= 0, got ", num_positions);
+  TORCH_CHECK(num_positions >= 0 && num_positions <= kMaxCodPositions,
+              "peagle.cod_gather_backward: num_positions must be in [0, ", kMaxCodPositions, "], got ", num_positions);
   check_same_device(op, "anchors", anchors, grad_feats, "grad_feats");
   check_same_device(op, "depths", depths, grad_feats, "grad_feats");
 }
