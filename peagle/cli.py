@@ -317,12 +317,8 @@ def add_bench_parser(commands) -> None:
     dec.set_defaults(func=cmd_bench_decode)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="peagle", description="P-EAGLE parallel-drafting speculative decoding toolkit"
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-
+def add_example_parser(commands) -> None:
+    """`peagle example`: COD + gather on a random packed row."""
     example = commands.add_parser("example", help=cmd_example.__doc__, description=cmd_example.__doc__)
     example.add_argument("--length", type=int, default=4096, help="positions T of the packed row (default 4096)")
     example.add_argument("--depths", type=int, default=8, help="parallel depths K (default 8)")
@@ -334,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
     example.add_argument("--seed", type=int, default=0)
     example.set_defaults(func=cmd_example)
 
+
+def add_prepare_data_parser(commands) -> None:
+    """`peagle prepare-data`: step 1."""
     prep = commands.add_parser("prepare-data", help=cmd_prepare_data.__doc__, description=cmd_prepare_data.__doc__)
     prep.add_argument(
         "--input",
@@ -356,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--quiet", action="store_true", help="no progress bar")
     prep.set_defaults(func=cmd_prepare_data)
 
+
+def add_extract_parser(commands) -> None:
+    """`peagle extract`: step 2."""
     ext = commands.add_parser("extract", help=cmd_extract.__doc__, description=cmd_extract.__doc__)
     ext.add_argument("--data", required=True, help="a prepare-data output directory")
     ext.add_argument("--target", required=True, help="the target model directory (Hugging Face format)")
@@ -387,6 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
     ext.add_argument("--quiet", action="store_true", help="no progress bar")
     ext.set_defaults(func=cmd_extract)
 
+
+def add_train_parser(commands) -> None:
+    """`peagle train`: step 3 (options generated from TrainArgs)."""
     tr = commands.add_parser(
         "train",
         help=cmd_train.__doc__,
@@ -398,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_options(tr, TrainArgs)
     tr.set_defaults(func=cmd_train)
 
+
+def add_eval_parser(commands) -> None:
+    """`peagle eval`: step 4."""
     ev = commands.add_parser("eval", help=cmd_eval.__doc__, description=cmd_eval.__doc__)
     ev.add_argument("--checkpoint", required=True, help="a drafter checkpoint directory (e.g. OUT/final)")
     ev.add_argument("--data", required=True, help="held-out extract output directory")
@@ -419,6 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", default=None, help="also write the result to this JSON file")
     ev.set_defaults(func=cmd_eval)
 
+
+def add_serve_parser(commands) -> None:
+    """`peagle serve`: the vllm serve command."""
     sv = commands.add_parser("serve", help=cmd_serve.__doc__, description=cmd_serve.__doc__)
     sv.add_argument("--drafter", required=True, help="drafter checkpoint directory (e.g. OUT/final)")
     sv.add_argument("--target", default=None, help="target model (default: the verifier named in the drafter)")
@@ -428,6 +439,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("vllm_args", nargs=argparse.REMAINDER, help="further `vllm serve` arguments, after --")
     sv.set_defaults(func=cmd_serve)
 
+
+def add_demo_parser(commands) -> None:
+    """`peagle demo`: the main job."""
     demo = commands.add_parser("demo", help=cmd_demo.__doc__, description=cmd_demo.__doc__)
     demo.add_argument("--quick", action="store_true", help="a smaller target and budgets (about 2-3 minutes)")
     demo.add_argument("--target", default=None, help="your target model directory (Hugging Face format)")
@@ -438,7 +452,24 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-serve", action="store_true", help="skip the vLLM measurement")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
     demo.set_defaults(func=cmd_demo)
-    add_bench_parser(commands)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="peagle", description="P-EAGLE parallel-drafting speculative decoding toolkit"
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    for add in (
+        add_example_parser,
+        add_prepare_data_parser,
+        add_extract_parser,
+        add_train_parser,
+        add_eval_parser,
+        add_serve_parser,
+        add_demo_parser,
+        add_bench_parser,
+    ):
+        add(commands)
     return parser
 
 
