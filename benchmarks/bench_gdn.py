@@ -18,6 +18,7 @@ import time
 
 import pytest
 import torch
+from common import copy_bandwidth
 
 import peagle  # noqa: F401  (registers the ops)
 from peagle.ops import (
@@ -128,20 +129,6 @@ def test_cpu_vs_per_path_reference(benchmark, name, kind):
         impl="peagle", case=f"{name} {kind} {SHAPE}", baselines={"per-path recurrence": baseline}
     )
     print(f"{name} [{kind}] reference {baseline * 1e3:.2f} ms, op {ours * 1e3:.3f} ms: {baseline / ours:.1f}x")
-
-
-def copy_bandwidth() -> float:
-    src = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3)  # read + write bytes per second
 
 
 def cuda_time(fn, repeat: int = 20) -> float:

@@ -19,6 +19,7 @@ import time
 
 import pytest
 import torch
+from common import copy_bandwidth
 
 import peagle  # noqa: F401  (registers the ops)
 from peagle.ops import kv_compact, kv_compact_reference
@@ -92,20 +93,6 @@ def test_cpu_vs_pytorch_compaction(benchmark, batch):
     print(
         f"B={batch}: index_select/index_copy_ {ref_s * 1e6:.1f} us, kv_compact {ours * 1e6:.1f} us: {ref_s / ours:.1f}x"
     )
-
-
-def copy_bandwidth() -> float:
-    src = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3)  # read + write bytes per second
 
 
 def cuda_time(fn, repeat: int = 50) -> float:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from types import ModuleType
 
 import pytest
+import torch
 
 SMOKE = os.environ.get("PEAGLE_BENCH_SMOKE", "0") not in ("", "0")
 
@@ -58,3 +59,18 @@ def devices() -> list:
     import torch
 
     return ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
+
+def copy_bandwidth() -> float:
+    """Device copy bandwidth (bytes read + written per second) of a 256 MiB buffer: the roof of copy-bound ops."""
+    src = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3)  # read + write bytes per second

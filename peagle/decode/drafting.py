@@ -181,7 +181,10 @@ def _sibling_rank(parent: Tensor) -> Tensor:
 class _CachedDrafter:
     """The drafter's committed cache, pending elements and the batched pass over them (shared by both methods)."""
 
-    def __init__(self, drafter: PEagleDrafter, target_vocab: int) -> None:
+    def __init__(
+        self, drafter: PEagleDrafter, target_vocab: int, mode: str, depth: int, topk: int | list[int], num_nodes: int
+    ) -> None:
+        self.mode, self.depth, self.topk, self.num_nodes = mode, depth, topk, num_nodes
         self.drafter = drafter.eval()
         self.config = drafter.config
         self.device = drafter.fc.weight.device
@@ -189,6 +192,11 @@ class _CachedDrafter:
         self.draft_ids = drafter.draft_ids().to(self.device)
         self.target_vocab = target_vocab
         self.cache: PagedKVCache | None = None
+
+    @property
+    def max_nodes(self) -> int:
+        """Nodes of a round's tree, root included: depth + 1 for a chain, the node budget for a tree."""
+        return self.depth + 1 if self.mode == "chain" else self.num_nodes
 
     def allocate(self, num_requests: int, capacity: int, pending_width: int, block_size: int) -> None:
         cfg = self.config
@@ -304,23 +312,12 @@ class _CachedDrafter:
 class PEagleDrafting(_CachedDrafter):
     """P-EAGLE: ``depth`` per-depth distributions from one pass; chain (one token per depth) or parallel tree."""
 
-    def __init__(
-        self, drafter: PEagleDrafter, target_vocab: int, mode: str, depth: int, topk: list[int], num_nodes: int
-    ) -> None:
-        super().__init__(drafter, target_vocab)
-        self.mode, self.depth, self.topk, self.num_nodes = mode, depth, topk, num_nodes
-
-    @property
-    def max_nodes(self) -> int:
-        return self.depth + 1 if self.mode == "chain" else self.num_nodes
-
     @torch.no_grad()
     def draft(self, rows: Tensor, host_rows: list[int], roots: Tensor, sampling: Sampling) -> DraftTree:
         logits, _ = self._pass(rows, host_rows, self.depth - 1, self.depth)
         probs = draft_distribution(logits, sampling.temperature)  # [b, depth, Vd]
         topk = [1] * self.depth if self.mode == "chain" else self.topk
-        budget = self.depth + 1 if self.mode == "chain" else self.num_nodes
-        spec = tree_build_parallel(probs, topk, budget)
+        spec = tree_build_parallel(probs, topk, self.max_nodes)
         if not sampling.gumbel:
             return self._from_spec(roots, spec)
         # Shape from the unperturbed distributions; node of sibling rank r at depth d = the r-th draw of depth d.
@@ -338,16 +335,6 @@ class PEagleDrafting(_CachedDrafter):
 
 class Eagle3Drafting(_CachedDrafter):
     """EAGLE-3: autoregressive drafting of a K = 1 drafter; chain of ``depth`` drafts or EAGLE-2 dynamic tree."""
-
-    def __init__(
-        self, drafter: PEagleDrafter, target_vocab: int, mode: str, depth: int, topk: int, num_nodes: int
-    ) -> None:
-        super().__init__(drafter, target_vocab)
-        self.mode, self.depth, self.topk, self.num_nodes = mode, depth, topk, num_nodes
-
-    @property
-    def max_nodes(self) -> int:
-        return self.depth + 1 if self.mode == "chain" else self.num_nodes
 
     @torch.no_grad()
     def draft(self, rows: Tensor, host_rows: list[int], roots: Tensor, sampling: Sampling) -> DraftTree:
