@@ -56,15 +56,24 @@ def test_cod_gather_cuda_equals_cpu(generator, dtype, width, id_dtype):
 
 
 def test_cod_gather_cuda_unaligned_rows_and_views(generator):
-    base = torch.randn(100, 41, generator=generator, dtype=torch.bfloat16)
-    hidden = base[:, 1:]  # 80-byte rows starting 2 bytes in: the kernel must fall back from 16-byte copies
-    mask_hidden = torch.randn(40, generator=generator, dtype=torch.bfloat16)
+    """The kernel copies 16-byte units only when the rows and every pointer allow it. Contiguous views with a storage
+    offset (the wrapper passes them on as they are, no copy) reach each narrower copy path."""
     anchors = torch.randint(0, 90, (300,), generator=generator)
     depths = torch.randint(0, 10, (300,), generator=generator)
     ids = torch.arange(100)
-    cpu = cod_gather(ids, hidden, mask_hidden, anchors, depths, 7)
-    gpu = cod_gather(ids.cuda(), base.cuda()[:, 1:], mask_hidden.cuda(), anchors.cuda(), depths.cuda(), 7)
-    assert torch.equal(gpu.feats.cpu(), cpu.feats)
+    # (width, storage offset in elements): 80-byte rows 2 bytes in (2-byte units), 4 bytes in (4-byte units), 8 bytes
+    # in (8-byte units); 82-byte rows (2-byte units); aligned 80-byte rows (16-byte units) as the control.
+    for width, offset in [(40, 1), (40, 2), (40, 4), (41, 0), (40, 0)]:
+        flat = torch.randn(offset + 100 * width, generator=generator, dtype=torch.bfloat16)
+        mask_flat = torch.randn(offset + width, generator=generator, dtype=torch.bfloat16)
+        hidden, mask_hidden = flat[offset:].view(100, width), mask_flat[offset:]
+        cpu = cod_gather(ids, hidden, mask_hidden, anchors, depths, 7)
+        flat_gpu, mask_gpu = flat.cuda(), mask_flat.cuda()
+        hidden_gpu, mask_hidden_gpu = flat_gpu[offset:].view(100, width), mask_gpu[offset:]
+        assert hidden_gpu.is_contiguous() and hidden_gpu.storage_offset() == offset
+        assert (hidden_gpu.data_ptr() % 16 != 0) == (offset != 0)
+        gpu = cod_gather(ids.cuda(), hidden_gpu, mask_hidden_gpu, anchors.cuda(), depths.cuda(), 7)
+        assert torch.equal(gpu.feats.cpu(), cpu.feats), (width, offset)
 
 
 def test_cod_gather_cuda_gradcheck(generator):
