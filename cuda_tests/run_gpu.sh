@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# On a machine with a CUDA GPU and its own torch (no registries needed): builds peagle from source, runs the C++ CUDA
-# tests, cuda_tests/ and the GPU benchmarks, and prints a summary table last. Target: well under 8 minutes.
-#   bash cuda_tests/run_gpu.sh            (OUT=dir keeps the logs and JSON there; default build/gpu-run)
+# On a machine with a CUDA GPU and its own torch (no registries needed): checks the tools, builds peagle from source,
+# checks the build, runs the C++ CUDA tests (where gtest exists), cuda_tests/, compute-sanitizer memcheck and racecheck
+# over a small case of every kernel, and the GPU benchmarks. Every stage has a time limit; the summary is printed on
+# exit whatever happens (a stage timing out, a failed build, Ctrl-C), and the logs stay in $OUT.
+#   bash cuda_tests/run_gpu.sh                       (about 5 minutes on an H200; OUT=dir, default build/gpu-run)
+#   PEAGLE_GPU_TIMINGS=1 bash cuda_tests/run_gpu.sh  (also the long timing cases)
+# The whole run stays within PEAGLE_GPU_BUDGET seconds (default 540): each stage gets at most what is left, and a
+# stage that no longer fits is recorded as not run. summary.txt in $OUT is rewritten after every stage, so even a kill
+# from outside leaves the summary so far. Exits non-zero when any stage failed, timed out or did not fit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -10,43 +16,123 @@ OUT=${OUT:-$ROOT/build/gpu-run}
 mkdir -p "$OUT"
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$("$PY" -c 'import torch; m, n = torch.cuda.get_device_capability(); print(f"{m}.{n}" + ("a" if m == 9 else ""))')}
-command -v ninja >/dev/null || "$PY" -c "import ninja" 2>/dev/null || export PEAGLE_NO_DLINK=1
-declare -a names results
-record() { names+=("$1"); results+=("$2"); }
-start=$(date +%s)
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+START=$(date +%s)
+BUDGET=${PEAGLE_GPU_BUDGET:-540}
+FAILED=0
+declare -a NAMES RESULTS
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-"$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' | tee -a "$OUT/gpu.txt"
+record() {
+  NAMES+=("$1")
+  RESULTS+=("$2")
+  summary >"$OUT/summary.txt" 2>&1
+}
 
-t0=$(date +%s)
-if "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
-  record "build (archs $TORCH_CUDA_ARCH_LIST)" "ok in $(($(date +%s) - t0)) s"
-else
-  tail -40 "$OUT/build.log"
-  record "build" "FAILED (see $OUT/build.log)"
+summary() {
+  echo
+  echo "==================== peagle GPU summary ($(($(date +%s) - START)) s, logs in $OUT) ===================="
+  [ -f "$OUT/gpu.txt" ] && cat "$OUT/gpu.txt"
+  for i in "${!NAMES[@]}"; do printf '%-36s %s\n' "${NAMES[$i]}" "${RESULTS[$i]}"; done
+  echo "result: $([ "$FAILED" = 0 ] && echo "all stages passed" || echo "FAILED")"
+}
+finish() {
+  summary 2>&1 | tee "$OUT/summary.txt" >&2
+  if [ -s "$OUT/bench_gpu.json" ]; then
+    timeout 60 "$PY" benchmarks/report.py "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_report.txt" >&2
+  fi
+  exit "$FAILED"
+}
+trap finish EXIT
+trap 'record "interrupted" "FAILED (signal)"; FAILED=1; exit' INT TERM
+
+# stage NAME SECONDS LOG COMMAND...: runs COMMAND under a time limit (SECONDS, or what is left of the budget less 20 s
+# for the summary), its output in $OUT/LOG, and records the outcome.
+stage() {
+  local name=$1 limit=$2 log=$OUT/$3 t0 rc left
+  shift 3
+  t0=$(date +%s)
+  left=$((BUDGET - (t0 - START) - 20))
+  if [ "$left" -lt 15 ]; then
+    record "$name" "NOT RUN (the ${BUDGET} s budget is spent)"
+    FAILED=1
+    return 1
+  fi
+  [ "$left" -lt "$limit" ] && limit=$left
+  echo "---- $name (limit ${limit} s, log $log)" >&2
+  timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
+  rc=$?
+  if [ "$rc" = 0 ]; then
+    record "$name" "ok in $(($(date +%s) - t0)) s"
+  elif [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    record "$name" "TIMED OUT after $limit s (see $log)"
+    FAILED=1
+  else
+    record "$name" "FAILED, exit $rc (see $log)"
+    FAILED=1
+    tail -25 "$log" >&2
+  fi
+  return "$rc"
+}
+
+# The last line of a pytest log that counts tests (passed/failed/skipped/errors).
+pytest_counts() { grep -E "[0-9]+ (passed|failed|error|skipped)" "$1" | tail -1; }
+
+preflight() {
+  local missing=()
+  timeout 60 "$PY" -c 'import torch, pytest, numpy' || missing+=("python packages torch/pytest/numpy")
+  timeout 60 "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' || missing+=("a CUDA device for torch")
+  [ -x "$CUDA_HOME/bin/nvcc" ] || command -v nvcc >/dev/null || missing+=("nvcc (CUDA_HOME=$CUDA_HOME)")
+  command -v ninja >/dev/null || "$PY" -c 'import ninja, os, sys; sys.exit(0 if os.path.exists(
+      os.path.join(ninja.BIN_DIR, "ninja")) else 1)' 2>/dev/null || missing+=("the ninja binary")
+  if [ "${#missing[@]}" -gt 0 ]; then
+    echo "missing: ${missing[*]}"
+    return 1
+  fi
+  timeout 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
+      "capability", torch.cuda.get_device_capability())'
+  "$(command -v nvcc || echo "$CUDA_HOME/bin/nvcc")" --version | tail -1
+}
+
+if ! preflight >"$OUT/preflight.log" 2>&1; then
+  record "preflight (tools, device)" "FAILED: $(grep '^missing' "$OUT/preflight.log")"
+  FAILED=1
+  exit
 fi
+grep -v "^missing" "$OUT/preflight.log" >"$OUT/gpu.txt"
+# Ninja from the pip package when there is no system binary (torch's BuildExtension needs it on PATH).
+command -v ninja >/dev/null || PATH="$("$PY" -c 'import ninja; print(ninja.BIN_DIR)'):$PATH"
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$("$PY" -c 'import torch; m, n = torch.cuda.get_device_capability()
+print(f"{m}.{n}" + ("a" if m == 9 else ""))')}
+
+if ! stage "build (archs $TORCH_CUDA_ARCH_LIST)" 300 build.log "$PY" setup.py build_ext --inplace; then exit; fi
+stage "check_cuda_build.py" 60 check_build.log "$PY" scripts/check_cuda_build.py "$ROOT" &&
+  record "  kernels" "$(grep -oE "^[0-9]+ (ops with CUDA kernels|host fallbacks)" "$OUT/check_build.log" | paste -sd,)"
 
 if command -v cmake >/dev/null && [ -f /usr/include/gtest/gtest.h ]; then
-  if cmake -S . -B build/gpu-cmake -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=native >"$OUT/cmake.log" 2>&1 &&
-    cmake --build build/gpu-cmake -j "$MAX_JOBS" >>"$OUT/cmake.log" 2>&1 &&
-    (cd build/gpu-cmake && ctest --output-on-failure >"$OUT/ctest.log" 2>&1); then
-    record "ctest (C++ and C++ CUDA)" "$(grep 'tests passed' "$OUT/ctest.log")"
-  else
-    record "ctest (C++ and C++ CUDA)" "FAILED (see $OUT/cmake.log, $OUT/ctest.log)"
-  fi
+  stage "ctest (C++ and C++ CUDA)" 150 ctest.log bash -c "cmake -S . -B build/gpu-cmake -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_CUDA_ARCHITECTURES=native && cmake --build build/gpu-cmake -j $MAX_JOBS && \
+    cd build/gpu-cmake && ctest --output-on-failure"
 else
-  record "ctest" "not run (no cmake or gtest headers on this machine)"
+  record "ctest" "not run (no cmake or no gtest headers here)"
 fi
 
-"$PY" -m pytest cuda_tests -q -p no:cacheprovider --junitxml "$OUT/cuda_tests.xml" 2>&1 | tee "$OUT/cuda_tests.log" | tail -15
-record "cuda_tests" "$(tail -1 "$OUT/cuda_tests.log")"
+# A test file that fails to import is reported and the other files still run.
+stage "cuda_tests" 200 cuda_tests.log "$PY" -m pytest cuda_tests -q -p no:cacheprovider -rfE \
+  --continue-on-collection-errors --junitxml "$OUT/cuda_tests.xml"
+[ -f "$OUT/cuda_tests.log" ] && record "  cuda_tests counts" "$(pytest_counts "$OUT/cuda_tests.log")"
 
-"$PY" -m pytest benchmarks -q -p no:cacheprovider -k cuda --benchmark-json "$OUT/bench_gpu.json" >"$OUT/bench.log" 2>&1
-record "GPU benchmarks" "$(tail -1 "$OUT/bench.log")"
+SANITIZER=$(command -v compute-sanitizer || echo "$CUDA_HOME/bin/compute-sanitizer")
+if [ -x "$SANITIZER" ]; then
+  # No caching allocator: memcheck then sees each tensor's own allocation bounds.
+  for tool in memcheck racecheck; do
+    stage "compute-sanitizer $tool" 90 "sanitizer_$tool.log" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+      "$SANITIZER" --tool "$tool" --error-exitcode 3 "$PY" cuda_tests/sanitizer_cases.py cuda
+  done
+else
+  record "compute-sanitizer" "not run (no compute-sanitizer here)"
+fi
 
-echo
-echo "==================== peagle GPU summary ($(($(date +%s) - start)) s) ===================="
-cat "$OUT/gpu.txt"
-for i in "${!names[@]}"; do printf '%-32s %s\n' "${names[$i]}" "${results[$i]}"; done
-[ -s "$OUT/bench_gpu.json" ] && "$PY" benchmarks/report.py "$OUT/bench_gpu.json"
+stage "GPU benchmarks" 120 bench.log "$PY" -m pytest benchmarks -q -p no:cacheprovider -k cuda \
+  --benchmark-json "$OUT/bench_gpu.json"
+[ -f "$OUT/bench.log" ] && record "  benchmark counts" "$(pytest_counts "$OUT/bench.log")"

@@ -121,6 +121,30 @@ def test_conv_cuda_equals_cpu(generator, kind, dtype, width):
     assert torch.equal(state_cuda.cpu(), state_cpu)
 
 
+def test_batches_beyond_the_grid_limit(generator):
+    """70000 requests: more than the 65535 a y/z grid dimension allows, so the kernels run in several launches."""
+    batch, nodes = 70000, 3
+    x = random_gdn_inputs(generator, batch, nodes, 1, 1, 4, 4, pool_extra=1)
+    o, u = gdn_tree_verify(*x, use_qk_l2norm=True)
+    o_cuda, u_cuda = gdn_tree_verify(*to_cuda(x), use_qk_l2norm=True)
+    assert rel_rms(o_cuda, o) <= 1e-5 and rel_rms(u_cuda, u) <= 1e-5
+    last = torch.randint(-1, nodes, (batch,), generator=generator)
+    pool, pool_cuda = x.state_pool.clone(), x.state_pool.cuda()
+    gdn_commit(x.k, x.g, u, x.parent, last, pool, x.slots, True)
+    gdn_commit(x.k.cuda(), x.g.cuda(), u.cuda(), x.parent.cuda(), last.cuda(), pool_cuda, x.slots.cuda(), True)
+    assert rel_rms(pool_cuda, pool) <= 1e-6
+    xs = torch.randn(batch, nodes, 2, generator=generator)
+    state = torch.randn(batch, 2, 3, generator=generator)
+    weight = torch.randn(2, 4, generator=generator)
+    out = causal_conv1d_tree(xs, x.parent, state, weight, None, "silu")
+    out_cuda = causal_conv1d_tree(xs.cuda(), x.parent.cuda(), state.cuda(), weight.cuda(), None, "silu")
+    assert rel_rms(out_cuda, out) <= 1e-6
+    state_cuda = state.cuda()
+    causal_conv1d_commit(xs, x.parent, last, state)
+    causal_conv1d_commit(xs.cuda(), x.parent.cuda(), last.cuda(), state_cuda)
+    assert torch.equal(state_cuda.cpu(), state)
+
+
 def test_opcheck_cuda(generator):
     x = to_cuda(random_gdn_inputs(generator, 2, 6, 1, 2, 8, 4, kind="random"))
     torch.library.opcheck(torch.ops.peagle.gdn_tree_verify.default, (*x, None, True))

@@ -1,10 +1,9 @@
 """Tree verification on CUDA: CUDA op == CPU op, bit for bit (greedy, and sampling with the same uniforms / seed), the
-same error messages, and GPU timings (printed, never asserted). Construction: test_tree_build_cuda.py."""
+same error messages. Construction: test_tree_build_cuda.py; GPU timings: benchmarks/bench_tree_cuda.py."""
 
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -97,51 +96,3 @@ def test_errors_match_cpu():
         tree_verify_greedy(parent.cuda(), tokens.cuda(), torch.tensor([4]).cuda(), target)
     with pytest.raises(RuntimeError, match="num_nodes must be on the same device as parent"):
         tree_rejection_sample(parent.cuda(), tokens.cuda(), torch.tensor([4]), target.cuda())
-
-
-def _time(fn, rounds=20):
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(rounds):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / rounds
-
-
-def test_gpu_timings(generator):
-    """GPU figures (printed): CUDA ops vs the PyTorch reference on the GPU, and flashinfer's chain sampler on chains
-    where flashinfer is installed."""
-    rows = []
-    for batch, n_max, vocab in [(1, 8, 32000), (8, 32, 32000), (64, 64, 151936)]:
-        tree = random_tree_batch(generator, batch, n_max, vocab, full=True)
-        target = random_tree_probs(generator, tree, vocab).cuda()
-        draft = random_tree_probs(generator, tree, vocab).cuda()
-        args = (*cuda(tree.parent, tree.tokens, tree.num_nodes), target)
-        t_greedy = _time(lambda args=args: tree_verify_greedy(*args))
-        t_sample = _time(lambda args=args, draft=draft: tree_rejection_sample(*args, draft, seed=1))
-        t_ref = _time(lambda args=args, draft=draft: tree_rejection_sample_reference(*args, draft, seed=1), rounds=2)
-        rows.append((batch, n_max, vocab, t_greedy * 1e3, t_sample * 1e3, t_ref * 1e3))
-    print("\n| B | n | V | greedy ms | sample ms | reference ms |")
-    for r in rows:
-        print("| {} | {} | {} | {:.3f} | {:.3f} | {:.2f} |".format(*r))
-    try:
-        import flashinfer
-    except ImportError:
-        print("flashinfer not installed: no side-by-side chain figures")
-        return
-    for batch, k, vocab in [(8, 4, 32000), (64, 7, 151936)]:
-        chain = random_tree_batch(generator, batch, k + 1, vocab, chain=True, full=True)
-        target = random_tree_probs(generator, chain, vocab).cuda()
-        draft = random_tree_probs(generator, chain, vocab).cuda()
-        args = (*cuda(chain.parent, chain.tokens, chain.num_nodes), target)
-        t_ours = _time(lambda args=args, draft=draft: tree_rejection_sample(*args, draft, seed=1))
-        draft_ids = chain.tokens[:, 1:].cuda().int()
-        chain_sampler = flashinfer.sampling.chain_speculative_sampling
-        chain_draft = draft[:, :k].contiguous()
-        try:
-            t_fi = _time(lambda f=chain_sampler, q=chain_draft, i=draft_ids, p=target: f(q, i, p))
-        except (TypeError, RuntimeError) as err:  # signatures differ between flashinfer releases
-            print(f"flashinfer chain_speculative_sampling failed: {err}")
-            return
-        print(f"chain B={batch} K={k} V={vocab}: peagle {t_ours * 1e3:.3f} ms, flashinfer {t_fi * 1e3:.3f} ms")

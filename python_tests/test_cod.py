@@ -305,6 +305,58 @@ def test_cod_gather_backward_accumulates_in_fp32(generator, dtype):
     torch.testing.assert_close(grad_mask.double(), want_mask, rtol=rtol, atol=1e-4)
 
 
+def backward_in_documented_order(grad, anchors, depths, length, chunk=256):
+    """cod_gather_backward's fixed summation order (csrc/include/peagle/cod.h), one row at a time in fp32: per anchor
+    the depth-0 rows in row order; the deeper rows summed per chunk of `chunk` rows, then the chunk sums in order.
+    Returns the fp32 (fp64 for float64) accumulators."""
+    acc = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    hidden = torch.zeros(length, grad.shape[1], dtype=acc)
+    mask = torch.zeros(grad.shape[1], dtype=acc)
+    for begin in range(0, grad.shape[0], chunk):
+        chunk_sum = torch.zeros(grad.shape[1], dtype=acc)
+        for i in range(begin, min(begin + chunk, grad.shape[0])):
+            if depths[i] == 0:
+                hidden[anchors[i]] += grad[i].to(acc)
+            else:
+                chunk_sum += grad[i].to(acc)
+        mask += chunk_sum
+    return hidden, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_cod_gather_backward_adds_in_the_documented_order(generator, dtype):
+    """Bit-exact against the documented order (which the CUDA kernels follow too), whatever the thread count."""
+    length, width, count = 50, 70, 600
+    anchors = torch.randint(0, length - 4, (count,), generator=generator)
+    depths = torch.randint(0, 4, (count,), generator=generator) * (torch.rand(count, generator=generator) < 0.6)
+    grad = (torch.randn(count, width, generator=generator) * torch.logspace(-3, 3, width)).to(dtype)
+    hidden_acc, mask_acc = backward_in_documented_order(grad, anchors, depths, length)
+    want_hidden, want_mask = hidden_acc.to(dtype), mask_acc.to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            grad_hidden, grad_mask = torch.ops.peagle.cod_gather_backward(grad, anchors, depths, length)
+            assert torch.equal(grad_hidden, want_hidden) and torch.equal(grad_mask, want_mask)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cod_gather_backward_order_is_chunked(dtype):
+    """Power of the test above: a big first row, then 512 ones in the next two chunks. Added one by one, each 1 is
+    lost against the big value (half an ulp or less); chunk by chunk the ones first sum to 256 exactly and survive.
+    (bf16 outputs cannot hold the difference.)"""
+    big = 2.0**54 if dtype == torch.float64 else 2.0**25
+    grad = torch.ones(768, 1, dtype=dtype)
+    grad[:256] = 0
+    grad[0] = big
+    ones = torch.ones(768, dtype=torch.long)
+    _, grad_mask = torch.ops.peagle.cod_gather_backward(grad, torch.zeros(768, dtype=torch.long), ones, 2)
+    assert grad_mask.item() == big + 512
+    assert backward_in_documented_order(grad, torch.zeros(768, dtype=torch.long), ones, 2, chunk=768)[1].item() == big
+
+
 BAD_GATHER_ARGS = [
     (dict(input_ids=torch.zeros(4, 1, dtype=torch.long)), "input_ids must be 1-D"),
     (dict(input_ids=torch.zeros(4)), "input_ids must be int32 or int64"),

@@ -151,8 +151,9 @@ std::tuple<at::Tensor, at::Tensor> cod_gather_backward_cpu(const at::Tensor& gra
 
   at::Tensor grad_hidden = cpu::empty_large({num_positions, width}, grad_feats.options());
   at::Tensor grad_mask_hidden = at::empty({width}, grad_feats.options());
-  // Each task owns a block of columns and accumulates every row's contribution to it in opmath (fp32 for half types),
-  // so duplicate anchors need no atomics and the result does not depend on the thread count.
+  // Each task owns a block of columns and adds every row's contribution to it in opmath (fp32 for half types), in
+  // the fixed order of csrc/include/peagle/cod.h (the CUDA kernels add in the same order): duplicate anchors need no
+  // atomics, and the result depends neither on the thread count nor on the backend.
   constexpr int64_t kBlock = 64;
   const int64_t num_blocks = (width + kBlock - 1) / kBlock;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad_feats.scalar_type(), "cod_gather_backward_cpu", [&] {
@@ -163,15 +164,21 @@ std::tuple<at::Tensor, at::Tensor> cod_gather_backward_cpu(const at::Tensor& gra
     at::parallel_for(0, num_blocks, 1, [&](int64_t block_begin, int64_t block_end) {
       std::vector<acc_t> hidden_acc(static_cast<size_t>(num_positions) * kBlock);
       std::vector<acc_t> mask_acc(kBlock);
+      std::vector<acc_t> chunk_acc(kBlock);
       for (int64_t block = block_begin; block < block_end; ++block) {
         const int64_t col0 = block * kBlock;
         const int64_t cols = std::min(kBlock, width - col0);
         std::fill(hidden_acc.begin(), hidden_acc.end(), acc_t(0));
         std::fill(mask_acc.begin(), mask_acc.end(), acc_t(0));
-        for (int64_t i = 0; i < count; ++i) {
-          const scalar_t* src = grad + i * width + col0;
-          acc_t* dst = depth_ptr[i] == 0 ? hidden_acc.data() + anchor_ptr[i] * cols : mask_acc.data();
-          for (int64_t j = 0; j < cols; ++j) dst[j] += static_cast<acc_t>(src[j]);
+        for (int64_t chunk = 0; chunk < count; chunk += cod::kBackwardChunk) {
+          std::fill(chunk_acc.begin(), chunk_acc.end(), acc_t(0));
+          const int64_t chunk_end = std::min(count, chunk + cod::kBackwardChunk);
+          for (int64_t i = chunk; i < chunk_end; ++i) {
+            const scalar_t* src = grad + i * width + col0;
+            acc_t* dst = depth_ptr[i] == 0 ? hidden_acc.data() + anchor_ptr[i] * cols : chunk_acc.data();
+            for (int64_t j = 0; j < cols; ++j) dst[j] += static_cast<acc_t>(src[j]);
+          }
+          for (int64_t j = 0; j < cols; ++j) mask_acc[j] += chunk_acc[j];
         }
         for (int64_t t = 0; t < num_positions; ++t) {
           for (int64_t j = 0; j < cols; ++j) out_hidden[t * width + col0 + j] = hidden_acc[t * cols + j];

@@ -107,18 +107,16 @@ std::tuple<at::Tensor, at::Tensor> cod_gather_backward_cuda(const at::Tensor& gr
       TORCH_CHECK(false, "peagle.cod_gather_backward: grad_feats must be float32, bfloat16, float16 or float64, got ",
                   dtype);
   }
-  // float32/float64 accumulate straight into the outputs; half types through fp32 buffers.
-  const bool direct = dtype == at::kFloat || dtype == at::kDouble;
-  const auto acc_opts = grad_feats.options().dtype(direct ? dtype : at::kFloat);
-  at::Tensor hidden_acc = at::zeros({num_positions, width}, acc_opts);
-  at::Tensor mask_acc = at::zeros({width}, acc_opts);
-  at::Tensor grad_hidden = direct ? hidden_acc : at::empty({num_positions, width}, grad_feats.options());
-  at::Tensor grad_mask_hidden = direct ? mask_acc : at::empty({width}, grad_feats.options());
-  check_cuda(
-      cuda::cod_gather_backward(type, grad_c.data_ptr(), anchors_c.data_ptr<int64_t>(), depths_c.data_ptr<int64_t>(),
-                                count, width, num_positions, hidden_acc.data_ptr(), mask_acc.data_ptr(),
-                                grad_hidden.data_ptr(), grad_mask_hidden.data_ptr(), stream),
-      "cod_gather_backward");
+  at::Tensor grad_hidden = at::empty({num_positions, width}, grad_feats.options());
+  at::Tensor grad_mask_hidden = at::empty({width}, grad_feats.options());
+  const at::Tensor scratch_buffer =
+      at::empty({static_cast<int64_t>(cuda::cod_backward_scratch_bytes(count, width, type))},
+                grad_feats.options().dtype(at::kByte));
+  const cuda::CodBackwardScratch scratch = cuda::cod_backward_scratch(scratch_buffer.data_ptr(), count, width, type);
+  check_cuda(cuda::cod_gather_backward(type, grad_c.data_ptr(), anchors_c.data_ptr<int64_t>(),
+                                       depths_c.data_ptr<int64_t>(), count, width, num_positions, scratch,
+                                       grad_hidden.data_ptr(), grad_mask_hidden.data_ptr(), stream),
+             "cod_gather_backward");
   return {grad_hidden, grad_mask_hidden};
 }
 

@@ -155,65 +155,107 @@ cudaError_t gather_by_alignment(const void* input_ids, const void* hidden, const
 #undef PEAGLE_GATHER
 }
 
-constexpr int kBackwardRows = 64;  // rows per block of the backward kernel
+// Sort key of a backward row: its anchor for depth-0 rows (they are summed per anchor), `length` for the others (they
+// sort last and are skipped).
+__global__ void backward_keys_kernel(const int64_t* anchors, const int64_t* depths, int64_t count, int64_t length,
+                                     int64_t* keys, int64_t* rows) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count; i += int64_t{gridDim.x} * blockDim.x) {
+    const bool scattered = depths[i] == 0 && cod::element_in_range(anchors[i], 0, length);
+    keys[i] = scattered ? anchors[i] : length;
+    rows[i] = i;
+  }
+}
 
-// grid.x: column tiles of blockDim.x, grid.y: chunks of kBackwardRows rows (grid-stride). Depth-0 rows are scattered
-// into hidden_acc with atomics (one per element unless anchors repeat); deeper rows are summed per thread, then added
-// once.
+constexpr int kBackwardThreads = 128;  // columns per block of the backward kernels
+
+// grid.x: column tiles, grid.y: sorted rows (grid-stride). The first sorted row of each anchor sums its anchor's rows
+// in row order (the stable sort kept it) and writes grad_hidden[anchor] once: no atomics, the order of cod.h.
 template <typename T>
-__global__ void gather_backward_kernel(const T* grad_feats, const int64_t* anchors, const int64_t* depths,
-                                       int64_t count, int64_t width, int64_t length,
-                                       typename AccOf<T>::type* hidden_acc, typename AccOf<T>::type* mask_acc) {
+__global__ void backward_hidden_kernel(const T* grad_feats, const int64_t* sorted_keys, const int64_t* sorted_rows,
+                                       int64_t count, int64_t width, int64_t length, T* grad_hidden) {
   using Acc = typename AccOf<T>::type;
   const int64_t col = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (col >= width) return;
-  Acc mask_sum = 0;
-  for (int64_t row_begin = blockIdx.y * int64_t{kBackwardRows}; row_begin < count;
-       row_begin += int64_t{gridDim.y} * kBackwardRows) {
-    const int64_t row_end = row_begin + kBackwardRows < count ? row_begin + kBackwardRows : count;
-    for (int64_t row = row_begin; row < row_end; ++row) {
-      const int64_t a = anchors[row];
-      const int64_t d = depths[row];
-      if (!cod::element_in_range(a, d, length)) continue;
-      const Acc g = to_acc(grad_feats[row * width + col]);
-      if (d == 0) {
-        atomicAdd(hidden_acc + a * width + col, g);
-      } else {
-        mask_sum += g;
-      }
-    }
+  for (int64_t j = blockIdx.y; j < count; j += gridDim.y) {
+    const int64_t anchor = sorted_keys[j];
+    if (anchor >= length || (j > 0 && sorted_keys[j - 1] == anchor)) continue;
+    Acc sum = Acc(0);
+    for (int64_t r = j; r < count && sorted_keys[r] == anchor; ++r)
+      sum += to_acc(grad_feats[sorted_rows[r] * width + col]);
+    grad_hidden[anchor * width + col] = from_acc<T>(sum);
   }
-  if (mask_sum != Acc(0)) atomicAdd(mask_acc + col, mask_sum);
 }
 
+// grid.x: column tiles, grid.y: chunks of cod::kBackwardChunk rows (grid-stride): each chunk's deeper-row sum S_c.
 template <typename T>
-__global__ void convert_kernel(const typename AccOf<T>::type* acc, int64_t n, T* out) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
-    out[i] = from_acc<T>(acc[i]);
+__global__ void backward_chunk_kernel(const T* grad_feats, const int64_t* depths, int64_t count, int64_t width,
+                                      typename AccOf<T>::type* chunk_sums) {
+  using Acc = typename AccOf<T>::type;
+  const int64_t col = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (col >= width) return;
+  const int64_t chunks = (count + cod::kBackwardChunk - 1) / cod::kBackwardChunk;
+  for (int64_t c = blockIdx.y; c < chunks; c += gridDim.y) {
+    const int64_t begin = c * cod::kBackwardChunk;
+    const int64_t end = begin + cod::kBackwardChunk < count ? begin + cod::kBackwardChunk : count;
+    chunk_sums[c * width + col] = cod::deeper_rows_sum<Acc>(
+        depths, begin, end, [&](int64_t row) { return to_acc(grad_feats[row * width + col]); });
   }
 }
+
+// grad_mask_hidden = the chunk sums added in chunk order.
+template <typename T>
+__global__ void backward_mask_kernel(const typename AccOf<T>::type* chunk_sums, int64_t chunks, int64_t width,
+                                     T* grad_mask_hidden) {
+  using Acc = typename AccOf<T>::type;
+  for (int64_t col = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; col < width;
+       col += int64_t{gridDim.x} * blockDim.x) {
+    Acc total = Acc(0);
+    for (int64_t c = 0; c < chunks; ++c) total += chunk_sums[c * width + col];
+    grad_mask_hidden[col] = from_acc<T>(total);
+  }
+}
+
+unsigned grid_rows(int64_t n) { return static_cast<unsigned>(n < 1 ? 1 : (n < 65535 ? n : 65535)); }
+
+size_t backward_sort_bytes(int64_t count) {
+  size_t bytes = 0;
+  cub::DeviceRadixSort::SortPairs(nullptr, bytes, static_cast<const int64_t*>(nullptr), static_cast<int64_t*>(nullptr),
+                                  static_cast<const int64_t*>(nullptr), static_cast<int64_t*>(nullptr),
+                                  static_cast<int>(count));
+  return bytes;
+}
+
+size_t accumulator_bytes(FloatType type) { return type == FloatType::kFloat64 ? sizeof(double) : sizeof(float); }
 
 template <typename T>
 cudaError_t launch_backward(const void* grad_feats, const int64_t* anchors, const int64_t* depths, int64_t count,
-                            int64_t width, int64_t length, void* hidden_acc, void* mask_acc, void* grad_hidden,
+                            int64_t width, int64_t length, const CodBackwardScratch& s, void* grad_hidden,
                             void* grad_mask_hidden, cudaStream_t stream) {
   using Acc = typename AccOf<T>::type;
-  if (count > 0 && width > 0) {
-    const int64_t row_chunks = (count + kBackwardRows - 1) / kBackwardRows;
-    const dim3 grid(static_cast<unsigned>((width + 127) / 128),
-                    static_cast<unsigned>(row_chunks < 65535 ? row_chunks : 65535));
-    gather_backward_kernel<T><<<grid, 128, 0, stream>>>(static_cast<const T*>(grad_feats), anchors, depths, count,
-                                                        width, length, static_cast<Acc*>(hidden_acc),
-                                                        static_cast<Acc*>(mask_acc));
+  const T* grad = static_cast<const T*>(grad_feats);
+  cudaError_t err = cudaMemsetAsync(grad_hidden, 0, static_cast<size_t>(length * width) * sizeof(T), stream);
+  if (err != cudaSuccess || width == 0) return err;
+  const unsigned column_tiles = static_cast<unsigned>((width + kBackwardThreads - 1) / kBackwardThreads);
+  if (count > 0) {
+    backward_keys_kernel<<<blocks_for(count), kThreads, 0, stream>>>(anchors, depths, count, length, s.keys_in,
+                                                                     s.rows_in);
+    int end_bit = 1;
+    while (end_bit < 63 && (int64_t{1} << end_bit) <= length) ++end_bit;  // keys are in [0, length]
+    size_t temp_bytes = s.cub_temp_bytes;
+    err = cub::DeviceRadixSort::SortPairs(s.cub_temp, temp_bytes, s.keys_in, s.keys_out, s.rows_in, s.rows_out,
+                                          static_cast<int>(count), 0, end_bit, stream);
+    if (err != cudaSuccess) return err;
+    backward_hidden_kernel<T><<<dim3(column_tiles, grid_rows(count)), kBackwardThreads, 0, stream>>>(
+        grad, s.keys_out, s.rows_out, count, width, length, static_cast<T*>(grad_hidden));
   }
-  if (hidden_acc != grad_hidden && length * width > 0) {
-    convert_kernel<T><<<blocks_for(length * width), kThreads, 0, stream>>>(
-        static_cast<const Acc*>(hidden_acc), length * width, static_cast<T*>(grad_hidden));
+  const int64_t chunks = (count + cod::kBackwardChunk - 1) / cod::kBackwardChunk;
+  Acc* chunk_sums = static_cast<Acc*>(s.chunk_sums);
+  if (chunks > 0) {
+    backward_chunk_kernel<T><<<dim3(column_tiles, grid_rows(chunks)), kBackwardThreads, 0, stream>>>(
+        grad, depths, count, width, chunk_sums);
   }
-  if (mask_acc != grad_mask_hidden && width > 0) {
-    convert_kernel<T><<<blocks_for(width), kThreads, 0, stream>>>(static_cast<const Acc*>(mask_acc), width,
-                                                                  static_cast<T*>(grad_mask_hidden));
-  }
+  backward_mask_kernel<T>
+      <<<blocks_for(width), kThreads, 0, stream>>>(chunk_sums, chunks, width, static_cast<T*>(grad_mask_hidden));
   return cudaGetLastError();
 }
 
@@ -245,6 +287,33 @@ CodSampleScratch cod_sample_scratch(void* buffer, int64_t length, int64_t num_de
   s.scan = reinterpret_cast<int64_t*>(take((k > 1 ? k - 1 : 1) * n * sizeof(int64_t)));
   s.counts = reinterpret_cast<int64_t*>(take((k + 1) * sizeof(int64_t)));
   s.cub_temp_bytes = cub_temp_bytes(length, num_depths);
+  s.cub_temp = take(s.cub_temp_bytes);
+  return s;
+}
+
+size_t cod_backward_scratch_bytes(int64_t count, int64_t width, FloatType type) {
+  const size_t n = static_cast<size_t>(count);
+  const size_t chunks = static_cast<size_t>((count + cod::kBackwardChunk - 1) / cod::kBackwardChunk);
+  return 4 * align256(n * sizeof(int64_t)) + align256(chunks * static_cast<size_t>(width) * accumulator_bytes(type)) +
+         align256(backward_sort_bytes(count));
+}
+
+CodBackwardScratch cod_backward_scratch(void* buffer, int64_t count, int64_t width, FloatType type) {
+  const size_t n = static_cast<size_t>(count);
+  const size_t chunks = static_cast<size_t>((count + cod::kBackwardChunk - 1) / cod::kBackwardChunk);
+  char* p = static_cast<char*>(buffer);
+  const auto take = [&p](size_t bytes) {
+    char* part = p;
+    p += align256(bytes);
+    return part;
+  };
+  CodBackwardScratch s;
+  s.keys_in = reinterpret_cast<int64_t*>(take(n * sizeof(int64_t)));
+  s.keys_out = reinterpret_cast<int64_t*>(take(n * sizeof(int64_t)));
+  s.rows_in = reinterpret_cast<int64_t*>(take(n * sizeof(int64_t)));
+  s.rows_out = reinterpret_cast<int64_t*>(take(n * sizeof(int64_t)));
+  s.chunk_sums = take(chunks * static_cast<size_t>(width) * accumulator_bytes(type));
+  s.cub_temp_bytes = backward_sort_bytes(count);
   s.cub_temp = take(s.cub_temp_bytes);
   return s;
 }
@@ -305,21 +374,21 @@ cudaError_t cod_gather(const void* input_ids, int id_bytes, const void* hidden, 
 }
 
 cudaError_t cod_gather_backward(FloatType type, const void* grad_feats, const int64_t* anchors, const int64_t* depths,
-                                int64_t count, int64_t width, int64_t length, void* hidden_acc, void* mask_acc,
+                                int64_t count, int64_t width, int64_t length, const CodBackwardScratch& scratch,
                                 void* grad_hidden, void* grad_mask_hidden, cudaStream_t stream) {
   switch (type) {
     case FloatType::kFloat32:
-      return launch_backward<float>(grad_feats, anchors, depths, count, width, length, hidden_acc, mask_acc,
-                                    grad_hidden, grad_mask_hidden, stream);
+      return launch_backward<float>(grad_feats, anchors, depths, count, width, length, scratch, grad_hidden,
+                                    grad_mask_hidden, stream);
     case FloatType::kFloat64:
-      return launch_backward<double>(grad_feats, anchors, depths, count, width, length, hidden_acc, mask_acc,
-                                     grad_hidden, grad_mask_hidden, stream);
+      return launch_backward<double>(grad_feats, anchors, depths, count, width, length, scratch, grad_hidden,
+                                     grad_mask_hidden, stream);
     case FloatType::kBFloat16:
-      return launch_backward<__nv_bfloat16>(grad_feats, anchors, depths, count, width, length, hidden_acc, mask_acc,
-                                            grad_hidden, grad_mask_hidden, stream);
+      return launch_backward<__nv_bfloat16>(grad_feats, anchors, depths, count, width, length, scratch, grad_hidden,
+                                            grad_mask_hidden, stream);
     case FloatType::kFloat16:
-      return launch_backward<__half>(grad_feats, anchors, depths, count, width, length, hidden_acc, mask_acc,
-                                     grad_hidden, grad_mask_hidden, stream);
+      return launch_backward<__half>(grad_feats, anchors, depths, count, width, length, scratch, grad_hidden,
+                                     grad_mask_hidden, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -46,10 +46,25 @@ cudaError_t cod_gather(const void* input_ids, int id_bytes, const void* hidden, 
 
 enum class FloatType { kFloat32, kFloat64, kBFloat16, kFloat16 };
 
-// Adjoint of the gather: grad_hidden[a] += grad_feats[i] for depth-0 rows, grad_mask_hidden += the deeper rows.
-// Accumulates in fp32 (fp64 for float64) into the caller's zeroed accumulators, then converts into the outputs.
+// Scratch of cod_gather_backward for `count` rows of `width` columns, carved from one byte buffer.
+struct CodBackwardScratch {
+  int64_t* keys_in;   // [count] anchor of each depth-0 row, length for the others
+  int64_t* keys_out;  // [count] the keys sorted (stable)
+  int64_t* rows_in;   // [count] 0..count-1
+  int64_t* rows_out;  // [count] the rows in key order
+  void* chunk_sums;   // [ceil(count / cod::kBackwardChunk), width] in the accumulation type
+  void* cub_temp;
+  size_t cub_temp_bytes;
+};
+
+size_t cod_backward_scratch_bytes(int64_t count, int64_t width, FloatType type);
+CodBackwardScratch cod_backward_scratch(void* buffer, int64_t count, int64_t width, FloatType type);
+
+// Adjoint of the gather: grad_hidden[a] = the sum of the depth-0 rows anchored at a (zero elsewhere), grad_mask_hidden
+// = the sum of the deeper rows, accumulated in fp32 (fp64 for float64) in the fixed order of peagle/cod.h, so the
+// results are bit-identical to the CPU kernel's and from run to run. Outputs are written whole (no zeroing needed).
 cudaError_t cod_gather_backward(FloatType type, const void* grad_feats, const int64_t* anchors, const int64_t* depths,
-                                int64_t count, int64_t width, int64_t length, void* hidden_acc, void* mask_acc,
+                                int64_t count, int64_t width, int64_t length, const CodBackwardScratch& scratch,
                                 void* grad_hidden, void* grad_mask_hidden, cudaStream_t stream);
 
 }  // namespace cuda

@@ -36,11 +36,11 @@ __global__ void __launch_bounds__(kColumns)
                            const float* __restrict__ g, const float* __restrict__ beta,
                            const int64_t* __restrict__ parent, const float* __restrict__ state_pool,
                            const int64_t* __restrict__ slots, GdnShape s, float scale, bool l2norm, T* __restrict__ o,
-                           float* __restrict__ u) {
+                           float* __restrict__ u, int64_t batch_offset) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int n = static_cast<int>(s.nodes);
   const int64_t K = s.key_dim, V = s.value_dim, H = s.qk_heads, HV = s.value_heads;
-  const int64_t b = blockIdx.z, hv = blockIdx.y, h = hv / (HV / H);
+  const int64_t b = batch_offset + blockIdx.z, hv = blockIdx.y, h = hv / (HV / H);
   const int tid = threadIdx.x;
   const int64_t col = int64_t{blockIdx.x} * kColumns + tid;
   const bool active = col < V;
@@ -166,14 +166,15 @@ template <typename T>
 __global__ void __launch_bounds__(kCommitThreads)
     gdn_commit_kernel(const T* __restrict__ k, const float* __restrict__ g, const float* __restrict__ u,
                       const int64_t* __restrict__ parent, const int64_t* __restrict__ last_accepted,
-                      float* __restrict__ state_pool, const int64_t* __restrict__ slots, GdnShape s, bool l2norm) {
+                      float* __restrict__ state_pool, const int64_t* __restrict__ slots, GdnShape s, bool l2norm,
+                      int64_t batch_offset) {
   __shared__ uint64_t anc[gdn::kMaxNodes];
   __shared__ float gate_sum[gdn::kMaxNodes];
   __shared__ float coef[gdn::kMaxNodes];  // exp(G_a - G_j) / |k_j| for path nodes j
   __shared__ int bad;
   const int n = static_cast<int>(s.nodes);
   const int64_t K = s.key_dim, V = s.value_dim, H = s.qk_heads, HV = s.value_heads;
-  const int64_t b = blockIdx.z, hv = blockIdx.y, h = hv / (HV / H);
+  const int64_t b = batch_offset + blockIdx.z, hv = blockIdx.y, h = hv / (HV / H);
   const int64_t a = last_accepted[b];
   if (a < 0) return;  // uniform across the block
   if (threadIdx.x == 0) {
@@ -212,8 +213,8 @@ template <typename T>
 __global__ void __launch_bounds__(kConvThreads)
     conv_tree_kernel(const T* __restrict__ x, const int64_t* __restrict__ parent, const T* __restrict__ conv_state,
                      const float* __restrict__ weight, const float* __restrict__ bias, int64_t nodes, int64_t channels,
-                     int width, int activation, T* __restrict__ out) {
-  const int64_t b = blockIdx.z, i = blockIdx.y;
+                     int width, int activation, T* __restrict__ out, int64_t batch_offset) {
+  const int64_t b = batch_offset + blockIdx.z, i = blockIdx.y;
   const int64_t c = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   if (c >= channels) return;
   int src[gdn::kMaxConvWidth];
@@ -234,8 +235,8 @@ template <typename T>
 __global__ void __launch_bounds__(kConvThreads)
     conv_commit_kernel(const T* __restrict__ x, const int64_t* __restrict__ parent,
                        const int64_t* __restrict__ last_accepted, T* __restrict__ conv_state, int64_t nodes,
-                       int64_t channels, int width) {
-  const int64_t b = blockIdx.y;
+                       int64_t channels, int width, int64_t batch_offset) {
+  const int64_t b = batch_offset + blockIdx.y;
   const int64_t c = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   const int64_t a = last_accepted[b];
   if (c >= channels || a < 0 || a >= nodes) return;
@@ -266,6 +267,19 @@ constexpr int kMaxDevices = 64;
 
 unsigned grid_dim(int64_t x) { return static_cast<unsigned>(x < 1 ? 1 : x); }
 
+// The y and z grid dimensions stop at 65535: requests go in launches of at most that many, each with its offset.
+constexpr int64_t kMaxGridYZ = 65535;
+
+template <typename Launch>
+cudaError_t over_batch(int64_t batch, Launch&& launch) {
+  for (int64_t offset = 0; offset < batch; offset += kMaxGridYZ) {
+    launch(offset, grid_dim(batch - offset < kMaxGridYZ ? batch - offset : kMaxGridYZ));
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
 }  // namespace
 
 cudaError_t gdn_tree_verify(GdnType type, const void* q, const void* k, const void* v, const float* g,
@@ -273,8 +287,7 @@ cudaError_t gdn_tree_verify(GdnType type, const void* q, const void* k, const vo
                             GdnShape shape, float scale, bool use_qk_l2norm, void* o, float* u, cudaStream_t stream) {
   if (shape.batch == 0) return cudaSuccess;
   const size_t smem = verify_smem_bytes(shape.nodes);
-  const dim3 grid(grid_dim((shape.value_dim + kColumns - 1) / kColumns), grid_dim(shape.value_heads),
-                  grid_dim(shape.batch));
+  const unsigned column_tiles = grid_dim((shape.value_dim + kColumns - 1) / kColumns);
   return dispatch(type, [&](auto tag) {
     using T = decltype(tag);
     auto kernel = gdn_tree_verify_kernel<T>;
@@ -289,10 +302,12 @@ cudaError_t gdn_tree_verify(GdnType type, const void* q, const void* k, const vo
       if (err != cudaSuccess) return err;
       if (device < kMaxDevices) configured[device] = true;
     }
-    kernel<<<grid, kColumns, smem, stream>>>(static_cast<const T*>(q), static_cast<const T*>(k),
-                                             static_cast<const T*>(v), g, beta, parent, state_pool, slots, shape, scale,
-                                             use_qk_l2norm, static_cast<T*>(o), u);
-    return cudaGetLastError();
+    return over_batch(shape.batch, [&](int64_t offset, unsigned requests) {
+      const dim3 grid(column_tiles, grid_dim(shape.value_heads), requests);
+      kernel<<<grid, kColumns, smem, stream>>>(static_cast<const T*>(q), static_cast<const T*>(k),
+                                               static_cast<const T*>(v), g, beta, parent, state_pool, slots, shape,
+                                               scale, use_qk_l2norm, static_cast<T*>(o), u, offset);
+    });
   });
 }
 
@@ -303,12 +318,13 @@ cudaError_t gdn_commit(GdnType type, const void* k, const float* g, const float*
   const int64_t elements = shape.key_dim * shape.value_dim;
   int64_t tiles = (elements + kCommitThreads - 1) / kCommitThreads;
   if (tiles > 65535) tiles = 65535;
-  const dim3 grid(grid_dim(tiles), grid_dim(shape.value_heads), grid_dim(shape.batch));
   return dispatch(type, [&](auto tag) {
     using T = decltype(tag);
-    gdn_commit_kernel<T><<<grid, kCommitThreads, 0, stream>>>(static_cast<const T*>(k), g, u, parent, last_accepted,
-                                                              state_pool, slots, shape, use_qk_l2norm);
-    return cudaGetLastError();
+    return over_batch(shape.batch, [&](int64_t offset, unsigned requests) {
+      const dim3 grid(grid_dim(tiles), grid_dim(shape.value_heads), requests);
+      gdn_commit_kernel<T><<<grid, kCommitThreads, 0, stream>>>(static_cast<const T*>(k), g, u, parent, last_accepted,
+                                                                state_pool, slots, shape, use_qk_l2norm, offset);
+    });
   });
 }
 
@@ -316,13 +332,14 @@ cudaError_t causal_conv1d_tree(GdnType type, const void* x, const int64_t* paren
                                const float* weight, const float* bias, int64_t batch, int64_t nodes, int64_t channels,
                                int64_t width, int activation, void* out, cudaStream_t stream) {
   if (batch == 0 || channels == 0) return cudaSuccess;
-  const dim3 grid(grid_dim((channels + kConvThreads - 1) / kConvThreads), grid_dim(nodes), grid_dim(batch));
   return dispatch(type, [&](auto tag) {
     using T = decltype(tag);
-    conv_tree_kernel<T><<<grid, kConvThreads, 0, stream>>>(
-        static_cast<const T*>(x), parent, static_cast<const T*>(conv_state), weight, bias, nodes, channels,
-        static_cast<int>(width), activation, static_cast<T*>(out));
-    return cudaGetLastError();
+    return over_batch(batch, [&](int64_t offset, unsigned requests) {
+      const dim3 grid(grid_dim((channels + kConvThreads - 1) / kConvThreads), grid_dim(nodes), requests);
+      conv_tree_kernel<T><<<grid, kConvThreads, 0, stream>>>(
+          static_cast<const T*>(x), parent, static_cast<const T*>(conv_state), weight, bias, nodes, channels,
+          static_cast<int>(width), activation, static_cast<T*>(out), offset);
+    });
   });
 }
 
@@ -330,13 +347,14 @@ cudaError_t causal_conv1d_commit(GdnType type, const void* x, const int64_t* par
                                  void* conv_state, int64_t batch, int64_t nodes, int64_t channels, int64_t width,
                                  cudaStream_t stream) {
   if (batch == 0 || channels == 0) return cudaSuccess;
-  const dim3 grid(grid_dim((channels + kConvThreads - 1) / kConvThreads), grid_dim(batch));
   return dispatch(type, [&](auto tag) {
     using T = decltype(tag);
-    conv_commit_kernel<T><<<grid, kConvThreads, 0, stream>>>(static_cast<const T*>(x), parent, last_accepted,
-                                                             static_cast<T*>(conv_state), nodes, channels,
-                                                             static_cast<int>(width));
-    return cudaGetLastError();
+    return over_batch(batch, [&](int64_t offset, unsigned requests) {
+      const dim3 grid(grid_dim((channels + kConvThreads - 1) / kConvThreads), requests);
+      conv_commit_kernel<T><<<grid, kConvThreads, 0, stream>>>(static_cast<const T*>(x), parent, last_accepted,
+                                                               static_cast<T*>(conv_state), nodes, channels,
+                                                               static_cast<int>(width), offset);
+    });
   });
 }
 

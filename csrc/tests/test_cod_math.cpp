@@ -10,6 +10,7 @@
 
 namespace {
 
+using peagle::cod::deeper_rows_sum;
 using peagle::cod::depth_count;
 using peagle::cod::element_in_range;
 using peagle::cod::extends;
@@ -75,6 +76,19 @@ TEST(CodMath, ElementRangeAndOrder) {
   EXPECT_TRUE(key_less(1, 9, 2, 0));
   EXPECT_TRUE(key_less(5, 1, 5, 2));
   EXPECT_FALSE(key_less(5, 2, 5, 2));
+}
+
+TEST(CodMath, DeeperRowsSumAddsOnlyDeeperRowsInRowOrder) {
+  const int64_t depths[] = {0, 1, 2, 0, 3};
+  const float values[] = {100.0f, 1.0f, 2.0f, 200.0f, 4.0f};
+  const auto load = [&](int64_t row) { return values[row]; };
+  EXPECT_EQ(deeper_rows_sum<float>(depths, 0, 5, load), 7.0f);
+  EXPECT_EQ(deeper_rows_sum<float>(depths, 2, 4, load), 2.0f);
+  EXPECT_EQ(deeper_rows_sum<float>(depths, 3, 4, load), 0.0f);
+  // Row order: 2^24 then two ones loses both (each half an ulp, ties to even); the ones first would keep them.
+  const int64_t deep[] = {1, 1, 1};
+  const float order[] = {16777216.0f, 1.0f, 1.0f};
+  EXPECT_EQ(deeper_rows_sum<float>(deep, 0, 3, [&](int64_t row) { return order[row]; }), 16777216.0f);
 }
 
 }  // namespace

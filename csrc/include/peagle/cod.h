@@ -63,5 +63,24 @@ PEAGLE_HD bool key_less(int64_t key_a, int64_t anchor_a, int64_t key_b, int64_t 
   return key_a < key_b || (key_a == key_b && anchor_a < anchor_b);
 }
 
+// cod_gather_backward adds in one fixed order on both backends, so its gradients are bit-identical between CPU and
+// CUDA and from run to run (no floating-point atomics, nothing that depends on thread counts). In the accumulation
+// type (fp32, fp64 for float64), per column:
+//   grad_hidden[t]   = ((0 + g_i1) + g_i2) + ...   over the depth-0 rows i1 < i2 < ... anchored at t (0 if none);
+//   grad_mask_hidden = ((0 + S_0) + S_1) + ...     over the chunks c of kBackwardChunk consecutive rows, where
+//   S_c              = ((0 + g_j1) + g_j2) + ...   over the deeper rows j1 < j2 < ... of chunk c.
+// The chunks let the GPU spread the mask sum over count / kBackwardChunk blocks while the order stays fixed.
+constexpr int64_t kBackwardChunk = 256;
+
+// S_c of one column: the deeper rows of [begin, end) in row order; load(row) reads grad_feats[row, column].
+template <typename Acc, typename Load>
+PEAGLE_HD Acc deeper_rows_sum(const int64_t* depths, int64_t begin, int64_t end, Load load) {
+  Acc sum = Acc(0);
+  for (int64_t row = begin; row < end; ++row) {
+    if (depths[row] != 0) sum += load(row);
+  }
+  return sum;
+}
+
 }  // namespace cod
 }  // namespace peagle

@@ -1,0 +1,132 @@
+"""`python cuda_tests/sanitizer_cases.py [cuda|cpu]`: one small case of every peagle op with a kernel for the device,
+meant to run under compute-sanitizer (memcheck, racecheck) from cuda_tests/run_gpu.sh. Small shapes keep the
+sanitizers fast; each case still reaches every kernel of its op (several tree shapes, dtypes, windows, padding).
+
+Exits non-zero when an op with a kernel for the device has no case here, so a new kernel cannot skip the sanitizers.
+The CPU test suite runs it on the CPU (python_tests/test_gpu_script.py): the cases stay valid inputs, and coverage
+is checked on every machine.
+"""
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import peagle  # noqa: F401  (registers torch.ops.peagle)
+from testkit import random_gdn_inputs, random_packed_row, random_tree_batch, random_tree_probs
+
+OPS = torch.ops.peagle
+DEVICE = torch.device(sys.argv[1] if len(sys.argv) > 1 else "cuda")
+CASES: dict[str, Callable[[torch.Generator], None]] = {}
+
+
+def case(*names: str):
+    def register(fn):
+        for name in names:
+            CASES[name] = fn
+        return fn
+
+    return register
+
+
+def dev(*tensors):
+    return [t.to(DEVICE) for t in tensors]
+
+
+@case("cod_sample", "cod_gather", "cod_gather_backward")
+def cod(generator):
+    row = random_packed_row(generator, 300)
+    anchors, depths = OPS.cod_sample(*dev(row.loss_mask, row.document_ids), 5, 0.7, 0.2, None, 3)
+    for dtype, width in [(torch.float32, 24), (torch.bfloat16, 41)]:
+        hidden = torch.randn(300, width, generator=generator).to(dtype).to(DEVICE)
+        mask_hidden = torch.randn(width, generator=generator).to(dtype).to(DEVICE)
+        feats, *_ = OPS.cod_gather(torch.arange(300, device=DEVICE), hidden, mask_hidden, anchors, depths, 7, None)
+        OPS.cod_gather_backward(torch.randn_like(feats), anchors, depths, 300)
+
+
+@case("mask_dense", "mask_block")
+def mask(generator):
+    row = random_packed_row(generator, 200)
+    anchors, depths = OPS.cod_sample(*dev(row.loss_mask, row.document_ids), 4, 0.7, 0.2, None, 1)
+    docs = row.document_ids.to(DEVICE)
+    for window in (None, 16):
+        OPS.mask_dense(anchors, depths, docs, window)
+        OPS.mask_block(anchors, depths, docs, 32, window)
+
+
+@case("gdn_tree_verify", "gdn_commit", "causal_conv1d_tree", "causal_conv1d_commit")
+def gdn(generator):
+    for kind, dtype in [("random", torch.float32), ("chain", torch.bfloat16)]:
+        x = random_gdn_inputs(generator, 3, 6, 2, 4, 16, 16, kind=kind, dtype=dtype)
+        q, k, v, g, beta, parent, pool, slots = dev(*x)
+        _, u = OPS.gdn_tree_verify(q, k, v, g, beta, parent, pool, slots, None, True, True)
+        last = torch.tensor([0, 5, 3], device=DEVICE)
+        OPS.gdn_commit(k, g, u, parent, last, pool, slots, True, True)
+        channels, width = 8, 4
+        xs = torch.randn(3, 6, channels, generator=generator).to(dtype).to(DEVICE)
+        state = torch.randn(3, channels, width - 1, generator=generator).to(dtype).to(DEVICE)
+        weight = torch.randn(channels, width, generator=generator).to(DEVICE)
+        OPS.causal_conv1d_tree(xs, parent, state, weight, None, "silu", True)
+        OPS.causal_conv1d_commit(xs, parent, last, state, True)
+
+
+@case("tree_verify_greedy", "tree_rejection_sample")
+def tree_verify(generator):
+    for chain in (False, True):
+        tree = random_tree_batch(generator, 4, 7, 50, chain=chain)
+        target = random_tree_probs(generator, tree, 50)
+        draft = random_tree_probs(generator, tree, 50)
+        args = dev(tree.parent, tree.tokens, tree.num_nodes, target)
+        OPS.tree_verify_greedy(*args)
+        OPS.tree_rejection_sample(*args, draft.to(DEVICE), None, 3, 0)
+        OPS.tree_rejection_sample(*args, None, None, 3, 0)
+
+
+@case("tree_select", "tree_build_parallel", "tree_expand_topk")
+def tree_build(generator):
+    probs = torch.softmax(torch.randn(2, 3, 40, generator=generator), -1).to(DEVICE)
+    OPS.tree_build_parallel(probs, [3, 2, 1], 8)
+    frontier = torch.rand(2, 3, generator=generator, dtype=torch.float64).to(DEVICE)
+    OPS.tree_expand_topk(frontier, probs, 2)
+    cand_parent = torch.tensor([[-1, 0, 0, 1, 1, 2]] * 2, device=DEVICE)
+    cand_scores = torch.tensor([[1.0, 0.6, 0.3, 0.4, 0.1, 0.2]] * 2, dtype=torch.float64, device=DEVICE)
+    cand_tokens = torch.tensor([[5, 1, 2, 3, 4, 6]] * 2, device=DEVICE)
+    OPS.tree_select(cand_tokens, cand_parent, cand_scores, torch.tensor([6, 4], device=DEVICE), 4)
+
+
+@case("kv_compact")
+def kv(generator):
+    blocks, block_size, heads, dim = 6, 4, 2, 8
+    caches = [torch.randn(blocks, block_size, heads, dim, generator=generator).to(DEVICE) for _ in range(4)]
+    block_table = torch.tensor([[0, 1, 2], [3, 4, 5]], device=DEVICE)
+    seq_len = torch.tensor([2, 5], device=DEVICE)
+    path = torch.tensor([[0, 2, 3, -1], [0, 1, -1, -1]], device=DEVICE)
+    OPS.kv_compact(caches[:2], caches[2:], block_table, seq_len, path, torch.tensor([2, 1], device=DEVICE))
+
+
+def device_ops() -> list[str]:
+    """The peagle ops with a kernel registered for DEVICE's dispatch key (composite helpers have none)."""
+    names = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("peagle::")]
+    key = DEVICE.type.upper()
+    return sorted(n.split("::")[1] for n in names if torch._C._dispatch_has_kernel_for_dispatch_key(n, key))
+
+
+def main() -> int:
+    missing = [name for name in device_ops() if name not in CASES]
+    generator = torch.Generator().manual_seed(0)
+    for fn in dict.fromkeys(CASES.values()):
+        fn(generator)
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        print(f"ran {fn.__name__}", flush=True)
+    if missing:
+        print(f"ops with a {DEVICE.type} kernel but no sanitizer case: {', '.join(missing)}", file=sys.stderr)
+        return 1
+    print(f"sanitizer cases: {len(CASES)} ops covered on {DEVICE.type}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
