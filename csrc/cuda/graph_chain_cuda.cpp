@@ -10,7 +10,6 @@
 
 #include <cstdint>
 #include <mutex>
-#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -64,8 +63,8 @@ void check_device_tensor(const char* op, const char* name, const at::Tensor& t, 
               t.sizes(), " on ", t.device(), t.is_contiguous() ? "" : " (not contiguous)");
 }
 
-void check_execs(const char* op, const at::Tensor& execs, int64_t numel) {
-  check_device_tensor(op, "execs", execs, at::kLong, numel, "a contiguous 1-D int64 CUDA tensor of graph handles");
+void check_execs(const char* op, const at::Tensor& execs) {
+  check_device_tensor(op, "execs", execs, at::kLong, -1, "a contiguous 1-D int64 CUDA tensor of graph handles");
   TORCH_CHECK(execs.numel() >= 2, "peagle.", op, ": expected execs to hold at least one depth graph and the finalize ",
               "graph, got ", execs.numel(), " entries");
 }
@@ -83,7 +82,7 @@ cudaGraphExec_t instantiate_for_device_launch(cudaGraph_t graph, size_t index, c
   cudaGraphExec_t exec = nullptr;
   const cudaError_t err = cudaGraphInstantiateWithParams(&exec, graph, &params);
   if (err != cudaSuccess || params.result_out != cudaGraphInstantiateSuccess) {
-    cudaGetLastError();  // clear the sticky-free error so later CUDA calls do not report it
+    cudaGetLastError();  // clear the error, so that later CUDA calls do not report it again
     destroy_execs(done);
     TORCH_CHECK(false, "peagle.graph_chain_create: graphs[", index,
                 "] cannot be instantiated for device launch: ", cudaGetErrorString(err), " (",
@@ -96,7 +95,9 @@ int64_t graph_chain_create(at::IntArrayRef graphs, const at::Tensor& execs) {
   const auto count = static_cast<int64_t>(graphs.size());
   TORCH_CHECK(count >= 2, "peagle.graph_chain_create: expected graphs to hold at least one depth graph and the ",
               "finalize graph, got ", count);
-  check_execs("graph_chain_create", execs, count);
+  check_execs("graph_chain_create", execs);
+  TORCH_CHECK(execs.numel() == count, "peagle.graph_chain_create: expected execs to hold one entry per graph (", count,
+              "), got ", execs.numel());
   for (int64_t i = 0; i < count; ++i) {
     TORCH_CHECK(graphs[i] != 0, "peagle.graph_chain_create: graphs[", i, "] is a null cudaGraph_t");
   }
@@ -151,7 +152,7 @@ void graph_chain_destroy(int64_t chain) {
 void graph_chain_tail(const at::Tensor& go, const at::Tensor& execs, const at::Tensor& status, int64_t depth) {
   constexpr const char* op = "graph_chain_tail";
   check_device_tensor(op, "go", go, at::kInt, 1, "a 1-element int32 CUDA tensor", /*any_shape=*/true);
-  check_execs(op, execs, -1);
+  check_execs(op, execs);
   check_device_tensor(op, "status", status, at::kInt, cuda::kChainStatusSize, "a 2-element int32 CUDA tensor");
   TORCH_CHECK(go.device() == execs.device() && status.device() == execs.device(), "peagle.", op,
               ": expected go, execs and status on one device, got ", go.device(), ", ", execs.device(), " and ",
