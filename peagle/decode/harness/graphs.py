@@ -94,6 +94,8 @@ def _check_args(depth_steps: Sequence[Step], finalize: Step, go: Tensor) -> None
 
 
 def _warm_up(steps: Sequence[Step], device: torch.device) -> None:
+    """Calls every step once on a side stream: lazy initialisation (workspaces, module loading) must not happen inside
+    a capture."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -137,17 +139,22 @@ class DepthGraphChain:
             self._build_host_graphs()
 
     def _build_device_chain(self) -> None:
-        device = self.go.device
+        go, device = self.go, self.go.device
         # Handles of the depth graphs, then finalize's: written by graph_chain_create, read by the tail kernels.
         self._execs = torch.zeros(self.num_depths + 1, dtype=torch.int64, device=device)
         self._status = torch.zeros(2, dtype=torch.int32, device=device)  # tail launches, first error
-        _warm_up([*self._steps, self._finalize], device)
+        scratch = torch.zeros_like(self._status)
+
+        def warm_tail() -> None:  # no handle is written yet: it only records that into a scratch status
+            torch.ops.peagle.graph_chain_tail(go, self._execs, scratch, 0)
+
+        _warm_up([*self._steps, self._finalize, warm_tail], device)
         pool = torch.cuda.graph_pool_handle()
         for depth, step in enumerate(self._steps):
 
             def step_then_tail(step: Step = step, depth: int = depth) -> None:
                 step()
-                torch.ops.peagle.graph_chain_tail(self.go, self._execs, self._status, depth)
+                torch.ops.peagle.graph_chain_tail(go, self._execs, self._status, depth)
 
             self._graphs.append(_capture(step_then_tail, pool, keep_graph=True))
         self._graphs.append(_capture(self._finalize, pool, keep_graph=True))
