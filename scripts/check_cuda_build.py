@@ -5,7 +5,8 @@ CPU kernel also has a CUDA registration.
 A CUDA registration that copies the inputs to the host and runs the CPU kernel (csrc/cuda/host_fallback.h; the build
 lists them in torch.ops.peagle.cuda_host_fallbacks()) is reported as a host fallback, apart from the CUDA kernels and
 never counted among them; it does not fail the check. Device-independent helpers such as release_cpu_buffers are
-composite."""
+composite, and so are the CUDA-only graph chain ops (graph_chain_*, csrc/cuda/graph_chain_cuda.cpp: one catch-all
+kernel each, defined by the CUDA build only)."""
 
 import os
 import sys
