@@ -16,6 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import peagle  # noqa: F401  (registers torch.ops.peagle)
 from testkit import random_gdn_inputs, random_packed_row, random_tree_batch, random_tree_probs
+from testkit.depth_chain import ToyDrafter
 
 OPS = torch.ops.peagle
 DEVICE = torch.device(sys.argv[1] if len(sys.argv) > 1 else "cuda")
@@ -106,6 +107,19 @@ def kv(generator):
     OPS.kv_compact(caches[:2], caches[2:], block_table, seq_len, path, torch.tensor([2, 1], device=DEVICE))
 
 
+def graph_chain(generator):
+    """The graph chain's tail kernel (a catch-all op, so not in the coverage list): a few rounds of a toy drafter."""
+    from peagle.decode.harness.graphs import DepthGraphChain
+
+    drafter = ToyDrafter(3, 4, device=DEVICE)
+    chain = DepthGraphChain(drafter.steps(), drafter.finalize, drafter.go)
+    for seed in range(3):
+        drafter.start_round([1, 2, 3], seed, stop_after=1 + seed)
+        chain.run()
+    chain.check()
+    chain.close()
+
+
 def device_ops() -> list[str]:
     """The peagle ops with a kernel registered for DEVICE's dispatch key (composite helpers have none)."""
     names = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("peagle::")]
@@ -116,7 +130,7 @@ def device_ops() -> list[str]:
 def main() -> int:
     missing = [name for name in device_ops() if name not in CASES]
     generator = torch.Generator().manual_seed(0)
-    for fn in dict.fromkeys(CASES.values()):
+    for fn in [*dict.fromkeys(CASES.values()), graph_chain]:
         fn(generator)
         if DEVICE.type == "cuda":
             torch.cuda.synchronize()
