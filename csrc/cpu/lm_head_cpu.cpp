@@ -1,13 +1,14 @@
 // CPU kernel of efficient_lm_head (contract: peagle/ops/lm_head.py).
 //
 // 1. z = down @ h in float32 (one BLAS call), rounded to the inputs' dtype.
-// 2. The vocabulary in blocks of at most kScoreBudget / N tokens: one BLAS call scores the block for every row (an
-//    [N, block] float32 buffer, reused), then at::parallel_for over rows offers the block's scores to each row's
-//    bounded top-C buffer. Tokens arrive in increasing id order, so once a buffer has been pruned to its C best keys,
-//    a later token can only enter with a strictly higher score than the C-th kept one (a tie would lose on id): a
-//    32-bit comparison rejects almost every token after the first blocks. A full buffer (2C + 64 keys) is pruned back
-//    to its C best with nth_element, so the work per token stays O(1) amortised and the memory O(N (C + block)).
-// 3. Per row (at::parallel_for): the C best keys sorted descending, their ids, and the exact logits weight[id] . h
+// 2. at::parallel_for over rows, one region: each thread takes the vocabulary in blocks of at most kScoreBudget / N
+//    tokens, scores a block for its rows with one BLAS call (a [rows, block] float32 buffer, reused), and offers the
+//    scores to each row's bounded top-C buffer. Tokens arrive in increasing id order, so once a buffer has been pruned
+//    to its C best keys, a later token can only enter with a strictly higher score than the C-th kept one (a tie would
+//    lose on id): a 32-bit comparison rejects almost every token after the first blocks. A full buffer (2C + 64 keys)
+//    is pruned back to its C best with nth_element, so the work per token stays O(1) amortised and the memory O(N (C +
+//    block)).
+// 3. Per row, in the same task: the C best keys sorted descending, their ids, and the exact logits weight[id] . h
 //    (float32, 16 partial sums over H, then a fixed pairwise reduction: vectorisable and deterministic).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -71,26 +72,35 @@ float dot(const T* w, const float* h, int64_t size) {
   return acc[0];
 }
 
+// Rows [begin, end): every vocabulary block scored by one BLAS call into `scores` and offered to the rows' buffers,
+// then each row's C best sorted and rescored exactly.
 template <typename T>
-void finish_rows(const LmHeadDims& d, std::vector<RowBuffer>& rows, const at::Tensor& weight, const at::Tensor& h32,
-                 at::Tensor& ids, at::Tensor& logits) {
+void rows_task(const LmHeadDims& d, const at::Tensor& z, const at::Tensor& up, const at::Tensor& weight,
+               const at::Tensor& h32, std::vector<RowBuffer>& rows, int64_t begin, int64_t end, int64_t* out_ids,
+               float* out_logits) {
+  const int64_t count = end - begin, block = vocab_block(d.rows, d.vocab), capacity = 2 * d.candidates + 64;
+  const at::Tensor z_rows = z.narrow(0, begin, count);
+  at::Tensor scores_storage = at::empty({count * block}, z.options());
+  for (int64_t v0 = 0; v0 < d.vocab; v0 += block) {
+    const int64_t width = std::min(block, d.vocab - v0);
+    at::Tensor scores = scores_storage.narrow(0, 0, count * width).view({count, width});
+    at::mm_out(scores, z_rows, up.narrow(0, v0, width).to(at::kFloat).t());
+    const float* s = scores.data_ptr<float>();
+    for (int64_t n = begin; n < end; ++n) offer(rows[n], s + (n - begin) * width, v0, width, d.candidates, capacity);
+  }
   const T* w = weight.data_ptr<T>();
   const float* h = h32.data_ptr<float>();
-  int64_t* out_ids = ids.data_ptr<int64_t>();
-  float* out_logits = logits.data_ptr<float>();
   const int64_t c = d.candidates;
-  at::parallel_for(0, d.rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      RowBuffer& row = rows[n];
-      prune(row, c);
-      std::sort(row.keys, row.keys + c, std::greater<uint64_t>());
-      for (int64_t j = 0; j < c; ++j) {
-        const int64_t id = lm_head::key_id(row.keys[j]);
-        out_ids[n * c + j] = id;
-        out_logits[n * c + j] = dot(w + id * d.hidden, h + n * d.hidden, d.hidden);
-      }
+  for (int64_t n = begin; n < end; ++n) {
+    RowBuffer& row = rows[n];
+    prune(row, c);
+    std::sort(row.keys, row.keys + c, std::greater<uint64_t>());
+    for (int64_t j = 0; j < c; ++j) {
+      const int64_t id = lm_head::key_id(row.keys[j]);
+      out_ids[n * c + j] = id;
+      out_logits[n * c + j] = dot(w + id * d.hidden, h + n * d.hidden, d.hidden);
     }
-  });
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor> efficient_lm_head_cpu(const at::Tensor& hidden, const at::Tensor& down,
@@ -105,35 +115,26 @@ std::tuple<at::Tensor, at::Tensor> efficient_lm_head_cpu(const at::Tensor& hidde
   at::Tensor z = at::mm(h32, down.to(at::kFloat).t());
   if (hidden.scalar_type() != at::kFloat) z = z.to(hidden.scalar_type()).to(at::kFloat);
 
-  const int64_t block = vocab_block(d.rows, d.vocab);
   const int64_t capacity = 2 * d.candidates + 64;
   std::vector<uint64_t> key_storage(static_cast<size_t>(d.rows * capacity));
   std::vector<RowBuffer> rows(d.rows);
   for (int64_t n = 0; n < d.rows; ++n) rows[n] = RowBuffer{key_storage.data() + n * capacity, 0, 0};
-
-  const at::Tensor up_c = up.contiguous();
-  at::Tensor scores_storage = at::empty({d.rows * block}, hidden.options().dtype(at::kFloat));
-  for (int64_t v0 = 0; v0 < d.vocab; v0 += block) {
-    const int64_t width = std::min(block, d.vocab - v0);
-    at::Tensor scores = scores_storage.narrow(0, 0, d.rows * width).view({d.rows, width});
-    at::mm_out(scores, z, up_c.narrow(0, v0, width).to(at::kFloat).t());
-    const float* s = scores.data_ptr<float>();
-    at::parallel_for(0, d.rows, std::max<int64_t>(1, 16384 / width), [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; ++n) offer(rows[n], s + n * width, v0, width, d.candidates, capacity);
-    });
-  }
-
-  const at::Tensor weight_c = weight.contiguous();
-  switch (weight.scalar_type()) {
-    case at::kFloat:
-      finish_rows<float>(d, rows, weight_c, h32, ids, logits);
-      break;
-    case at::kBFloat16:
-      finish_rows<c10::BFloat16>(d, rows, weight_c, h32, ids, logits);
-      break;
-    default:
-      finish_rows<c10::Half>(d, rows, weight_c, h32, ids, logits);
-  }
+  const at::Tensor up_c = up.contiguous(), weight_c = weight.contiguous();
+  int64_t* out_ids = ids.data_ptr<int64_t>();
+  float* out_logits = logits.data_ptr<float>();
+  // One parallel region: each thread scores and rescores its own rows (its BLAS calls run single-threaded inside).
+  at::parallel_for(0, d.rows, 1, [&](int64_t begin, int64_t end) {
+    switch (weight.scalar_type()) {
+      case at::kFloat:
+        rows_task<float>(d, z, up_c, weight_c, h32, rows, begin, end, out_ids, out_logits);
+        break;
+      case at::kBFloat16:
+        rows_task<c10::BFloat16>(d, z, up_c, weight_c, h32, rows, begin, end, out_ids, out_logits);
+        break;
+      default:
+        rows_task<c10::Half>(d, z, up_c, weight_c, h32, rows, begin, end, out_ids, out_logits);
+    }
+  });
   return {ids, logits};
 }
 
