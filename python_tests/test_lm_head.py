@@ -193,6 +193,26 @@ def test_op_accepts_non_contiguous_inputs(generator):
     assert all(torch.equal(a, b) for a, b in zip(out, want, strict=True))
 
 
+def rss_high_water_kib() -> tuple[int, int]:
+    with open("/proc/self/status") as status:
+        fields = dict(line.split(":", 1) for line in status)
+    return int(fields["VmRSS"].split()[0]), int(fields["VmHWM"].split()[0])
+
+
+def test_op_never_holds_all_scores(generator):
+    """64 rows x 400000 tokens: [N, V] float32 scores would take 100 MiB; the op's peak extra resident memory (its
+    blocked scores and top-C buffers) must stay under a tenth of that."""
+    inputs = random_inputs(generator, 64, 8, 4, 400_000, kind="normal")
+    run_op(inputs, 16)  # warm-up: thread pools and BLAS buffers
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # resets VmHWM to the current RSS
+    before, _ = rss_high_water_kib()
+    run_op(inputs, 16)
+    _, peak = rss_high_water_kib()
+    full_scores_kib = 64 * 400_000 * 4 // 1024
+    assert peak - before < full_scores_kib // 10, (peak - before, full_scores_kib)
+
+
 def test_full_logits_scatter(generator):
     inputs = random_inputs(generator, 5, 16, 4, 400, kind="normal")
     with torch.no_grad():
