@@ -5,11 +5,15 @@ Environment:
   TORCH_CUDA_ARCH_LIST     CUDA archs (default "8.0+PTX;9.0a": sm_80, sm_90a, and PTX for newer cards).
   MAX_JOBS                 parallel compile jobs (torch's BuildExtension honours it).
   PEAGLE_NO_DLINK=1        skip relocatable device code and the device-link step (needs no ninja; no tail launch).
+  PEAGLE_CUTLASS_INCLUDE   CUTLASS headers (the folder holding cutlass/); default: the nvidia-cutlass package's
+                           cutlass_library/source/include when installed. Without them, efficient_lm_head scores the
+                           vocabulary with its own tiled kernel instead of CUTLASS GEMMs.
 """
 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import sysconfig
 
@@ -45,6 +49,16 @@ def _sources(pattern: str) -> list[str]:
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
 
 
+def _cutlass_include() -> str | None:
+    path = os.environ.get("PEAGLE_CUTLASS_INCLUDE")
+    if not path:
+        spec = importlib.util.find_spec("cutlass_library")
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        path = os.path.join(next(iter(spec.submodule_search_locations)), "source", "include")
+    return path if os.path.isfile(os.path.join(path, "cutlass", "gemm", "device", "gemm.h")) else None
+
+
 def _extension():
     include_dirs = [os.path.join(ROOT, "csrc"), os.path.join(ROOT, "csrc", "include")]
     cxx_flags = ["-O3", "-fvisibility=hidden"]
@@ -60,6 +74,10 @@ def _extension():
         include_dirs.append(nvidia_include)
     dlink = not _flag("PEAGLE_NO_DLINK")
     nvcc_flags = ["-O3", "-lineinfo", "--expt-relaxed-constexpr", "-DPEAGLE_WITH_CUDA"]
+    cutlass = _cutlass_include()
+    if cutlass:
+        include_dirs.append(cutlass)
+        nvcc_flags.append("-DPEAGLE_WITH_CUTLASS")
     if dlink:
         nvcc_flags.append("-rdc=true")
     ext = CUDAExtension(

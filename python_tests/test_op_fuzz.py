@@ -23,6 +23,8 @@ from peagle.ops import (
     cod_gather_reference,
     cod_sample,
     cod_sample_reference,
+    efficient_lm_head,
+    efficient_lm_head_reference,
     gdn_commit,
     gdn_commit_reference,
     gdn_tree_verify,
@@ -383,3 +385,29 @@ def test_gdn_infinite_log_decay_matches_the_recurrence():
     want = gdn_tree_verify_reference(q, k, v, g, beta, parent, pool, slots)
     assert bool(torch.isfinite(want).all())
     torch.testing.assert_close(gdn_tree_verify(q, k, v, g, beta, parent, pool, slots).o, want, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Efficient LM head
+
+
+@FUZZ
+@given(data=st.data())
+def test_efficient_lm_head_fuzz(data):
+    """Small integers with NaN / +-inf sprinkled in: every sum is exact or non-finite whatever the order, so the op
+    must equal the reference bit for bit (NaN scores rank as -inf, ties to the lower id)."""
+    rows, hidden_size, rank, vocab = (data.draw(st.integers(0, high)) for high in (4, 5, 4, 9))
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    specials = (math.nan, math.inf, -math.inf, -0.0)
+
+    def draw(*shape):
+        values = data.draw(floats_tensor(shape, -3, 3, special=0.05, specials=specials))
+        return values.round().to(dtype)
+
+    hidden, down = draw(rows, hidden_size), draw(rank, hidden_size)
+    up, weight = draw(vocab, rank), draw(vocab, hidden_size)
+    candidates = data.draw(st.integers(-1, vocab + 1))
+    with torch.no_grad():
+        got = run_or_clear_error("efficient_lm_head", lambda: efficient_lm_head(hidden, down, up, weight, candidates))
+    if got is not None:
+        assert_same(got, efficient_lm_head_reference(hidden, down, up, weight, candidates))
