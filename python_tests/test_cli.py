@@ -51,7 +51,8 @@ TRAIN_FLAGS = """
 --data --out --layers --depths --heads --kv-heads --head-dim --intermediate-size --layer-style
 --fc-norm --norm-before-fc --norm-output --draft-vocab-size --mask-token-id
 --reuse-special-token-as-mask --ratio --ratio-min --max-anchors --segments --memory-budget-mb --loss
---depth-weights --steps --batch-size --lr --min-lr-ratio --warmup-steps --weight-decay --grad-clip
+--depth-weights --ttt-steps --ttt-step-weight --steps --batch-size --lr --min-lr-ratio --warmup-steps
+--weight-decay --grad-clip
 --seed --attention --save-every --log-every --resume --overwrite --tensorboard --save-grads-step --quiet""".split()
 
 
