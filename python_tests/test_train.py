@@ -592,3 +592,32 @@ def test_tree_acceptance_walks_the_matching_branch():
     assert greedy_tree_acceptance(*expand, full, targets).tolist() == list(cases.values())
     # Without node 6 (padding past num_nodes) the deepest path stops at node 4.
     assert greedy_tree_acceptance(*expand, full - 1, targets).tolist()[0] == 2
+
+
+def test_warm_start_trains_a_peagle_drafter_from_an_eagle3_run(work, tmp_path):
+    """--init-from: a P-EAGLE run starts from a (TTT-trained) EAGLE-3 run's weights, logs what it initialised, and
+    a mismatched shape is refused naming the option."""
+    from peagle.model import load_state_dict
+
+    common = dict(data=str(work / "ext-train"), num_layers=1, batch_size=2, lr=3e-3, warmup_steps=1, progress=False)
+    Trainer(TrainArgs(out=str(tmp_path / "eagle3"), num_depths=1, ttt_steps=2, steps=3, **common)).run()
+    source = load_state_dict(tmp_path / "eagle3" / "final")
+    init = str(tmp_path / "eagle3" / "final")
+    warm = Trainer(TrainArgs(out=str(tmp_path / "peagle"), num_depths=3, steps=0, init_from=init, **common))
+    mask_id = warm.config.mask_token_id
+    state = warm.model.state_dict()
+    for name, tensor in source.items():
+        if name == "embed_tokens.weight":
+            assert torch.equal(torch.cat([state[name][:mask_id], state[name][mask_id + 1 :]]),
+                               torch.cat([tensor[:mask_id], tensor[mask_id + 1 :]]))  # fmt: skip
+        elif name != "mask_hidden":
+            assert torch.equal(state[name], tensor), name
+    fresh = Trainer(TrainArgs(out=str(tmp_path / "fresh"), num_depths=3, steps=0, **common)).model.state_dict()
+    assert torch.equal(state["mask_hidden"], fresh["mask_hidden"])  # initialised as a run from scratch does
+    assert torch.equal(state["embed_tokens.weight"][mask_id], fresh["embed_tokens.weight"][mask_id])
+    warm.run()
+    report = json.loads((tmp_path / "peagle" / "init_from.json").read_text())
+    assert report["initialised"] == ["mask_hidden", f"embed_tokens.weight[{mask_id}]"]
+    assert "fc.weight" in report["copied"] and report["source_kind"] == "EAGLE-3"
+    with pytest.raises(ValueError, match=r"num_layers 1 \(ours 2: --layers\)"):
+        Trainer(TrainArgs(out=str(tmp_path / "bad"), init_from=init, **{**common, "num_layers": 2}))

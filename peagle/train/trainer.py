@@ -33,7 +33,7 @@ from peagle.io import (
     remove_temporaries,
     staging_directory,
 )
-from peagle.model import DrafterConfig, PEagleDrafter, load_state_dict, save_pretrained
+from peagle.model import DrafterConfig, PEagleDrafter, load_state_dict, save_pretrained, warm_start
 from peagle.ops import cod_sample
 from peagle.train.data import load_tokenizer, resolve_mask_token
 from peagle.train.dataset import ExtractedData, TrainRow
@@ -80,6 +80,11 @@ class TrainArgs:
         False,
         "if no mask token and no free embedding slot exist, reuse pad/eos/unk as the mask token. RISK: training then "
         "changes that real token's embedding row, so the drafter's view of that token (e.g. end of sequence) drifts",
+    )
+    init_from: str | None = option(
+        None,
+        "warm start from an EAGLE-3 checkpoint (speculators format, by peagle or speculators): shared weights copied, "
+        "mask_hidden and the mask token's embedding row initialised (OUT/init_from.json lists which)",
     )
     ratio: float = option(0.7, "COD keep ratio per depth")
     ratio_min: float = option(0.2, "floor of the COD keep ratio")
@@ -310,6 +315,7 @@ class Trainer:
         torch.manual_seed(args.seed)
         self.model = PEagleDrafter(self.config).to(self.device)
         self._init_from_target(head)
+        self.warm_start = warm_start(self.model, args.init_from) if args.init_from else None
         self.draft_ids = self.model.draft_ids()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -477,7 +483,7 @@ class Trainer:
         state = torch.load(directory / TRAINER_STATE, map_location=self.device, weights_only=False)
         # Settings that change what a step computes must match, or the run would not continue exactly.
         free = {"steps", "save_every", "log_every", "resume", "overwrite", "progress", "out", "tensorboard"}
-        free.add("save_grads_step")
+        free |= {"save_grads_step", "init_from"}  # resumed weights come from the checkpoint
         current = asdict(self.args)
         changed = {k: (v, current.get(k)) for k, v in state["args"].items() if k not in free and current.get(k) != v}
         if changed:
@@ -511,6 +517,9 @@ class Trainer:
                 clear_directory(self.out)
             remove_temporaries(self.out)  # what killed saves left
         self.out.mkdir(parents=True, exist_ok=True)
+        if self.warm_start is not None and self.rank == 0 and not args.resume:
+            atomic_write_json(self.out / "init_from.json", self.warm_start)
+            print(f"[peagle train] warm start from {args.init_from}: initialised {self.warm_start['initialised']}")
         if args.resume and self.load_latest():
             # Drop metrics of steps after the checkpoint (an interrupted run may have logged them).
             path = self.out / "metrics.jsonl"
