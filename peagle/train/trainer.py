@@ -517,17 +517,18 @@ class Trainer:
                 clear_directory(self.out)
             remove_temporaries(self.out)  # what killed saves left
         self.out.mkdir(parents=True, exist_ok=True)
-        if self.warm_start is not None and self.rank == 0 and not args.resume:
-            atomic_write_json(self.out / "init_from.json", self.warm_start)
-            print(f"[peagle train] warm start from {args.init_from}: initialised {self.warm_start['initialised']}")
         if args.resume and self.load_latest():
             # Drop metrics of steps after the checkpoint (an interrupted run may have logged them).
             path = self.out / "metrics.jsonl"
             if path.exists() and self.rank == 0:
                 kept = [ln for ln in path.read_text().splitlines() if json.loads(ln)["step"] <= self.step]
                 atomic_write_json_lines(path, kept)
-        elif self.rank == 0 and (self.out / "metrics.jsonl").exists():
-            (self.out / "metrics.jsonl").unlink()
+        elif self.rank == 0:
+            if (self.out / "metrics.jsonl").exists():
+                (self.out / "metrics.jsonl").unlink()
+            if self.warm_start is not None:  # a run that starts from the warm-started weights
+                atomic_write_json(self.out / "init_from.json", self.warm_start)
+                print(f"[peagle train] warm start from {args.init_from}: initialised {self.warm_start['initialised']}")
         if args.tensorboard and self.rank == 0:
             try:
                 from torch.utils.tensorboard import SummaryWriter
