@@ -26,7 +26,8 @@ def generator() -> torch.Generator:
 def import_speculators_peagle() -> types.SimpleNamespace:
     """speculators 0.9.0's P-EAGLE config and model classes, imported without its package ``__init__`` (which pulls
     in training-only dependencies such as openai). Returns a namespace with ``SpeculatorsConfig``,
-    ``PEagleSpeculatorConfig`` and ``PEagleDraftModel``; raises ImportError when speculators is not installed."""
+    ``PEagleSpeculatorConfig``, ``PEagleDraftModel``, ``Eagle3SpeculatorConfig`` and ``Eagle3DraftModel``; raises
+    ImportError when speculators is not installed."""
     spec = importlib.util.find_spec("speculators")
     if spec is None or not spec.submodule_search_locations:
         raise ImportError("speculators is not installed")
@@ -52,10 +53,14 @@ def import_speculators_peagle() -> types.SimpleNamespace:
     config = importlib.import_module("speculators.config")
     peagle_config = importlib.import_module("speculators.models.peagle.config")
     core = importlib.import_module("speculators.models.peagle.core")
+    eagle3_config = importlib.import_module("speculators.models.eagle3.config")
+    eagle3_core = importlib.import_module("speculators.models.eagle3.core")
     return types.SimpleNamespace(
         SpeculatorsConfig=config.SpeculatorsConfig,
         PEagleSpeculatorConfig=peagle_config.PEagleSpeculatorConfig,
         PEagleDraftModel=core.PEagleDraftModel,
+        Eagle3SpeculatorConfig=eagle3_config.Eagle3SpeculatorConfig,
+        Eagle3DraftModel=eagle3_core.Eagle3DraftModel,
     )
 
 

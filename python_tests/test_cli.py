@@ -50,8 +50,9 @@ def test_serve_prints_the_vllm_command_for_a_drafter(tmp_path, capsys):
 TRAIN_FLAGS = """
 --data --out --layers --depths --heads --kv-heads --head-dim --intermediate-size --layer-style
 --fc-norm --norm-before-fc --norm-output --draft-vocab-size --mask-token-id
---reuse-special-token-as-mask --ratio --ratio-min --max-anchors --segments --memory-budget-mb --loss
---depth-weights --steps --batch-size --lr --min-lr-ratio --warmup-steps --weight-decay --grad-clip
+--reuse-special-token-as-mask --init-from --ratio --ratio-min --max-anchors --segments --memory-budget-mb --loss
+--depth-weights --ttt-steps --ttt-step-weight --steps --batch-size --lr --min-lr-ratio --warmup-steps
+--weight-decay --grad-clip
 --seed --attention --save-every --log-every --resume --overwrite --tensorboard --save-grads-step --quiet""".split()
 
 

@@ -94,6 +94,13 @@ def test_demo_quick_end_to_end(tmp_path):
     md = (report_dir / "report.md").read_text()
     assert "| P-EAGLE | vLLM |" in md and "Pos 1" in md and f"Pos {k}" in md
     assert "## peagle decoding engine (greedy)" in md and "| P-EAGLE chain |" in md
+    # Both drafters' budgets side by side: the same steps, rows and layers; the baseline unrolls its K drafts (TTT).
+    budgets = report["train_budgets"]
+    assert budgets["EAGLE-3"]["ttt_steps"] == k and budgets["P-EAGLE"]["depths"] == k
+    for key in ("layers", "steps", "rows"):
+        assert budgets["EAGLE-3"][key] == budgets["P-EAGLE"][key], key
+    assert all(b["elements"] > b["rows"] and b["seconds"] > 0 for b in budgets.values())
+    assert f"| EAGLE-3 | {budgets['EAGLE-3']['layers']} | 1 | {k} |" in md
 
     # A rerun takes every stage from the cache and writes the same measurements.
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)

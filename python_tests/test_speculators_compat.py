@@ -79,3 +79,85 @@ def test_speculators_written_checkpoint_loads(tmp_path, changes, speculators_pea
     assert set(state) == set(reference)
     for name, tensor in reference.items():
         assert torch.equal(state[name], tensor.reshape(state[name].shape)), name
+
+
+def eagle3_source(tmp_path, source: str, speculators_peagle) -> dict[str, torch.Tensor]:
+    """An EAGLE-3 (K = 1) checkpoint with random weights and a draft vocabulary, written by peagle or by speculators'
+    own Eagle3DraftModel; returns its drafter weights."""
+    ours = config(num_depths=1, draft_vocab_size=50, mask_token_id=0)
+    torch.manual_seed(1)
+    if source == "peagle":
+        model = PEagleDrafter(ours)
+        model.reset_parameters(std=0.5)
+        model.set_draft_vocab(torch.randperm(100)[:50].sort().values)
+        save_pretrained(model, tmp_path)
+        return model.state_dict()
+    layout = ours.to_speculators_dict()
+    layout["speculators_model_type"] = "eagle3"
+    layout.pop("mask_token_id")
+    layout["transformer_layer_config"]["attn_implementation"] = "sdpa"
+    theirs = speculators_peagle.Eagle3DraftModel(speculators_peagle.Eagle3SpeculatorConfig.model_validate(layout))
+    with torch.no_grad():
+        for tensor in theirs.state_dict().values():
+            if tensor.is_floating_point():
+                tensor.copy_(torch.randn_like(tensor))
+        ids = torch.randperm(100)[:50].sort().values
+        theirs.t2d.zero_()
+        theirs.t2d[ids] = True
+        theirs.d2t.copy_(ids - torch.arange(ids.numel()))
+    theirs.save_pretrained(str(tmp_path))
+    assert json.loads((tmp_path / "config.json").read_text())["speculators_model_type"] == "eagle3"
+    return {k: v for k, v in theirs.state_dict().items() if not k.startswith("verifier_")}
+
+
+@pytest.mark.parametrize("source", ["peagle", "speculators"])
+def test_warm_start_copies_an_eagle3_checkpoint_and_initialises_the_mask_inputs(tmp_path, source, speculators_peagle):
+    from peagle.model import warm_start
+
+    reference = eagle3_source(tmp_path, source, speculators_peagle)
+    torch.manual_seed(7)
+    drafter = PEagleDrafter(config(num_depths=5, draft_vocab_size=50, mask_token_id=99))
+    fresh = {k: v.clone() for k, v in drafter.state_dict().items()}
+    report = warm_start(drafter, tmp_path)
+    state = drafter.state_dict()
+    assert report["source_kind"] == "EAGLE-3"
+    assert report["initialised"] == ["mask_hidden", "embed_tokens.weight[99]"]
+    assert sorted(report["copied"]) == sorted(k for k in reference if k != "mask_hidden")
+    for name in report["copied"]:
+        expected = reference[name].reshape(state[name].shape).clone()
+        if name == "embed_tokens.weight":
+            expected[99] = fresh[name][99]  # the mask row keeps its own initialisation
+        assert torch.equal(state[name], expected), name
+    assert torch.equal(state["mask_hidden"], fresh["mask_hidden"])
+    assert not torch.equal(state["embed_tokens.weight"][99], reference["embed_tokens.weight"][99])
+    # The warm-started drafter drafts depth 0 as the EAGLE-3 drafter did (same weights, same draft vocabulary).
+    if source == "peagle":
+        source_model = from_pretrained(tmp_path)
+        ids, hidden = torch.randint(0, 99, (12,)), torch.randn(12, 384)
+        with torch.no_grad():
+            torch.testing.assert_close(
+                drafter.forward_inference(ids, hidden, 0),
+                source_model.forward_inference(ids, hidden, 0),
+                rtol=1e-4,
+                atol=1e-4,
+            )
+    assert torch.equal(drafter.draft_ids(), reference["d2t"] + torch.arange(50))  # the source's draft vocabulary
+
+
+def test_warm_start_from_a_peagle_drafter_copies_its_mask_inputs_and_refuses_other_shapes(tmp_path):
+    from peagle.model import warm_start
+
+    torch.manual_seed(2)
+    source = PEagleDrafter(config())
+    source.reset_parameters(std=0.5)
+    save_pretrained(source, tmp_path / "peagle")
+    drafter = PEagleDrafter(config(num_depths=3))
+    report = warm_start(drafter, tmp_path / "peagle")
+    assert report["source_kind"] == "P-EAGLE" and report["initialised"] == []
+    assert "mask_hidden" in report["copied"] and "embed_tokens.weight[99]" in report["copied"]
+    for name, tensor in source.state_dict().items():
+        assert torch.equal(drafter.state_dict()[name], tensor), name
+    with pytest.raises(ValueError, match=r"num_layers 2 \(ours 1: --layers\)"):
+        warm_start(PEagleDrafter(config(num_layers=1)), tmp_path / "peagle")
+    with pytest.raises(FileNotFoundError, match="--init-from"):
+        warm_start(drafter, tmp_path / "nothing")

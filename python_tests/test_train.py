@@ -103,9 +103,11 @@ def test_cli_end_to_end_lowers_loss_and_lifts_depth0_accuracy(work):
     assert result["acceptance_length"] == pytest.approx(expected, rel=1e-9)
 
 
-def test_resume_continues_exactly(work, tmp_path):
+@pytest.mark.parametrize("ttt", [{}, dict(num_depths=1, ttt_steps=3, ttt_step_weight=0.8)], ids=["peagle", "ttt"])
+def test_resume_continues_exactly(work, tmp_path, ttt):
     common = dict(data=str(work / "ext-train"), num_layers=1, num_depths=3, steps=8, batch_size=2, lr=3e-3,
                   warmup_steps=2, progress=False)  # fmt: skip
+    common.update(ttt)
     full = Trainer(TrainArgs(out=str(tmp_path / "full"), **common))
     full.run()
     # Interrupted run: 4 steps, a checkpoint, then the process "dies" (the trainer object is dropped).
@@ -125,6 +127,7 @@ def test_resume_continues_exactly(work, tmp_path):
     assert [m["loss"] for m in a] == [m["loss"] for m in b]
     for key, value in full.model.state_dict().items():
         assert torch.equal(value, resumed.model.state_dict()[key]), key
+    assert all(0 <= m["acc_2"] <= 1 for m in a)  # P-EAGLE depth 2, or TTT step 2: logged either way
 
 
 @pytest.mark.parametrize("split", [dict(segments=3), dict(memory_budget_mb=1.0)])
@@ -351,6 +354,14 @@ def test_cli_errors_are_clear(work, tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_cli(work, tmp_path / "w", "--depths", "3", "--depth-weights", "1,1")
     assert "--depth-weights" in capsys.readouterr().err
+    for extra, needed in (
+        (["--ttt-steps", "2"], "needs --depths 1"),
+        (["--depths", "1", "--ttt-steps", "2", "--segments", "2"], "no --segments"),
+        (["--ttt-steps", "0"], "--ttt-steps must be in"),
+    ):
+        with pytest.raises(SystemExit):
+            train_cli(work, tmp_path / "w", *extra)
+        assert needed in capsys.readouterr().err
     # A drafter for another target: clear refusal instead of a shape error deep inside the forward.
     from peagle.model import DrafterConfig, PEagleDrafter, save_pretrained
 
@@ -474,7 +485,7 @@ def test_serving_walk_drafts_where_a_greedy_server_drafts():
 
 
 def test_weighted_kl_matches_autograd_of_the_plain_formula():
-    from peagle.train.trainer import element_loss, weighted_kl
+    from peagle.train.loss import element_loss, weighted_kl
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(7, 11, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -581,3 +592,32 @@ def test_tree_acceptance_walks_the_matching_branch():
     assert greedy_tree_acceptance(*expand, full, targets).tolist() == list(cases.values())
     # Without node 6 (padding past num_nodes) the deepest path stops at node 4.
     assert greedy_tree_acceptance(*expand, full - 1, targets).tolist()[0] == 2
+
+
+def test_warm_start_trains_a_peagle_drafter_from_an_eagle3_run(work, tmp_path):
+    """--init-from: a P-EAGLE run starts from a (TTT-trained) EAGLE-3 run's weights, logs what it initialised, and
+    a mismatched shape is refused naming the option."""
+    from peagle.model import load_state_dict
+
+    common = dict(data=str(work / "ext-train"), num_layers=1, batch_size=2, lr=3e-3, warmup_steps=1, progress=False)
+    Trainer(TrainArgs(out=str(tmp_path / "eagle3"), num_depths=1, ttt_steps=2, steps=3, **common)).run()
+    source = load_state_dict(tmp_path / "eagle3" / "final")
+    init = str(tmp_path / "eagle3" / "final")
+    warm = Trainer(TrainArgs(out=str(tmp_path / "peagle"), num_depths=3, steps=0, init_from=init, **common))
+    mask_id = warm.config.mask_token_id
+    state = warm.model.state_dict()
+    for name, tensor in source.items():
+        if name == "embed_tokens.weight":
+            assert torch.equal(torch.cat([state[name][:mask_id], state[name][mask_id + 1 :]]),
+                               torch.cat([tensor[:mask_id], tensor[mask_id + 1 :]]))  # fmt: skip
+        elif name != "mask_hidden":
+            assert torch.equal(state[name], tensor), name
+    fresh = Trainer(TrainArgs(out=str(tmp_path / "fresh"), num_depths=3, steps=0, **common)).model.state_dict()
+    assert torch.equal(state["mask_hidden"], fresh["mask_hidden"])  # initialised as a run from scratch does
+    assert torch.equal(state["embed_tokens.weight"][mask_id], fresh["embed_tokens.weight"][mask_id])
+    warm.run()
+    report = json.loads((tmp_path / "peagle" / "init_from.json").read_text())
+    assert report["initialised"] == ["mask_hidden", f"embed_tokens.weight[{mask_id}]"]
+    assert "fc.weight" in report["copied"] and report["source_kind"] == "EAGLE-3"
+    with pytest.raises(ValueError, match=r"num_layers 1 \(ours 2: --layers\)"):
+        Trainer(TrainArgs(out=str(tmp_path / "bad"), init_from=init, **{**common, "num_layers": 2}))

@@ -32,7 +32,13 @@ class DemoSpec:
     """Budgets of the drafter stages and the serving measurement."""
 
     depths: int = 5  # K of the P-EAGLE drafter (the baseline drafts K tokens autoregressively with a K = 1 drafter)
+    # Both drafters' layers. Measured on the 2-core machine (same load, interleaved): with TTT over K = 5 steps a
+    # baseline step costs 1.14x a P-EAGLE step (2.6x its first-draft-only step), which adds about 1 minute to the
+    # default demo (~11 -> ~12 minutes); a second layer costs P-EAGLE 1.43x and the baseline 1.27x a step, about 2
+    # minutes more of training: one layer each keeps the default demo about where it was.
     drafter_layers: int = 1
+    # Training-time test of the EAGLE-3 baseline: unrolled steps (None: K, the drafts it makes when served).
+    eagle3_ttt_steps: int | None = None
     seq_len: int = 256  # T of a packed training row: a prompt and its continuation
     prompt_tokens: int = 64  # prompts (self-distillation and serving): windows of a split's text
     completion_tokens: int = 192  # the target's greedy continuation of each prompt
@@ -61,8 +67,13 @@ class DemoSpec:
         fields = {k: getattr(self, k) for k in (*names, "train_chars", "heldout_chars")}
         return settings_key(fields)
 
+    @property
+    def ttt_steps(self) -> int:
+        return self.depths if self.eagle3_ttt_steps is None else self.eagle3_ttt_steps
+
     def drafter_key(self) -> str:
-        # K names the P-EAGLE run and the eval / serving outputs, so the K = 1 baseline is shared across --depths.
+        # K names the P-EAGLE run and the eval / serving outputs, and the baseline's TTT steps (K by default) name
+        # its run, so a baseline of the same unroll is shared across --depths.
         serving = ("prompts", "max_tokens", "concurrency", "repeats", "engine_prompts", "engine_budgets")
         fields = {k: v for k, v in asdict(self).items() if k not in ("target", "depths", *serving)}
         return settings_key(fields)
@@ -216,7 +227,7 @@ class DemoRun:
         """Name -> (training output directory, K) of the P-EAGLE drafter and the K = 1 EAGLE-3 baseline."""
         return {
             "P-EAGLE": (self.drafter_root / f"peagle-k{self.spec.depths}", self.spec.depths),
-            "EAGLE-3": (self.drafter_root / "eagle3", 1),
+            "EAGLE-3": (self.drafter_root / f"eagle3-ttt{self.spec.ttt_steps}", 1),
         }
 
 
@@ -333,17 +344,19 @@ def stage_data(run: DemoRun) -> None:
         )
 
 
-def stage_train_pair(run: DemoRun) -> dict[str, float]:
-    """3. Train P-EAGLE and the EAGLE-3 baseline with the same budget; returns each one's training seconds."""
+def stage_train_pair(run: DemoRun) -> dict[str, dict[str, Any]]:
+    """3. Train P-EAGLE and the EAGLE-3 baseline (with training-time test over its K drafts) with the same steps,
+    rows, layers and COD elements; returns each one's budget (:func:`_train_budget`)."""
     from peagle.train.trainer import TrainArgs, train
 
-    spec, train_seconds = run.spec, {}
+    spec, budgets = run.spec, {}
     for name, (out, k) in run.drafters.items():
         args = TrainArgs(
             data=str(run.data_root / "states-train"),
             out=str(out),
             num_layers=spec.drafter_layers,
             num_depths=k,
+            ttt_steps=spec.ttt_steps if k == 1 else 1,
             steps=spec.steps,
             batch_size=spec.batch_size,
             lr=spec.lr,
@@ -353,10 +366,27 @@ def stage_train_pair(run: DemoRun) -> dict[str, float]:
             progress=run.progress,
             overwrite=True,  # an unfinished stage starts over
         )
-        label = f"train {name} (K = {k}, {spec.steps} steps x {spec.batch_size} rows)"
+        ttt = f", TTT {args.ttt_steps} steps" if args.ttt_steps > 1 else ""
+        label = f"train {name} (K = {k}{ttt}, {spec.steps} steps x {spec.batch_size} rows)"
         run.stages.run(label, out, _complete(out / "final", "config.json"), lambda args=args: train(args))
-        train_seconds[name] = run.stages.when_run.get(label, 0.0)
-    return train_seconds
+        budgets[name] = _train_budget(args, run.stages.when_run.get(label, 0.0))
+    return budgets
+
+
+def _train_budget(args, seconds: float) -> dict[str, Any]:
+    """What a drafter's training spent: layers, parallel depths K, TTT steps, optimizer steps, rows, the drafter
+    elements run (``elements`` of metrics.jsonl) and the wall time."""
+    metrics = Path(args.out) / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    return {
+        "layers": args.num_layers,
+        "depths": args.num_depths,
+        "ttt_steps": args.ttt_steps,
+        "steps": args.steps,
+        "rows": args.steps * args.batch_size,
+        "elements": sum(r["elements"] for r in records),
+        "seconds": seconds,
+    }
 
 
 def stage_eval_pair(run: DemoRun) -> dict[str, dict[str, Any]]:
@@ -459,7 +489,7 @@ def stage_engine(run: DemoRun, heldout_records: list[dict[str, Any]]) -> dict[st
 
 def stage_report(run: DemoRun, results: dict[str, Any], machine: dict[str, Any], total_start: float) -> dict[str, Any]:
     """The report (markdown, JSON, PNG plots) under ``root/report``; ``results`` holds the measurements of the
-    stages (offline, served, train_seconds, distill, heldout_completions)."""
+    stages (offline, served, train_budgets, distill, heldout_completions)."""
     from peagle.demo.report import write_report
 
     report_dir = run.root / "report"
@@ -516,7 +546,7 @@ def run_demo(
         run = stage_user_target(spec, base, target, data, fresh, stages, progress)
     distill = stage_distill(run)
     stage_data(run)
-    train_seconds = stage_train_pair(run)
+    train_budgets = stage_train_pair(run)
     offline = stage_eval_pair(run)
     heldout_records = _read_records(run.data_root / "distill" / "heldout.jsonl")
     served = stage_serve(run, heldout_records) if serve else {}
@@ -525,7 +555,7 @@ def run_demo(
         "engine": engine,
         "offline": offline,
         "served": served,
-        "train_seconds": train_seconds,
+        "train_budgets": train_budgets,
         "distill": distill,
         "heldout_completions": [r["completion_ids"] for r in heldout_records[: spec.prompts]],
     }

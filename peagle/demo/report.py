@@ -168,15 +168,16 @@ def write_report(
     stages: dict[str, float],
     cached: list[str],
     total_seconds: float,
-    train_seconds: dict[str, float],
+    train_budgets: dict[str, dict[str, Any]],
     distill: dict[str, Any] | None = None,
     heldout_completions: list[list[int]] | None = None,
     load: dict[str, Any] | None = None,
     when_run: dict[str, float] | None = None,
     engine: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Writes report.json, report.md and the plots into ``out``; returns the report. ``engine``: the decoding engine's
-    bench report (:func:`peagle.demo.bench_decode.bench_decode`)."""
+    """Writes report.json, report.md and the plots into ``out``; returns the report. ``train_budgets``: per drafter,
+    what its training spent (``peagle.demo.pipeline._train_budget``). ``engine``: the decoding engine's bench report
+    (:func:`peagle.demo.bench_decode.bench_decode`)."""
     out.mkdir(parents=True, exist_ok=True)
     k = spec.depths
     table = acceptance_rows(offline, served, k)
@@ -196,7 +197,8 @@ def write_report(
         "serving": serving,
         "engine": engine_rows(engine),
         "lossless": _lossless(serving, engine),
-        "train_seconds": train_seconds,
+        "train_budgets": train_budgets,
+        "train_seconds": {name: budget["seconds"] for name, budget in train_budgets.items()},
         "stage_seconds": stages,
         "cached_stages": cached,
         "stage_seconds_when_run": when_run or {},
@@ -205,7 +207,7 @@ def write_report(
     report["plots"] = _plots(out, table, serving, k) + _engine_plot(out, engine)
     atomic_write_json(out / "report.json", report)
     lines = ["# peagle demo report", ""]
-    lines += _setup_lines(spec, target_info, distill)
+    lines += _setup_lines(spec, target_info, distill, train_budgets)
     lines += _acceptance_lines(spec, report, same_text, len(reference["outputs"]) if reference else None)
     lines += _serving_lines(spec, serving, len(reference["outputs"]) if reference else None)
     lines += _engine_lines(engine, report["engine"])
@@ -272,7 +274,9 @@ def _engine_lines(engine: dict[str, Any] | None, rows: list[dict[str, Any]]) -> 
     ]
 
 
-def _setup_lines(spec, t: dict[str, Any], distill: dict[str, Any] | None) -> list[str]:
+def _setup_lines(
+    spec, t: dict[str, Any], distill: dict[str, Any] | None, budgets: dict[str, dict[str, Any]]
+) -> list[str]:
     """The target, the text and the drafters' budgets."""
     if t["kind"] == "embedded default":
         c = t["config"]
@@ -299,11 +303,20 @@ def _setup_lines(spec, t: dict[str, Any], distill: dict[str, Any] | None) -> lis
     lines += [
         "",
         f"Drafters: P-EAGLE (K = {k} parallel depths) and an EAGLE-3 baseline (K = 1, drafting {k} tokens "
-        f"autoregressively), both {spec.drafter_layers} layer(s), {spec.steps} steps x {spec.batch_size} rows of "
-        f"T = {spec.seq_len}. The baseline is trained on its first draft only (`peagle train --depths 1`, no "
-        "training-time-test unrolling), so from its second step on it reads its own hidden states, which it never saw "
-        "in training: EAGLE-3 as published also trains those steps, and would accept more at Pos 2+.",
+        f"autoregressively) on rows of T = {spec.seq_len}, with the same optimizer steps, rows, layers and COD "
+        "elements per row. The baseline trains with training-time test (`peagle train --depths 1 --ttt-steps S`): "
+        "each unrolled step feeds back its own drafted token and hidden state, as vLLM serves it, with a loss at "
+        "every step, so its Pos 2+ drafts read inputs it was trained on. Elements: drafter positions run (P-EAGLE: "
+        "its COD depths; EAGLE-3: its unrolled steps).",
+        "",
+        "| Drafter | layers | K | TTT steps | steps | rows | elements | train wall time |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    for name, b in budgets.items():
+        lines.append(
+            f"| {name} | {b['layers']} | {b['depths']} | {b['ttt_steps'] if b['ttt_steps'] > 1 else '-'} | "
+            f"{b['steps']} | {b['rows']} | {b['elements']} | {b['seconds']:.0f} s |"
+        )
     return lines
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -17,7 +18,7 @@ from peagle.io import atomic_save_tensors, atomic_write_json
 from peagle.model.config import DrafterConfig
 from peagle.model.drafter import PEagleDrafter
 
-__all__ = ["from_pretrained", "load_state_dict", "save_pretrained"]
+__all__ = ["from_pretrained", "load_state_dict", "save_pretrained", "warm_start"]
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -83,3 +84,79 @@ def from_pretrained(directory: str | os.PathLike, dtype: torch.dtype | None = No
         if floating:
             model = model.to(floating[0])
     return model
+
+
+# Fields a warm start's source must share with the drafter it starts (they shape or define the copied weights).
+SHARED_FIELDS = {
+    "hidden_size": "the target's hidden size",
+    "vocab_size": "the target's vocabulary",
+    "aux_layer_ids": "the extracted aux layers",
+    "num_layers": "--layers",
+    "num_heads": "--heads",
+    "num_kv_heads": "--kv-heads",
+    "head_dim": "--head-dim",
+    "intermediate_size": "--intermediate-size",
+    "layer_style": "--layer-style",
+    "draft_vocab_size": "--draft-vocab-size",
+    "fc_norm": "--fc-norm",
+    "norm_before_fc": "--norm-before-fc",
+    "norm_before_residual": "norm_before_residual",
+    "attention_bias": "attention_bias",
+    "rope_theta": "rope_theta",
+}
+
+
+@torch.no_grad()
+def warm_start(model: PEagleDrafter, directory: str | os.PathLike) -> dict[str, Any]:
+    """Copies the weights a P-EAGLE drafter shares with an EAGLE-3 checkpoint (speculators format, written by peagle
+    or by speculators) into ``model``: fc, the decoder layers, norms, LM head, the draft vocabulary (d2t/t2d) and the
+    token embeddings except the row of ``model``'s mask token. ``mask_hidden`` and that row keep ``model``'s own
+    initialisation, unless the source is a P-EAGLE drafter (K > 1) with the same mask token, whose trained ones are
+    copied too. Returns what was copied and what was initialised (parameter names; the row as
+    ``embed_tokens.weight[ID]``).
+
+    Raises:
+        ValueError: the source differs from ``model`` in a field that shapes the shared weights (named with its
+            ``peagle train`` option), or lacks one of them.
+    """
+    directory = Path(directory)
+    config_path = directory / CONFIG
+    if not config_path.exists():
+        raise FileNotFoundError(f"--init-from: no {CONFIG} in {directory}: not a drafter checkpoint directory")
+    source = DrafterConfig.from_speculators_dict(json.loads(config_path.read_text()))
+    ours = model.config
+    differ = [
+        f"{name} {getattr(source, name)!r} (ours {getattr(ours, name)!r}: {where})"
+        for name, where in SHARED_FIELDS.items()
+        if getattr(source, name) != getattr(ours, name)
+    ]
+    if differ:
+        raise ValueError(f"--init-from {directory} does not fit this drafter: its " + "; its ".join(differ))
+    state = {k: v for k, v in load_state_dict(directory).items() if not k.startswith("verifier_")}
+    parallel = source.num_depths > 1 and source.mask_token_id == ours.mask_token_id and "mask_hidden" in state
+    mask_row = f"embed_tokens.weight[{ours.mask_token_id}]"
+    initialised = [] if parallel else ["mask_hidden", mask_row]
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state) - {"mask_hidden"})
+    if missing:
+        raise ValueError(f"--init-from {directory} lacks shared weights: {missing}")
+    copied = []
+    for name, tensor in state.items():
+        if name not in own or (name == "mask_hidden" and not parallel):
+            continue
+        target = own[name]
+        if name == "embed_tokens.weight" and not parallel:
+            kept = target[ours.mask_token_id].clone()
+            target.copy_(tensor.reshape(target.shape))
+            target[ours.mask_token_id] = kept
+        else:
+            target.copy_(tensor.reshape(target.shape))
+        copied.append(name)
+    if parallel:
+        copied.append(mask_row)
+    return {
+        "source": str(directory),
+        "source_kind": "P-EAGLE" if source.num_depths > 1 else "EAGLE-3",
+        "copied": sorted(copied),
+        "initialised": initialised,
+    }

@@ -348,14 +348,7 @@ class PEagleDrafter(nn.Module):
             logit_rows: when given, logits (and label_index, position_ids) of these element rows only.
         """
         cfg = self.config
-        width = cfg.num_aux * cfg.hidden_size
-        if hidden.dim() != 2 or hidden.shape[1] != width:
-            raise ValueError(f"hidden must be [T, {width}] (num_aux x hidden_size), got {tuple(hidden.shape)}")
-        if input_ids.shape != hidden.shape[:1] or document_ids.shape != hidden.shape[:1]:
-            raise ValueError(
-                f"input_ids {tuple(input_ids.shape)} and document_ids {tuple(document_ids.shape)} must be [T] with "
-                f"T = {hidden.shape[0]} (hidden rows)"
-            )
+        self._check_row(input_ids, hidden, document_ids)
         dtype = self.fc.weight.dtype
         projected = self.project(hidden.to(dtype))  # fc on the T depth-0 rows ...
         mask_projected = self.projected_mask_hidden()  # ... and once on mask_hidden
@@ -395,6 +388,70 @@ class PEagleDrafter(nn.Module):
         [N, N] bool mask, or :class:`DocumentBlocks`."""
         out, hidden = self._trunk(self.embed_tokens(input_ids.long()), feats, position_ids, mask, with_hidden=True)
         return self.lm_head(out), hidden
+
+    def forward_unrolled(
+        self, input_ids: Tensor, hidden: Tensor, anchors: Tensor, depths: Tensor, document_ids: Tensor
+    ) -> DraftOutput:
+        """EAGLE-3 training-time test: the drafter unrolled over autoregressive steps, one pass per step.
+
+        Element (a, 0) is the real pair (x_{a+1}, g_a); element (a, s >= 1) is what an EAGLE-3 server drafts next
+        (``peagle.train.evaluate.chain_steps``, vLLM's eagle3 proposer): its token is the drafter's own argmax at
+        (a, s - 1) (a target id, no gradient) and its features are the hidden state (a, s - 1) produced (with
+        gradient), at position a + s. Step s's queries attend to the keys of steps 0..s under the P-EAGLE mask
+        (:func:`peagle.ops.mask_dense`): the depth-0 context up to a and their own chain's earlier steps.
+
+        Args:
+            input_ids, hidden, document_ids: one row as in :meth:`forward_train`.
+            anchors, depths: [N] elements grouped by depth 0, 1, .. (each depth's anchors strictly increasing), nested:
+                (a, s) needs (a, s - 1), e.g. ``cod_sample`` with the number of steps as its depths.
+
+        Returns:
+            The logits of all N elements (input order), their label index a + s and position ids.
+        """
+        self._check_row(input_ids, hidden, document_ids)
+        counts = torch.bincount(depths.long()).tolist() if depths.numel() else []
+        if depths.numel() and bool((depths[1:] < depths[:-1]).any()):
+            raise ValueError("depths must be grouped in ascending order (depth 0 first)")
+        bounds = [0, *itertools.accumulate(counts)]
+        anchors, depths = anchors.long(), depths.long()
+        draft_ids = self.draft_ids()
+        real = self.project(hidden.to(self.fc.weight.dtype))
+        mask = mask_dense(anchors, depths, document_ids)
+        mask |= torch.eye(mask.shape[0], dtype=torch.bool, device=mask.device)  # padding rows see themselves
+        context = [(real.new_zeros(1, 0, self.config.num_kv_heads, self.config.head_dim),) * 2] * len(self.layers)
+        logits_out: list[Tensor] = []
+        fed = real.new_zeros(1, 0, self.config.hidden_size)  # the hidden states of the previous step's elements
+        for step, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+            a = anchors[lo:hi]
+            if step == 0:
+                ids, feats = input_ids.long()[a], real[a]
+            else:
+                previous = anchors[bounds[step - 1] : lo]
+                parent = torch.searchsorted(previous, a).clamp(max=max(previous.numel() - 1, 0))
+                if previous.numel() == 0 or bool((previous[parent] != a).any()):
+                    raise ValueError(f"elements must be nested: an anchor at depth {step} lacks depth {step - 1}")
+                ids, feats = draft_ids[logits_out[-1].detach()[parent].argmax(-1)], fed[0, parent]
+            logits, fed, new_kv = self.forward_cached(
+                ids[None], feats[None], (a + step)[None], context, mask[None, lo:hi, :hi]
+            )
+            context = [
+                (torch.cat([k, new_k], 1), torch.cat([v, new_v], 1))
+                for (k, v), (new_k, new_v) in zip(context, new_kv, strict=True)
+            ]
+            logits_out.append(logits[0])
+        position_ids = anchors + depths
+        logits = torch.cat(logits_out) if logits_out else real.new_zeros(0, self.config.draft_vocab_size)
+        return DraftOutput(logits, position_ids, position_ids)
+
+    def _check_row(self, input_ids: Tensor, hidden: Tensor, document_ids: Tensor) -> None:
+        width = self.config.num_aux * self.config.hidden_size
+        if hidden.dim() != 2 or hidden.shape[1] != width:
+            raise ValueError(f"hidden must be [T, {width}] (num_aux x hidden_size), got {tuple(hidden.shape)}")
+        if input_ids.shape != hidden.shape[:1] or document_ids.shape != hidden.shape[:1]:
+            raise ValueError(
+                f"input_ids {tuple(input_ids.shape)} and document_ids {tuple(document_ids.shape)} must be [T] with "
+                f"T = {hidden.shape[0]} (hidden rows)"
+            )
 
     def forward_inference(self, input_ids: Tensor, hidden: Tensor, num_mask: int, start_position: int = 0) -> Tensor:
         """What a server runs: L real (token, hidden) elements then ``num_mask`` mask elements, plain causal mask.

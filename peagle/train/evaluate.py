@@ -27,7 +27,7 @@ self-distilled rows, the row's next tokens). With top-k 1 at every depth the tre
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ from peagle.train.extract import load_target_head
 
 __all__ = [
     "chain_drafts",
+    "chain_steps",
     "check_compatible",
     "evaluate",
     "format_table",
@@ -83,16 +84,16 @@ def check_compatible(config, manifest: dict[str, Any]) -> None:
         raise ValueError("the drafter does not match this data's target: " + "; ".join(problems))
 
 
-@torch.no_grad()
-def chain_drafts(
+def chain_steps(
     model: PEagleDrafter, input_ids: torch.Tensor, hidden: torch.Tensor, document_ids: torch.Tensor,
     anchors: torch.Tensor, k: int
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Autoregressive drafting (vLLM's eagle3 proposer) of K tokens from every anchor of one row.
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """Autoregressive drafting (vLLM's eagle3 proposer) of K tokens from every anchor of one row, one step at a time.
 
     ``input_ids`` [T], ``hidden`` [T, num_aux * H], ``document_ids`` [T] are a row in the index layout (hidden row i
-    pairs token x_{i+1} with the target states g_i). Returns the depth-0 draft (a target token id) at each of the T
-    positions and the drafts [n, K] of the chains from ``anchors`` [n].
+    pairs token x_{i+1} with the target states g_i). Yields per step j = 0..K-1 the logits [rows, draft_vocab] and the
+    drafted target ids [rows]: step 0 at each of the T positions, step j >= 1 at the chain elements (a, j) of
+    ``anchors`` [n].
 
     Step j runs the T real elements plus the chain elements (a, s), s = 1..j, under the P-EAGLE mask, whose predicate
     is exactly what a KV-cached server computes: (a, s) sees the real prefix up to a and (a, 1..s). Earlier outputs do
@@ -106,6 +107,7 @@ def chain_drafts(
     real = model.project(hidden.to(dtype))
     logits, out = model.forward_features(input_ids, real, positions, document_blocks(positions, zeros, document_ids))
     first = draft_ids[logits.argmax(-1)]
+    yield logits, first
     n = anchors.numel()
     tokens, fed = [first[anchors]], [out[anchors]]  # t_1 and the features of step 1
     for j in range(1, k):
@@ -117,9 +119,20 @@ def chain_drafts(
             torch.cat([input_ids, *tokens]), torch.cat([real, *fed]), elem_anchors + elem_depths, mask
         )
         last = slice(length + (j - 1) * n, length + j * n)  # the elements (a, j)
-        tokens.append(draft_ids[logits[last].argmax(-1)])
+        tokens.append(draft_ids[logits[last].detach().argmax(-1)])
         fed.append(out[last])
-    return first, torch.stack(tokens, dim=1)
+        yield logits[last], tokens[-1]
+
+
+@torch.no_grad()
+def chain_drafts(
+    model: PEagleDrafter, input_ids: torch.Tensor, hidden: torch.Tensor, document_ids: torch.Tensor,
+    anchors: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The drafts of :func:`chain_steps`: the depth-0 draft (a target token id) at each of the T positions and the
+    drafts [n, K] of the chains from ``anchors`` [n]."""
+    steps = [drafted for _, drafted in chain_steps(model, input_ids, hidden, document_ids, anchors, k)]
+    return steps[0], torch.stack([steps[0][anchors], *steps[1:]], dim=1)
 
 
 @torch.no_grad()

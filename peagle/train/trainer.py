@@ -20,7 +20,6 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
 from peagle.io import (
@@ -34,12 +33,14 @@ from peagle.io import (
     remove_temporaries,
     staging_directory,
 )
-from peagle.model import DrafterConfig, PEagleDrafter, load_state_dict, save_pretrained
+from peagle.model import DrafterConfig, PEagleDrafter, load_state_dict, save_pretrained, warm_start
 from peagle.ops import cod_sample
 from peagle.train.data import load_tokenizer, resolve_mask_token
 from peagle.train.dataset import ExtractedData, TrainRow
 from peagle.train.extract import load_target_head
+from peagle.train.loss import distillation_loss, element_loss, new_stats, record_stats
 from peagle.train.partition import partition_elements
+from peagle.train.ttt import step_weights, train_ttt_row
 
 __all__ = ["TrainArgs", "Trainer", "element_loss", "new_stats", "option", "train", "train_row"]
 
@@ -80,6 +81,11 @@ class TrainArgs:
         "if no mask token and no free embedding slot exist, reuse pad/eos/unk as the mask token. RISK: training then "
         "changes that real token's embedding row, so the drafter's view of that token (e.g. end of sequence) drifts",
     )
+    init_from: str | None = option(
+        None,
+        "warm start from an EAGLE-3 checkpoint (speculators format, by peagle or speculators): shared weights copied, "
+        "mask_hidden and the mask token's embedding row initialised (OUT/init_from.json lists which)",
+    )
     ratio: float = option(0.7, "COD keep ratio per depth")
     ratio_min: float = option(0.2, "floor of the COD keep ratio")
     max_anchors: int | None = option(None, "cap on COD seed chains per row")
@@ -89,6 +95,10 @@ class TrainArgs:
     depth_weights: list[float] | None = option(  # noqa: RUF009 (option() returns a field, not a shared list)
         None, "per-depth loss weights, e.g. 1,0.9,0.8 (default all 1)"
     )
+    ttt_steps: int = option(
+        1, "EAGLE-3 training-time test: unroll S autoregressive steps (own hidden state and drafted token fed back)"
+    )
+    ttt_step_weight: float = option(1.0, "loss weight of unrolled step s is W^s")
     steps: int = option(1000, "optimizer steps")
     batch_size: int = option(1, "rows per step, all processes together")
     lr: float = option(3e-4, "peak learning rate")
@@ -126,6 +136,8 @@ class TrainArgs:
             ("ratio_min", 0 <= self.ratio_min <= 1, "in [0, 1]"),
             ("max_anchors", optional(self.max_anchors, lambda v: v >= 1), "at least 1"),
             ("segments", 1 <= self.segments <= 1024, "in [1, 1024]"),
+            ("ttt_steps", 1 <= self.ttt_steps <= 64, "in [1, 64]"),
+            ("ttt_step_weight", 0 < self.ttt_step_weight < math.inf, "positive"),
             ("memory_budget_mb", optional(self.memory_budget_mb, lambda v: 0 < v < math.inf), "positive"),
             ("steps", self.steps >= 0, "at least 0"),
             ("batch_size", self.batch_size >= 1, "at least 1"),
@@ -146,6 +158,15 @@ class TrainArgs:
             raise ValueError(
                 f"--depth-weights must be {self.num_depths} (--depths) finite weights >= 0, got {list(weights)}"
             )
+        if self.ttt_steps > 1:
+            clash = [
+                (self.num_depths != 1, "--depths 1 (TTT unrolls an autoregressive EAGLE-3 drafter)"),
+                (self.segments != 1 or self.memory_budget_mb is not None, "no --segments / --memory-budget-mb"),
+                (weights is not None, "--ttt-step-weight instead of --depth-weights"),
+            ]
+            for bad, needed in clash:
+                if bad:
+                    raise ValueError(f"--ttt-steps {self.ttt_steps} needs {needed}")
         if self.resume and self.overwrite:
             raise ValueError("--overwrite clears --out, --resume continues it: give one of them")
         check_output_directory(self.out, {"--data": self.data})
@@ -155,51 +176,6 @@ def _flag(name: str) -> str:
     """The ``peagle train`` option of a TrainArgs field."""
     meta = next(f.metadata for f in fields(TrainArgs) if f.name == name)
     return meta.get("flag") or "--" + name.replace("_", "-")
-
-
-def element_loss(logits: Tensor, target_logits: Tensor, kind: str) -> Tensor:
-    """Per-element loss [n]: KL(target || draft) or cross-entropy to the target's argmax (both over the draft vocab)."""
-    work = torch.promote_types(logits.dtype, torch.float32)
-    logq = F.log_softmax(logits.to(work), dim=-1)
-    if kind == "kl":
-        logp = F.log_softmax(target_logits.to(work), dim=-1)
-        return (logp.exp() * (logp - logq)).sum(-1)
-    if kind == "ce":
-        return -logq.gather(-1, target_logits.argmax(-1, keepdim=True)).squeeze(-1)
-    raise ValueError(f"loss must be 'kl' or 'ce', got {kind!r}")
-
-
-class _WeightedKL(torch.autograd.Function):
-    """sum_e w_e KL(p_{u(e)} || softmax(logits_e)) with the targets p stored once per distinct label row u.
-
-    Elements of overlapping chains share label rows, so the target side is computed for the distinct rows only;
-    the backward is the closed form w_e (softmax(logits_e) - p_{u(e)}).
-    """
-
-    @staticmethod
-    def forward(ctx, logits: Tensor, logp: Tensor, inverse: Tensor, weight: Tensor) -> Tensor:
-        # KL_e = sum_v p (log p - z_v + lse_e) = -H_u - p_u . z_e + lse_e  (sum_v p = 1).
-        # lse from the fused log-softmax (lse = z_0 - log q_0); the [n, V] log-softmax itself is not kept.
-        lse = logits[:, 0] - F.log_softmax(logits, dim=-1)[:, 0]
-        p = logp.exp()
-        neg_entropy = (p * logp).sum(-1)
-        p_e = p[inverse]
-        dot = torch.einsum("nv,nv->n", p_e, logits)
-        ctx.save_for_backward(logits, p_e, weight)
-        return (weight * (neg_entropy[inverse] - dot + lse)).sum()
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        logits, p_e, weight = ctx.saved_tensors
-        g = torch.softmax(logits, dim=-1)
-        g.sub_(p_e)
-        g.mul_((grad * weight)[:, None])
-        return g, None, None, None
-
-
-def weighted_kl(logits: Tensor, target_logp: Tensor, inverse: Tensor, weight: Tensor) -> Tensor:
-    """Weighted KL sum over elements; ``target_logp`` [U, V] log-probabilities, ``inverse`` [n] element -> row."""
-    return _WeightedKL.apply(logits, target_logp, inverse, weight)
 
 
 def _lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -218,15 +194,6 @@ def choose_segments(num_elements: int, config: DrafterConfig, budget_mb: float) 
         if (n * n + n * per_element) / 2**20 <= budget_mb:
             return s
     return 1024
-
-
-def new_stats(num_depths: int) -> dict[str, Any]:
-    return {
-        "loss": 0.0,
-        "elements": 0,
-        "correct": torch.zeros(num_depths, dtype=torch.float64),
-        "count": torch.zeros(num_depths, dtype=torch.float64),
-    }
 
 
 def train_row(
@@ -282,24 +249,12 @@ def train_row(
                 row.input_ids, row.hidden, seg_anchors, seg_depths, docs, attention=attention, logit_rows=keep
             )
         logits = out.logits.to(torch.promote_types(out.logits.dtype, torch.float32))
-        with torch.no_grad():
-            # Target logits once per distinct label row (overlapping chains share them).
-            rows, inverse = torch.unique(out.label_index, return_inverse=True)
-            target = row.target_hidden[rows].to(target_lm_head.dtype) @ target_lm_head.T
-            target_best = target.argmax(-1)[inverse]
-            if draft_ids.numel() != target.shape[1]:
-                target = target[:, draft_ids]
-        if loss_kind == "kl":
-            loss = weighted_kl(logits, F.log_softmax(target, dim=-1), inverse, w[keep]) / denominator
-        else:
-            loss = (element_loss(logits, target[inverse], loss_kind) * w[keep]).sum() / denominator
+        loss, correct = distillation_loss(
+            logits, out.label_index, w[keep], row.target_hidden, target_lm_head, draft_ids, loss_kind
+        )
+        loss = loss / denominator
         (loss * scale).backward()
-        with torch.no_grad():
-            stats["loss"] += float(loss) * scale
-            correct = (draft_ids[logits.argmax(-1)] == target_best).float()
-            d = seg_depths[keep]
-            stats["correct"] += torch.bincount(d, weights=correct, minlength=num_depths).cpu().double()
-            stats["count"] += torch.bincount(d, minlength=num_depths).cpu().double()
+        record_stats(stats, loss * scale, correct, seg_depths[keep])
     return stats
 
 
@@ -354,10 +309,13 @@ class Trainer:
             norm_output=args.norm_output,
         )
         weights = list(args.depth_weights or [1.0] * args.num_depths)
+        if args.ttt_steps > 1:
+            weights = step_weights(args.ttt_steps, args.ttt_step_weight)
         self.depth_weights = torch.tensor(weights, dtype=torch.float32, device=self.device)
         torch.manual_seed(args.seed)
         self.model = PEagleDrafter(self.config).to(self.device)
         self._init_from_target(head)
+        self.warm_start = warm_start(self.model, args.init_from) if args.init_from else None
         self.draft_ids = self.model.draft_ids()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -395,12 +353,19 @@ class Trainer:
     def row_elements(self, row: TrainRow, slot: int) -> tuple[Tensor, Tensor]:
         a = self.args
         seed = (a.seed * 1_000_003 + slot) % (2**31 - 1)
-        return cod_sample(row.loss_mask, row.document_ids, a.num_depths, a.ratio, a.ratio_min, a.max_anchors, seed)
+        depths = max(a.num_depths, a.ttt_steps)  # TTT: step s of the unroll is depth s
+        return cod_sample(row.loss_mask, row.document_ids, depths, a.ratio, a.ratio_min, a.max_anchors, seed)
 
     def row_loss_backward(self, row: TrainRow, slot: int, scale: float, stats: dict[str, Any]) -> None:
         """Forward + backward of one row (segment by segment), loss scaled by ``scale``; fills ``stats``."""
         row = TrainRow(*(t.to(self.device) for t in row))
         anchors, depths = self.row_elements(row, slot)
+        if self.args.ttt_steps > 1:
+            train_ttt_row(
+                self.model, row, anchors, depths, self.target_lm_head, self.draft_ids, self.depth_weights,
+                loss_kind=self.args.loss, scale=scale, stats=stats,
+            )  # fmt: skip
+            return
         segments = self.args.segments
         if self.args.memory_budget_mb:
             segments = choose_segments(anchors.numel(), self.config, self.args.memory_budget_mb)
@@ -424,7 +389,7 @@ class Trainer:
         start = time.perf_counter()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=False)
-        stats = new_stats(args.num_depths)
+        stats = new_stats(self.depth_weights.numel())
         slots = range(self.step * args.batch_size, (self.step + 1) * args.batch_size)
         for slot in list(slots)[self.rank :: self.world]:
             self.row_loss_backward(self.data.row(self.row_slot(slot)), slot, 1.0 / args.batch_size, stats)
@@ -448,7 +413,7 @@ class Trainer:
             )
             dist.all_reduce(packed)
             stats["loss"], stats["elements"] = float(packed[0]), int(packed[1])
-            k = args.num_depths
+            k = self.depth_weights.numel()
             stats["correct"], stats["count"] = packed[2 : 2 + k], packed[2 + k :]
         if args.save_grads_step is not None and self.step == args.save_grads_step and self.rank == 0:
             atomic_torch_save(
@@ -471,7 +436,7 @@ class Trainer:
             "elements": stats["elements"],
             "elements_per_s": stats["elements"] / elapsed,
             "tokens_per_s": args.batch_size * self.data.manifest["seq_len"] / elapsed,
-            **{f"acc_{d}": acc[d] for d in range(args.num_depths)},
+            **{f"acc_{d}": acc[d] for d in range(len(acc))},
         }
 
     # -----------------------------------------------------------------------------------------------------------------
@@ -518,7 +483,7 @@ class Trainer:
         state = torch.load(directory / TRAINER_STATE, map_location=self.device, weights_only=False)
         # Settings that change what a step computes must match, or the run would not continue exactly.
         free = {"steps", "save_every", "log_every", "resume", "overwrite", "progress", "out", "tensorboard"}
-        free.add("save_grads_step")
+        free |= {"save_grads_step", "init_from"}  # resumed weights come from the checkpoint
         current = asdict(self.args)
         changed = {k: (v, current.get(k)) for k, v in state["args"].items() if k not in free and current.get(k) != v}
         if changed:
@@ -558,8 +523,12 @@ class Trainer:
             if path.exists() and self.rank == 0:
                 kept = [ln for ln in path.read_text().splitlines() if json.loads(ln)["step"] <= self.step]
                 atomic_write_json_lines(path, kept)
-        elif self.rank == 0 and (self.out / "metrics.jsonl").exists():
-            (self.out / "metrics.jsonl").unlink()
+        elif self.rank == 0:
+            if (self.out / "metrics.jsonl").exists():
+                (self.out / "metrics.jsonl").unlink()
+            if self.warm_start is not None:  # a run that starts from the warm-started weights
+                atomic_write_json(self.out / "init_from.json", self.warm_start)
+                print(f"[peagle train] warm start from {args.init_from}: initialised {self.warm_start['initialised']}")
         if args.tensorboard and self.rank == 0:
             try:
                 from torch.utils.tensorboard import SummaryWriter
