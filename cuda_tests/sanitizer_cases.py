@@ -107,6 +107,16 @@ def kv(generator):
     OPS.kv_compact(caches[:2], caches[2:], block_table, seq_len, path, torch.tensor([2, 1], device=DEVICE))
 
 
+@case("efficient_lm_head")
+def lm_head(generator):
+    for dtype, rows in [(torch.float32, 3), (torch.bfloat16, 1)]:
+        hidden, down, up, weight = (
+            torch.randn(*shape, generator=generator).to(dtype).to(DEVICE)
+            for shape in [(rows, 32), (8, 32), (300, 8), (300, 32)]
+        )
+        OPS.efficient_lm_head(hidden, down, up, weight, 16)
+
+
 def graph_chain(generator):
     """The graph chain's tail kernel (a catch-all op, so not in the coverage list): a few rounds of a toy drafter."""
     from peagle.decode.harness.graphs import DepthGraphChain
