@@ -46,13 +46,15 @@ def test_serve_prints_the_vllm_command_for_a_drafter(tmp_path, capsys):
         main(["serve", "--drafter", str(tmp_path / "missing"), "--dry-run"])
 
 
-# The options of `peagle train` before they were generated from TrainArgs: none may go missing or change its name.
+# The options of `peagle train` (those from before they were generated from TrainArgs, and the later additions): none
+# may go missing or change its name.
 TRAIN_FLAGS = """
 --data --out --layers --depths --heads --kv-heads --head-dim --intermediate-size --layer-style
 --fc-norm --norm-before-fc --norm-output --draft-vocab-size --mask-token-id
 --reuse-special-token-as-mask --ratio --ratio-min --max-anchors --segments --memory-budget-mb --loss
---depth-weights --steps --batch-size --lr --min-lr-ratio --warmup-steps --weight-decay --grad-clip
---seed --attention --save-every --log-every --resume --overwrite --tensorboard --save-grads-step --quiet""".split()
+--depth-weights --steps --epochs --batch-size --micro-batch-size --lr --min-lr-ratio --warmup-steps --weight-decay
+--grad-clip --seed --attention --eval-every --eval-data --eval-rows --eval-ar-depths --fsdp --save-every --log-every
+--resume --overwrite --tensorboard --plot --save-grads-step --quiet""".split()
 
 
 def _train_parser():

@@ -185,6 +185,13 @@ def test_epochs_visit_every_training_row_once_and_schedule_the_real_step_count(w
             losses.append(float((kl * w).sum() / w.sum()))
     assert last["eval_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-4)
     assert metrics[4]["eval_loss"] > last["eval_loss"]
+    # `peagle plot-train RUN`: the curves of the run as a PNG.
+    image = pytest.importorskip("matplotlib.image")
+    assert main(["plot-train", str(tmp_path / "run"), "--png", str(tmp_path / "curves.png")]) == 0
+    pixels = image.imread(tmp_path / "curves.png")
+    assert pixels.shape[:2] == (400, 1400) and float(pixels[..., :3].std()) > 0.05
+    with pytest.raises(SystemExit):
+        main(["plot-train", str(tmp_path)])
 
 
 @pytest.mark.parametrize(
@@ -489,7 +496,8 @@ def test_autoregressive_eval_counts_the_served_chains(work, tmp_path):
     from peagle.train.evaluate import chain_drafts, chain_elements, evaluate
 
     args = TrainArgs(data=str(work / "ext-train"), out=str(tmp_path / "k1"), num_layers=1, num_depths=1, steps=40,
-                     batch_size=2, lr=3e-3, warmup_steps=2, progress=False)  # fmt: skip
+                     batch_size=2, lr=3e-3, warmup_steps=2, progress=False, eval_every=20,
+                     eval_data=str(work / "ext-held"), eval_rows=1000, eval_ar_depths=3)  # fmt: skip
     Trainer(args).run()
     assert main(["eval", "--checkpoint", str(tmp_path / "k1" / "final"), "--data", str(work / "ext-held"),
                  "--depths", "3", "--autoregressive", "--json", str(tmp_path / "ar.json")]) == 0  # fmt: skip
@@ -519,6 +527,10 @@ def test_autoregressive_eval_counts_the_served_chains(work, tmp_path):
     print(f"autoregressive {ar}; parallel {parallel}")
     assert ar["conditional_acceptance"] == pytest.approx(conditional, abs=1e-9)
     assert ar["acceptance_length"] == pytest.approx(1 + sum(reach) / chains, abs=1e-9)
+    # Held-out evaluation during training (every held-out row, 3 drafts autoregressively): the same figure.
+    logged = [m for m in read_metrics(tmp_path / "k1") if "eval_ar_acceptance_length" in m]
+    assert [m["step"] for m in logged] == [20, 40]
+    assert logged[-1]["eval_ar_acceptance_length"] == pytest.approx(ar["acceptance_length"], abs=1e-12)
     walk = ar["serving_walk"]
     assert 0 < walk["drafts"] < chains and 1.0 <= walk["acceptance_length"] <= 4.0
 

@@ -131,6 +131,8 @@ class TrainArgs:
     resume: bool = option(False, "continue from the latest complete checkpoint in --out")
     overwrite: bool = option(False, "clear a non-empty --out first (without it or --resume, a used --out is refused)")
     tensorboard: bool = option(False, "also log to TensorBoard (needs tensorboard)")
+    # Drawn by `peagle train` (the command), not by the trainer: plotting needs matplotlib (the demo extra).
+    plot: bool = option(False, "after training, draw loss, accuracy and held-out acceptance to OUT/training.png")
     # Tests: write the summed gradients of this step to OUT/grads-STEP.pt (partitioned == whole-row gradients).
     save_grads_step: int | None = option(None, "write the gradients of this step", hidden=True)
     progress: bool = option(True, "no progress bar", flag="--quiet")
@@ -765,6 +767,7 @@ RESUME_FREE = {
     "progress",
     "out",
     "tensorboard",
+    "plot",
     "save_grads_step",
     "eval_every",
     "eval_data",
