@@ -45,7 +45,7 @@ from peagle.train.extract import load_target_head
 from peagle.train.parallel import ParallelDrafter
 from peagle.train.partition import partition_elements
 
-__all__ = ["TrainArgs", "Trainer", "element_loss", "new_stats", "option", "pack_rows", "train", "train_row"]
+__all__ = ["TrainArgs", "Trainer", "element_loss", "new_stats", "option", "pack_rows", "slot_row", "train", "train_row"]
 
 
 def option(default: Any = MISSING, help: str = "", *, flag: str | None = None, hidden: bool = False) -> Any:
@@ -487,14 +487,8 @@ class Trainer:
     # -----------------------------------------------------------------------------------------------------------------
 
     def row_slot(self, slot: int) -> int:
-        """The --data row of slot ``slot``: epoch e = slot // (training rows) visits them in a permutation seeded
-        with (seed, e), so an epoch sees every training row once and the order does not depend on where a run
-        resumed."""
-        rows = len(self.train_rows)
-        epoch, offset = divmod(slot, rows)
-        seed = (self.args.seed * 7919 + epoch) % 2**63  # the same seeds as ever below 2^63 / 7919
-        perm = torch.randperm(rows, generator=torch.Generator().manual_seed(seed))
-        return self.train_rows[int(perm[offset])]
+        """The --data row of slot ``slot`` (see :func:`slot_row`)."""
+        return slot_row(self.train_rows, self.args.seed, slot)
 
     def row_elements(self, row: TrainRow, slot: int) -> tuple[Tensor, Tensor]:
         a = self.args
@@ -775,6 +769,15 @@ RESUME_FREE = {
     "eval_ar_depths",
     "fsdp",
 }
+
+
+def slot_row(train_rows: list[int], seed: int, slot: int) -> int:
+    """The row trained in slot ``slot`` of a run with ``seed``: epoch e = slot // len(train_rows) visits the training
+    rows in a permutation seeded with (seed, e), so an epoch sees every training row once and the order does not
+    depend on where a run resumed."""
+    epoch, offset = divmod(slot, len(train_rows))
+    generator = torch.Generator().manual_seed((seed * 7919 + epoch) % 2**63)  # the same seeds as ever below 2^63/7919
+    return train_rows[int(torch.randperm(len(train_rows), generator=generator)[offset])]
 
 
 def _all_reduce_stats(stats: dict[str, Any]) -> None:
