@@ -97,7 +97,7 @@ def speculators_worker(job: dict[str, Any]) -> dict[str, Any]:
 
     from peagle.model import PEagleDrafter, save_pretrained
     from peagle.train.dataset import ExtractedData
-    from peagle.train.trainer import TrainArgs, Trainer, pack_rows
+    from peagle.train.trainer import TrainArgs, Trainer
 
     sp = _speculators_modules()
     args = TrainArgs(**job["train_args"])
@@ -113,16 +113,14 @@ def speculators_worker(job: dict[str, Any]) -> dict[str, Any]:
     model.verifier_norm = torch.nn.Identity()  # the extracted target states are already normalised
     for name, p in model.named_parameters():
         p.requires_grad_(not name.startswith("verifier_"))
-    data = ExtractedData(args.data)
-    batches = []
-    for step in range(args.steps):
-        slots = range(step * args.batch_size, (step + 1) * args.batch_size)
-        rows = [data.row(init.row_slot(s)) for s in slots]
-        row, *_ = pack_rows(rows, [(torch.zeros(0, dtype=torch.long),) * 2 for _ in rows])
-        batches.append(_speculators_batch(row))
+    # Read from the extracted files as the trainer goes (as peagle's trainer reads them), a step's rows packed.
+    steps = [
+        [init.row_slot(s) for s in range(k * args.batch_size, (k + 1) * args.batch_size)] for k in range(args.steps)
+    ]
+    batches = _StepBatches(ExtractedData(args.data), steps)
     drafter = PEagleDrafter(init.config)
     del init
-    loader = torch.utils.data.DataLoader(batches, batch_size=None, collate_fn=dict)  # a copy: the trainer pops keys
+    loader = torch.utils.data.DataLoader(batches, batch_size=None, collate_fn=dict)
     call = {
         "loss_config": sp.losses.resolve_loss_config("kl_div", "eager"),
         "max_anchors": args.max_anchors,
@@ -143,12 +141,33 @@ def speculators_worker(job: dict[str, Any]) -> dict[str, Any]:
         log_freq=10**9,
     )
     sp.distributed._local_rank = "cpu"  # its trainer moves the model to this device index (an accelerator's)
+    if not torch.accelerator.is_available():  # its step timer synchronises the accelerator; the CPU has none
+        torch.accelerator.synchronize = lambda device=None: None
     trainer = sp.trainer.Trainer(model, config, loader)
     seconds, extra = _peak_extra(trainer.run_training)
     # Written by peagle's checkpoint writer (as the peagle drafter is) so both are served from the same format.
     drafter.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("verifier_")})
     save_pretrained(drafter, Path(args.out) / "final")
     return {"train_seconds": seconds, "peak_extra_mb": extra / 2**20}
+
+
+class _StepBatches:
+    """speculators' batches: step k's rows of the extracted data packed into one sequence (``pack_rows``)."""
+
+    def __init__(self, data, steps: list[list[int]]) -> None:
+        self.data, self.steps = data, steps
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __getitem__(self, step: int) -> dict[str, Any]:
+        import torch
+
+        from peagle.train.trainer import pack_rows
+
+        rows = [self.data.row(index) for index in self.steps[step]]
+        row, *_ = pack_rows(rows, [(torch.zeros(0, dtype=torch.long),) * 2 for _ in rows])
+        return _speculators_batch(row)
 
 
 def _speculators_batch(row) -> dict[str, Any]:

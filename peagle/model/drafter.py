@@ -359,6 +359,10 @@ class PEagleDrafter(nn.Module):
                 f"input_ids {tuple(input_ids.shape)} and document_ids {tuple(document_ids.shape)} must be [T] with "
                 f"T = {hidden.shape[0]} (hidden rows)"
             )
+        if positions is not None and positions.shape != hidden.shape[:1]:
+            raise ValueError(
+                f"positions must be [T] with T = {hidden.shape[0]} (hidden rows), got {tuple(positions.shape)}"
+            )
         dtype = self.fc.weight.dtype
         projected = self.project(hidden.to(dtype))  # fc on the T depth-0 rows ...
         mask_projected = self.projected_mask_hidden()  # ... and once on mask_hidden
