@@ -200,6 +200,18 @@ def cmd_train(args: argparse.Namespace) -> int:
         last = records[-1]
         print(f"step {last['step']}: loss {last['loss']:.4f}, depth-0 accuracy {last['acc_0']:.3f}")
         print(f"checkpoint: {args.out}/final")
+    if args.plot and int(os.environ.get("RANK", "0")) == 0:
+        from peagle.demo.training_plot import plot_training
+
+        print(f"curves: {plot_training(args.out)}")
+    return 0
+
+
+def cmd_plot_train(args: argparse.Namespace) -> int:
+    """Draw a training run's loss, per-depth accuracy and held-out acceptance length against steps to a PNG."""
+    from peagle.demo.training_plot import plot_training
+
+    print(plot_training(args.run, args.png))
     return 0
 
 
@@ -404,6 +416,14 @@ def add_train_parser(commands) -> None:
     tr.set_defaults(func=cmd_train)
 
 
+def add_plot_train_parser(commands) -> None:
+    """`peagle plot-train RUN`: the curves of an existing (or running) training run."""
+    pt = commands.add_parser("plot-train", help=cmd_plot_train.__doc__, description=cmd_plot_train.__doc__)
+    pt.add_argument("run", help="a `peagle train` output directory (its metrics.jsonl)")
+    pt.add_argument("--png", default=None, help="output image (default RUN/training.png)")
+    pt.set_defaults(func=cmd_plot_train)
+
+
 def add_eval_parser(commands) -> None:
     """`peagle eval`: step 4."""
     ev = commands.add_parser("eval", help=cmd_eval.__doc__, description=cmd_eval.__doc__)
@@ -464,6 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_prepare_data_parser,
         add_extract_parser,
         add_train_parser,
+        add_plot_train_parser,
         add_eval_parser,
         add_serve_parser,
         add_demo_parser,

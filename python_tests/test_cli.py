@@ -46,14 +46,15 @@ def test_serve_prints_the_vllm_command_for_a_drafter(tmp_path, capsys):
         main(["serve", "--drafter", str(tmp_path / "missing"), "--dry-run"])
 
 
-# The options of `peagle train` before they were generated from TrainArgs: none may go missing or change its name.
+# The options of `peagle train` (those from before they were generated from TrainArgs, and the later additions): none
+# may go missing or change its name.
 TRAIN_FLAGS = """
 --data --out --layers --depths --heads --kv-heads --head-dim --intermediate-size --layer-style
 --fc-norm --norm-before-fc --norm-output --draft-vocab-size --mask-token-id
 --reuse-special-token-as-mask --init-from --ratio --ratio-min --max-anchors --segments --memory-budget-mb --loss
---depth-weights --ttt-steps --ttt-step-weight --steps --batch-size --lr --min-lr-ratio --warmup-steps
---weight-decay --grad-clip
---seed --attention --save-every --log-every --resume --overwrite --tensorboard --save-grads-step --quiet""".split()
+--depth-weights --ttt-steps --ttt-step-weight --steps --epochs --batch-size --micro-batch-size --lr --min-lr-ratio
+--warmup-steps --weight-decay --grad-clip --seed --attention --eval-every --eval-data --eval-rows --eval-ar-depths
+--fsdp --save-every --log-every --resume --overwrite --tensorboard --plot --save-grads-step --quiet""".split()
 
 
 def _train_parser():

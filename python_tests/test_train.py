@@ -103,17 +103,27 @@ def test_cli_end_to_end_lowers_loss_and_lifts_depth0_accuracy(work):
     assert result["acceptance_length"] == pytest.approx(expected, rel=1e-9)
 
 
-@pytest.mark.parametrize("ttt", [{}, dict(num_depths=1, ttt_steps=3, ttt_step_weight=0.8)], ids=["peagle", "ttt"])
-def test_resume_continues_exactly(work, tmp_path, ttt):
-    common = dict(data=str(work / "ext-train"), num_layers=1, num_depths=3, steps=8, batch_size=2, lr=3e-3,
-                  warmup_steps=2, progress=False)  # fmt: skip
-    common.update(ttt)
+@pytest.mark.parametrize(
+    ("settings", "stop"),
+    [
+        (dict(steps=8, batch_size=2), 4),
+        (dict(epochs=1.5, batch_size=4, micro_batch_size=3), 7),
+        (dict(steps=8, batch_size=2, num_depths=1, ttt_steps=3, ttt_step_weight=0.8), 4),
+    ],
+    ids=["steps", "epochs-micro-batches", "ttt"],
+)
+def test_resume_continues_exactly(work, tmp_path, settings, stop):
+    """An interrupted and resumed run gives the uninterrupted run's losses and weights exactly; the second case
+    stops in the middle of the second epoch (25 rows, 4 a step) with micro-batches of 3 and 1 rows; the third trains
+    EAGLE-3 with training-time test."""
+    common = dict(data=str(work / "ext-train"), num_layers=1, num_depths=3, lr=3e-3, warmup_steps=2, progress=False)
+    common.update(settings)
     full = Trainer(TrainArgs(out=str(tmp_path / "full"), **common))
     full.run()
-    # Interrupted run: 4 steps, a checkpoint, then the process "dies" (the trainer object is dropped).
+    # Interrupted run: a checkpoint, then the process "dies" (the trainer object is dropped).
     part = Trainer(TrainArgs(out=str(tmp_path / "part"), save_every=4, **common))
     (tmp_path / "part").mkdir()
-    for _ in range(4):
+    for _ in range(stop):
         part.log(part.train_step())
     part.save()
     part.log(part.train_step())  # a step after the checkpoint that the resumed run must redo
@@ -121,7 +131,7 @@ def test_resume_continues_exactly(work, tmp_path, ttt):
     resumed = Trainer(TrainArgs(out=str(tmp_path / "part"), resume=True, **common))
     resumed.run()
     a, b = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "part")
-    assert [m["step"] for m in b] == list(range(1, 9))
+    assert [m["step"] for m in b] == list(range(1, full.total_steps + 1))
     with pytest.raises(ValueError, match=r"lr: 0\.003 -> 0\.001"):
         Trainer(TrainArgs(out=str(tmp_path / "part"), resume=True, **{**common, "lr": 1e-3})).run()
     assert [m["loss"] for m in a] == [m["loss"] for m in b]
@@ -130,14 +140,77 @@ def test_resume_continues_exactly(work, tmp_path, ttt):
     assert all(0 <= m["acc_2"] <= 1 for m in a)  # P-EAGLE depth 2, or TTT step 2: logged either way
 
 
-@pytest.mark.parametrize("split", [dict(segments=3), dict(memory_budget_mb=1.0)])
-def test_sequence_partitioning_gives_the_same_gradients(work, tmp_path, split):
+def test_epochs_visit_every_training_row_once_and_schedule_the_real_step_count(work, tmp_path):
+    """--epochs 2 of 20 training rows (5 held out for --eval-every) at 4 rows a step is 10 steps; each epoch trains
+    every training row once and never a held-out row; the learning rate follows warmup + cosine over the 10 steps;
+    every --eval-every steps the held-out loss and acceptance length of the weights of that step are logged."""
+    from peagle.model import from_pretrained
+    from peagle.ops import cod_sample
+    from peagle.train.evaluate import evaluate
+    from peagle.train.trainer import HOLDOUT_SEED, _lr_lambda, element_loss
+
+    args = TrainArgs(data=str(work / "ext-train"), out=str(tmp_path / "run"), num_layers=1, num_depths=3, epochs=2,
+                     batch_size=4, micro_batch_size=2, lr=3e-3, warmup_steps=3, eval_every=5, eval_rows=5,
+                     progress=False)  # fmt: skip
+    trainer = Trainer(args)
+    assert trainer.total_steps == 10 and len(trainer.held_out) == 5 and len(trainer.train_rows) == 20
+    assert sorted(trainer.held_out + trainer.train_rows) == list(range(25))
+    other = Trainer(TrainArgs(**{**vars(args), "seed": 9, "out": str(tmp_path / "other")}))
+    assert other.held_out == trainer.held_out  # the same held-out rows whatever the seed
+    for epoch in range(2):
+        rows = sorted(trainer.row_slot(s) for s in range(20 * epoch, 20 * (epoch + 1)))
+        assert rows == trainer.train_rows
+    assert [trainer.row_slot(s) for s in range(20)] != [trainer.row_slot(s) for s in range(20, 40)]
+    trainer.run()
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["step"] for m in metrics] == list(range(1, 11)) and metrics[-1]["epoch"] == 2.0
+    expected = [3e-3 * _lr_lambda(s, 3, 10, 0.1) for s in range(10)]
+    assert [m["lr"] for m in metrics] == pytest.approx(expected, rel=1e-12)
+    assert [m["step"] for m in metrics if "eval_loss" in m] == [5, 10]
+    # The last evaluation scored the final weights on the held-out rows: the acceptance of `peagle eval`'s function,
+    # and the loss of the plain weighted-mean KL over each row's fixed COD elements with one dense mask.
+    model = from_pretrained(tmp_path / "run" / "final", dtype=torch.float32)
+    last = metrics[-1]
+    result = evaluate(model, str(work / "ext-train"), rows=trainer.held_out)
+    assert last["eval_acceptance_length"] == pytest.approx(result["acceptance_length"], abs=1e-12) and result["chains"]
+    assert [last[f"eval_acc_{d}"] for d in range(3)] == pytest.approx(result["top1_accuracy"], abs=1e-12)
+    data, head, losses = (
+        ExtractedData(work / "ext-train"),
+        load_file(work / "ext-train" / "target_head.safetensors"),
+        [],
+    )
+    with torch.no_grad():
+        for index in trainer.held_out:
+            row = data.row(index)
+            anchors, depths = cod_sample(row.loss_mask, row.document_ids, 3, 0.7, 0.2, None, HOLDOUT_SEED + index)
+            out = model.forward_train(row.input_ids, row.hidden, anchors, depths, row.document_ids,
+                                      attention="sdpa-full")  # fmt: skip
+            label, docs = anchors + depths, row.document_ids
+            w = (row.loss_mask[label] & (docs[anchors] >= 0) & (docs[label] == docs[anchors])).float()
+            kl = element_loss(out.logits, row.target_hidden[label] @ head["lm_head.weight"].T, "kl")
+            losses.append(float((kl * w).sum() / w.sum()))
+    assert last["eval_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-4)
+    assert metrics[4]["eval_loss"] > last["eval_loss"]
+    # `peagle plot-train RUN`: the curves of the run as a PNG.
+    image = pytest.importorskip("matplotlib.image")
+    assert main(["plot-train", str(tmp_path / "run"), "--png", str(tmp_path / "curves.png")]) == 0
+    pixels = image.imread(tmp_path / "curves.png")
+    assert pixels.shape[:2] == (400, 1400) and float(pixels[..., :3].std()) > 0.05
+    with pytest.raises(SystemExit):
+        main(["plot-train", str(tmp_path)])
+
+
+@pytest.mark.parametrize(
+    "split",
+    [dict(segments=3), dict(memory_budget_mb=1.0), dict(micro_batch_size=3), dict(micro_batch_size=2, segments=3)],
+)
+def test_sequence_partitioning_and_micro_batches_give_the_same_gradients(work, tmp_path, split):
     from peagle.train.trainer import choose_segments
 
     grads = []
     for name, options in (("whole", {}), ("split", split)):
         trainer = Trainer(TrainArgs(data=str(work / "ext-train"), out=str(tmp_path / name), num_layers=2,
-                                    num_depths=4, steps=1, batch_size=2, save_grads_step=0, ratio=0.9,
+                                    num_depths=4, steps=1, batch_size=4, save_grads_step=0, ratio=0.9,
                                     progress=False, **options))  # fmt: skip
         trainer.out.mkdir(parents=True)
         trainer.train_step()
@@ -149,23 +222,44 @@ def test_sequence_partitioning_gives_the_same_gradients(work, tmp_path, split):
         torch.testing.assert_close(grads[1][name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_ddp_two_gloo_processes_equal_single_process(work, tmp_path):
-    base = [sys.executable, "-m", "peagle.cli", "train", "--data", str(work / "ext-train"), "--layers", "1",
-            "--depths", "3", "--steps", "1", "--batch-size", "4", "--save-grads-step", "0", "--quiet"]  # fmt: skip
+def test_ddp_and_fsdp_on_two_gloo_processes_equal_single_process(work, tmp_path):
+    """DistributedDataParallel and FSDP2 (--fsdp) on 2 gloo processes: the gradients of both steps and the weights
+    after them equal one process on the same global batch (micro-batches and accumulation included), and the
+    sharded run's checkpoints are whole: they load unsharded and a single process resumes from them."""
+    common = [sys.executable, "-m", "peagle.cli", "train", "--data", str(work / "ext-train"), "--layers", "1",
+              "--depths", "3", "--batch-size", "8", "--lr", "1e-3", "--quiet"]  # fmt: skip
+    base = [*common, "--steps", "2", "--save-grads-step", "1", "--save-every", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    single = subprocess.run([*base, "--out", str(tmp_path / "one")], env=env, capture_output=True, text=True)
+    single = subprocess.run([*base, "--micro-batch-size", "3", "--out", str(tmp_path / "one")], env=env,
+                            capture_output=True, text=True)  # fmt: skip
     assert single.returncode == 0, single.stderr[-3000:]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    ddp = subprocess.run([*torchrun, *base[1:], "--out", str(tmp_path / "two")], env=env, capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
-    assert ddp.returncode == 0, ddp.stderr[-3000:]
-    one, two = torch.load(tmp_path / "one" / "grads-0.pt"), torch.load(tmp_path / "two" / "grads-0.pt")
-    assert one.keys() == two.keys()
-    for name, g in one.items():
-        assert g.abs().sum() > 0 or name.startswith("embed"), name
-        torch.testing.assert_close(two[name], g, rtol=1e-5, atol=1e-7, msg=name)
-    a, b = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
-    assert a[0]["loss"] == pytest.approx(b[0]["loss"], rel=1e-6)
+    runs = {"ddp": ["--micro-batch-size", "1"], "fsdp": ["--fsdp", "--micro-batch-size", "2"]}
+    one = torch.load(tmp_path / "one" / "grads-1.pt")
+    weights = load_file(tmp_path / "one" / "final" / "model.safetensors")
+    for mode, extra in runs.items():
+        out = tmp_path / mode
+        two = subprocess.run([*torchrun, *base[1:], *extra, "--out", str(out)], env=env, capture_output=True,
+                             text=True, timeout=300)  # fmt: skip
+        assert two.returncode == 0, two.stderr[-3000:]
+        grads = torch.load(out / "grads-1.pt")
+        assert one.keys() == grads.keys()
+        for name, g in one.items():
+            assert g.abs().sum() > 0 or name.startswith("embed"), name
+            torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=f"{mode} {name}")
+        final = load_file(out / "final" / "model.safetensors")
+        for name, w in weights.items():
+            torch.testing.assert_close(final[name], w, rtol=1e-5, atol=1e-7, msg=f"{mode} {name}")
+        a, b = read_metrics(tmp_path / "one"), read_metrics(out)
+        assert [m["loss"] for m in b] == pytest.approx([m["loss"] for m in a], rel=1e-6)
+    from peagle.model import from_pretrained
+
+    assert set(from_pretrained(tmp_path / "fsdp" / "final").state_dict()) == set(weights)
+    # The sharded run's checkpoint-2 (whole weights and name-keyed optimizer state) resumes on one process.
+    resumed = subprocess.run([*common, "--steps", "4", "--micro-batch-size", "2", "--resume", "--out",
+                              str(tmp_path / "fsdp")], env=env, capture_output=True, text=True)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(tmp_path / "fsdp")] == [1, 2, 3, 4]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -416,7 +510,8 @@ def test_autoregressive_eval_counts_the_served_chains(work, tmp_path):
     from peagle.train.evaluate import chain_drafts, chain_elements, evaluate
 
     args = TrainArgs(data=str(work / "ext-train"), out=str(tmp_path / "k1"), num_layers=1, num_depths=1, steps=40,
-                     batch_size=2, lr=3e-3, warmup_steps=2, progress=False)  # fmt: skip
+                     batch_size=2, lr=3e-3, warmup_steps=2, progress=False, eval_every=20,
+                     eval_data=str(work / "ext-held"), eval_rows=1000, eval_ar_depths=3)  # fmt: skip
     Trainer(args).run()
     assert main(["eval", "--checkpoint", str(tmp_path / "k1" / "final"), "--data", str(work / "ext-held"),
                  "--depths", "3", "--autoregressive", "--json", str(tmp_path / "ar.json")]) == 0  # fmt: skip
@@ -446,6 +541,10 @@ def test_autoregressive_eval_counts_the_served_chains(work, tmp_path):
     print(f"autoregressive {ar}; parallel {parallel}")
     assert ar["conditional_acceptance"] == pytest.approx(conditional, abs=1e-9)
     assert ar["acceptance_length"] == pytest.approx(1 + sum(reach) / chains, abs=1e-9)
+    # Held-out evaluation during training (every held-out row, 3 drafts autoregressively): the same figure.
+    logged = [m for m in read_metrics(tmp_path / "k1") if "eval_ar_acceptance_length" in m]
+    assert [m["step"] for m in logged] == [20, 40]
+    assert logged[-1]["eval_ar_acceptance_length"] == pytest.approx(ar["acceptance_length"], abs=1e-12)
     walk = ar["serving_walk"]
     assert 0 < walk["drafts"] < chains and 1.0 <= walk["acceptance_length"] <= 4.0
 

@@ -334,8 +334,9 @@ class PEagleDrafter(nn.Module):
         attention: Attention = "sdpa",
         mask: object | None = None,
         logit_rows: Tensor | None = None,
+        positions: Tensor | None = None,
     ) -> DraftOutput:
-        """Logits of N COD elements of one packed row.
+        """Logits of N COD elements of one packed row (or of several rows laid side by side, see ``positions``).
 
         Args:
             input_ids: [T] token x_{i+1} paired with hidden row i.
@@ -346,9 +347,15 @@ class PEagleDrafter(nn.Module):
                 "sdpa-full" (one dense [N, N] mask) or "flex" (BlockMask, flex attention; GPU training).
             mask: a precomputed mask of the elements (DocumentBlocks, dense [N, N] bool, or BlockMask).
             logit_rows: when given, logits (and label_index, position_ids) of these element rows only.
+            positions: [T] position of each index within its own row (default: the index). Rows laid side by side
+                (documents numbered apart, so no element sees another row) pass each row's own 0 .. T_row - 1.
         """
         cfg = self.config
         self._check_row(input_ids, hidden, document_ids)
+        if positions is not None and positions.shape != hidden.shape[:1]:
+            raise ValueError(
+                f"positions must be [T] with T = {hidden.shape[0]} (hidden rows), got {tuple(positions.shape)}"
+            )
         dtype = self.fc.weight.dtype
         projected = self.project(hidden.to(dtype))  # fc on the T depth-0 rows ...
         mask_projected = self.projected_mask_hidden()  # ... and once on mask_hidden
@@ -356,8 +363,9 @@ class PEagleDrafter(nn.Module):
         if mask is None:
             mask = self.element_mask(anchors, depths, document_ids, attention)
         embeds = self.embed_tokens(inputs.ids)
-        out = self._trunk(embeds, inputs.feats, inputs.position_ids, mask)
-        label_index, position_ids = inputs.label_index, inputs.position_ids
+        position_ids = inputs.position_ids if positions is None else positions[anchors] + depths
+        out = self._trunk(embeds, inputs.feats, position_ids, mask)
+        label_index = inputs.label_index
         if logit_rows is not None:
             out, label_index, position_ids = out[logit_rows], label_index[logit_rows], position_ids[logit_rows]
         return DraftOutput(self.lm_head(out), label_index, position_ids)

@@ -1,11 +1,12 @@
 """Step 3, train: COD sampling + fused gather + P-EAGLE masks + sequence partitioning, distillation to the target.
 
 One optimizer step takes ``batch_size`` rows (global). Row slot j of the run (step k holds slots kB .. kB + B - 1) is a
-fixed row of a seeded per-epoch permutation, and its COD elements come from a seed derived from j: the data and the
-elements of a step do not depend on the number of processes or on where a run was resumed. Under torchrun each process
-takes the slots of its rank (B must divide by the world size), and the gradients are summed across processes after
-the local rows (and their segments) are accumulated, each row's loss already divided by B: the result is the
-single-process gradient of the same global batch.
+fixed training row of a seeded per-epoch permutation, and its COD elements come from a seed derived from j: the data
+and the elements of a step do not depend on the number of processes, the micro-batch size or on where a run was
+resumed. Each process takes the slots of its rank (B must divide by the world size) and runs them in micro-batches of
+``micro_batch_size`` rows packed side by side, accumulating gradients; each row's loss is its weighted mean over its
+elements divided by B, so a step's gradient is that of the mean row loss of the global batch whatever the split.
+DistributedDataParallel or FSDP2 reduce the gradients across processes (:mod:`peagle.train.parallel`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -33,16 +35,18 @@ from peagle.io import (
     remove_temporaries,
     staging_directory,
 )
-from peagle.model import DrafterConfig, PEagleDrafter, load_state_dict, save_pretrained, warm_start
+from peagle.model import DrafterConfig, DraftOutput, PEagleDrafter, load_state_dict, save_pretrained, warm_start
 from peagle.ops import cod_sample
 from peagle.train.data import load_tokenizer, resolve_mask_token
 from peagle.train.dataset import ExtractedData, TrainRow
+from peagle.train.evaluate import evaluate
 from peagle.train.extract import load_target_head
 from peagle.train.loss import distillation_loss, element_loss, new_stats, record_stats
+from peagle.train.parallel import ParallelDrafter
 from peagle.train.partition import partition_elements
 from peagle.train.ttt import step_weights, train_ttt_row
 
-__all__ = ["TrainArgs", "Trainer", "element_loss", "new_stats", "option", "train", "train_row"]
+__all__ = ["TrainArgs", "Trainer", "element_loss", "new_stats", "option", "pack_rows", "slot_row", "train", "train_row"]
 
 
 def option(default: Any = MISSING, help: str = "", *, flag: str | None = None, hidden: bool = False) -> Any:
@@ -99,8 +103,16 @@ class TrainArgs:
         1, "EAGLE-3 training-time test: unroll S autoregressive steps (own hidden state and drafted token fed back)"
     )
     ttt_step_weight: float = option(1.0, "loss weight of unrolled step s is W^s")
-    steps: int = option(1000, "optimizer steps")
+    steps: int | None = option(None, "optimizer steps (default 1000, or from --epochs)")
+    epochs: float | None = option(
+        None, "passes over the training rows instead of --steps: steps = ceil(epochs x rows / batch size)"
+    )
     batch_size: int = option(1, "rows per step, all processes together")
+    micro_batch_size: int = option(
+        1,
+        "rows per forward pass on each process, packed side by side (no row sees another); a step accumulates the "
+        "gradients of its ceil(batch size / (processes x this)) micro-batches",
+    )
     lr: float = option(3e-4, "peak learning rate")
     min_lr_ratio: float = option(0.1, "cosine floor as a fraction of --lr")
     warmup_steps: int = option(10, "linear warmup steps")
@@ -111,11 +123,26 @@ class TrainArgs:
         None,
         "sdpa: dense mask per document; sdpa-full: one N x N mask; flex: BlockMask (default: flex on GPU, sdpa on CPU)",
     )
+    eval_every: int = option(
+        0, "every N steps (and after the last) log the held-out loss and acceptance length to metrics.jsonl, 0 = off"
+    )
+    eval_data: str | None = option(None, "held-out rows: an extract directory (default: rows held out of --data)")
+    eval_rows: int = option(
+        16,
+        "held-out rows: the first N of --eval-data, or N rows of --data that are then never trained on (a permutation "
+        "with a fixed seed: the same rows for every run on the same data)",
+    )
+    eval_ar_depths: int = option(4, "drafts per chain of the held-out autoregressive acceptance of --depths 1")
+    fsdp: bool = option(
+        False, "under torchrun: shard the drafter with FSDP2 (fully_shard) instead of replicating it (DDP)"
+    )
     save_every: int = option(0, "checkpoint every N steps, 0 = only at the end")
     log_every: int = option(1, "metrics.jsonl record every N steps")
     resume: bool = option(False, "continue from the latest complete checkpoint in --out")
     overwrite: bool = option(False, "clear a non-empty --out first (without it or --resume, a used --out is refused)")
     tensorboard: bool = option(False, "also log to TensorBoard (needs tensorboard)")
+    # Drawn by `peagle train` (the command), not by the trainer: plotting needs matplotlib (the demo extra).
+    plot: bool = option(False, "after training, draw loss, accuracy and held-out acceptance to OUT/training.png")
     # Tests: write the summed gradients of this step to OUT/grads-STEP.pt (partitioned == whole-row gradients).
     save_grads_step: int | None = option(None, "write the gradients of this step", hidden=True)
     progress: bool = option(True, "no progress bar", flag="--quiet")
@@ -139,8 +166,13 @@ class TrainArgs:
             ("ttt_steps", 1 <= self.ttt_steps <= 64, "in [1, 64]"),
             ("ttt_step_weight", 0 < self.ttt_step_weight < math.inf, "positive"),
             ("memory_budget_mb", optional(self.memory_budget_mb, lambda v: 0 < v < math.inf), "positive"),
-            ("steps", self.steps >= 0, "at least 0"),
+            ("steps", optional(self.steps, lambda v: v >= 0), "at least 0"),
+            ("epochs", optional(self.epochs, lambda v: 0 < v < math.inf), "positive"),
             ("batch_size", self.batch_size >= 1, "at least 1"),
+            ("micro_batch_size", self.micro_batch_size >= 1, "at least 1"),
+            ("eval_every", self.eval_every >= 0, "at least 0 (0 = off)"),
+            ("eval_rows", self.eval_rows >= 1, "at least 1"),
+            ("eval_ar_depths", self.eval_ar_depths >= 1, "at least 1"),
             ("lr", 0 < self.lr < math.inf, "positive"),
             ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
             ("warmup_steps", self.warmup_steps >= 0, "at least 0"),
@@ -167,9 +199,12 @@ class TrainArgs:
             for bad, needed in clash:
                 if bad:
                     raise ValueError(f"--ttt-steps {self.ttt_steps} needs {needed}")
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError(f"give --steps ({self.steps}) or --epochs ({self.epochs}), not both")
         if self.resume and self.overwrite:
             raise ValueError("--overwrite clears --out, --resume continues it: give one of them")
-        check_output_directory(self.out, {"--data": self.data})
+        inputs = {"--data": self.data, **({"--eval-data": self.eval_data} if self.eval_data else {})}
+        check_output_directory(self.out, inputs)
 
 
 def _flag(name: str) -> str:
@@ -196,6 +231,29 @@ def choose_segments(num_elements: int, config: DrafterConfig, budget_mb: float) 
     return 1024
 
 
+def pack_rows(
+    rows: list[TrainRow], elements: list[tuple[Tensor, Tensor]]
+) -> tuple[TrainRow, Tensor, Tensor, Tensor, Tensor]:
+    """Several rows side by side as one micro-batch row: documents renumbered so that none spans two rows (the mask
+    never lets an element see another row), each row's anchors shifted by its start. Returns the packed row, its
+    anchors and depths, ``positions`` (each index's position within its own row, the RoPE positions it has alone)
+    and ``row_index`` (the row of each index, for per-row loss means)."""
+    packed, anchors, depths, positions, row_index = [], [], [], [], []
+    start = doc_offset = 0
+    for j, (row, (a, d)) in enumerate(zip(rows, elements, strict=True)):
+        docs = row.document_ids
+        packed.append(row._replace(document_ids=torch.where(docs >= 0, docs + doc_offset, docs)))
+        doc_offset += int(docs.max()) + 1 if docs.numel() else 0
+        anchors.append(a + start)
+        depths.append(d)
+        length = docs.numel()
+        positions.append(torch.arange(length, device=docs.device))
+        row_index.append(torch.full((length,), j, dtype=torch.long, device=docs.device))
+        start += length
+    row = TrainRow(*(torch.cat(parts) for parts in zip(*packed, strict=True)))
+    return row, torch.cat(anchors), torch.cat(depths), torch.cat(positions), torch.cat(row_index)
+
+
 def train_row(
     model: PEagleDrafter,
     row: TrainRow,
@@ -210,20 +268,32 @@ def train_row(
     attention: str = "sdpa",
     scale: float = 1.0,
     stats: dict[str, Any] | None = None,
+    positions: Tensor | None = None,
+    row_index: Tensor | None = None,
+    forward: Callable[..., DraftOutput] | None = None,
+    backward: bool = True,
 ) -> dict[str, Any]:
-    """Forward + backward of one row's COD elements (S segments one after another), the row's loss being the
-    weighted mean over its valid elements, times ``scale``. Returns (and accumulates into) ``stats``."""
+    """Forward (+ backward) of one row's COD elements (S segments one after another), the row's loss being the
+    weighted mean over its valid elements, times ``scale``. Returns (and accumulates into) ``stats``.
+
+    Several rows packed by :func:`pack_rows` pass their ``positions`` and ``row_index``: the loss is then the sum of
+    the rows' own means. ``forward`` runs ``model.forward_train`` (default: that method; a DDP / FSDP wrapper's
+    forward when distributed). ``backward=False`` only measures (under ``torch.no_grad``, e.g. held-out loss)."""
     num_depths = depth_weights.numel()
     stats = stats if stats is not None else new_stats(num_depths)
+    forward = forward or model.forward_train
     dev = anchors.device
     label = anchors + depths
     docs = row.document_ids
     valid = row.loss_mask[label] & (docs[anchors] >= 0) & (docs[label] == docs[anchors])
     weight = valid.float() * depth_weights[depths]
-    denominator = float(weight.sum())
     stats["elements"] += anchors.numel()
-    if denominator == 0:
+    groups = row_index[anchors] if row_index is not None else torch.zeros_like(anchors)
+    denominators = torch.zeros(int(groups.max()) + 1 if groups.numel() else 1, dtype=weight.dtype, device=dev)
+    denominators.index_add_(0, groups, weight)
+    if not bool((denominators > 0).any()):
         return stats
+    weight = weight / torch.where(denominators > 0, denominators, 1)[groups]  # each row's weighted mean
     # Drop elements that influence no loss: padding, and depth-0 elements after the last loss-carrying anchor of
     # their document (every query sees only keys at or before its own anchor). Exact: no kept element's keys change.
     elem_docs = docs[anchors]
@@ -245,15 +315,22 @@ def train_row(
             continue
         with autocast:
             # LM head only on the elements that carry loss (padding / untrained rows need no logits).
-            out = model.forward_train(
-                row.input_ids, row.hidden, seg_anchors, seg_depths, docs, attention=attention, logit_rows=keep
+            out = forward(
+                row.input_ids,
+                row.hidden,
+                seg_anchors,
+                seg_depths,
+                docs,
+                attention=attention,
+                logit_rows=keep,
+                positions=positions,
             )
         logits = out.logits.to(torch.promote_types(out.logits.dtype, torch.float32))
         loss, correct = distillation_loss(
             logits, out.label_index, w[keep], row.target_hidden, target_lm_head, draft_ids, loss_kind
         )
-        loss = loss / denominator
-        (loss * scale).backward()
+        if backward:
+            (loss * scale).backward()
         record_stats(stats, loss * scale, correct, seg_depths[keep])
     return stats
 
@@ -270,6 +347,8 @@ class Trainer:
         self.args = args
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
+        if args.fsdp and self.world < 2:
+            raise ValueError("--fsdp shards the drafter over processes: run it under torchrun with 2 or more")
         self.device = torch.device(
             f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
         )
@@ -281,6 +360,12 @@ class Trainer:
             raise ValueError(f"batch_size ({args.batch_size}) must be a multiple of the process count ({self.world})")
         self.attention = args.attention or ("flex" if self.device.type == "cuda" else "sdpa")
         self.data = ExtractedData(args.data)
+        self.train_rows, self.held_out = self._split_rows()
+        self.eval_data = ExtractedData(args.eval_data) if args.eval_data else self.data
+        self.eval_rows = self.held_out or list(range(min(args.eval_rows, len(self.eval_data))))
+        self.total_steps = args.steps if args.steps is not None else 1000
+        if args.epochs is not None:
+            self.total_steps = math.ceil(args.epochs * len(self.train_rows) / args.batch_size)
         self.out = Path(args.out)
         manifest = self.data.manifest
         head = load_target_head(args.data)
@@ -317,9 +402,11 @@ class Trainer:
         self._init_from_target(head)
         self.warm_start = warm_start(self.model, args.init_from) if args.init_from else None
         self.draft_ids = self.model.draft_ids()
+        mode = "fsdp" if args.fsdp else "ddp" if self.world > 1 else "single"
+        self.parallel = ParallelDrafter(self.model, mode, self.world, self.device)  # before the optimizer: shards
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: _lr_lambda(s, args.warmup_steps, args.steps, args.min_lr_ratio)
+            self.optimizer, lambda s: _lr_lambda(s, args.warmup_steps, self.total_steps, args.min_lr_ratio)
         )
         self.step = 0
         self.writer = None
@@ -341,14 +428,24 @@ class Trainer:
         self.model.embed_tokens.weight.copy_(head["embed_tokens.weight"][: cfg.vocab_size])
         self.model.lm_head.weight.copy_(head["lm_head.weight"][self.model.draft_ids().cpu()])
 
+    def _split_rows(self) -> tuple[list[int], list[int]]:
+        """(training rows, held-out rows) of --data. Rows are held out only for held-out evaluation without
+        --eval-data: the first --eval-rows of a permutation with the fixed seed HOLDOUT_SEED (not --seed, so runs
+        with other seeds or settings on the same data share them), in increasing order."""
+        a, rows = self.args, len(self.data)
+        if not a.eval_every or a.eval_data is not None:
+            return list(range(rows)), []
+        if a.eval_rows >= rows:
+            raise ValueError(f"--eval-rows ({a.eval_rows}) must leave rows to train on: --data has {rows}")
+        order = torch.randperm(rows, generator=torch.Generator().manual_seed(HOLDOUT_SEED))
+        held = set(order[: a.eval_rows].tolist())
+        return [r for r in range(rows) if r not in held], sorted(held)
+
     # -----------------------------------------------------------------------------------------------------------------
 
     def row_slot(self, slot: int) -> int:
-        rows = len(self.data)
-        epoch, offset = divmod(slot, rows)
-        seed = (self.args.seed * 7919 + epoch) % 2**63  # the same seeds as ever below 2^63 / 7919
-        perm = torch.randperm(rows, generator=torch.Generator().manual_seed(seed))
-        return int(perm[offset])
+        """The --data row of slot ``slot`` (see :func:`slot_row`)."""
+        return slot_row(self.train_rows, self.args.seed, slot)
 
     def row_elements(self, row: TrainRow, slot: int) -> tuple[Tensor, Tensor]:
         a = self.args
@@ -356,16 +453,23 @@ class Trainer:
         depths = max(a.num_depths, a.ttt_steps)  # TTT: step s of the unroll is depth s
         return cod_sample(row.loss_mask, row.document_ids, depths, a.ratio, a.ratio_min, a.max_anchors, seed)
 
-    def row_loss_backward(self, row: TrainRow, slot: int, scale: float, stats: dict[str, Any]) -> None:
-        """Forward + backward of one row (segment by segment), loss scaled by ``scale``; fills ``stats``."""
-        row = TrainRow(*(t.to(self.device) for t in row))
-        anchors, depths = self.row_elements(row, slot)
-        if self.args.ttt_steps > 1:
-            train_ttt_row(
-                self.model, row, anchors, depths, self.target_lm_head, self.draft_ids, self.depth_weights,
-                loss_kind=self.args.loss, scale=scale, stats=stats,
-            )  # fmt: skip
+    def micro_batch_backward(self, slots: list[int], scale: float, stats: dict[str, Any]) -> None:
+        """Forward + backward of the rows of ``slots`` packed into one row (segment by segment), each row's loss
+        scaled by ``scale``; fills ``stats``."""
+        rows = [TrainRow(*(t.to(self.device) for t in self.data.row(self.row_slot(slot)))) for slot in slots]
+        elements = [self.row_elements(row, slot) for row, slot in zip(rows, slots, strict=True)]
+        if self.args.ttt_steps > 1:  # the unroll runs row by row
+            for row, (anchors, depths) in zip(rows, elements, strict=True):
+                train_ttt_row(
+                    self.model, row, anchors, depths, self.target_lm_head, self.draft_ids, self.depth_weights,
+                    loss_kind=self.args.loss, scale=scale, stats=stats,
+                )  # fmt: skip
             return
+        positions = row_index = None
+        if len(rows) == 1:
+            row, (anchors, depths) = rows[0], elements[0]
+        else:
+            row, anchors, depths, positions, row_index = pack_rows(rows, elements)
         segments = self.args.segments
         if self.args.memory_budget_mb:
             segments = choose_segments(anchors.numel(), self.config, self.args.memory_budget_mb)
@@ -382,6 +486,9 @@ class Trainer:
             attention=self.attention,
             scale=scale,
             stats=stats,
+            positions=positions,
+            row_index=row_index,
+            forward=self.parallel.forward,
         )
 
     def train_step(self) -> dict[str, Any]:
@@ -390,38 +497,24 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=False)
         stats = new_stats(self.depth_weights.numel())
-        slots = range(self.step * args.batch_size, (self.step + 1) * args.batch_size)
-        for slot in list(slots)[self.rank :: self.world]:
-            self.row_loss_backward(self.data.row(self.row_slot(slot)), slot, 1.0 / args.batch_size, stats)
-        params = list(self.model.parameters())
-        for p in params:
-            if p.grad is None:  # a rank whose rows carried no loss must still join the same all-reduce
+        slots = list(range(self.step * args.batch_size, (self.step + 1) * args.batch_size))[self.rank :: self.world]
+        # Each row's loss / B, times the process count that DDP / FSDP divide the summed gradients by.
+        scale = self.world / args.batch_size
+        with self.parallel.accumulate():
+            for first in range(0, len(slots), args.micro_batch_size):
+                self.micro_batch_backward(slots[first : first + args.micro_batch_size], scale, stats)
+        self.parallel.sync()
+        for p in self.model.parameters():
+            if p.grad is None:  # a drafter part no row reached still takes its (zero-gradient) AdamW step
                 p.grad = torch.zeros_like(p)
         if self.world > 1:
-            flat = torch.cat([p.grad.flatten() for p in params])
-            dist.all_reduce(flat)
-            offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
-            packed = torch.cat(
-                [
-                    torch.tensor([stats["loss"], stats["elements"]], dtype=torch.float64),
-                    stats["correct"],
-                    stats["count"],
-                ]
-            )
-            dist.all_reduce(packed)
-            stats["loss"], stats["elements"] = float(packed[0]), int(packed[1])
-            k = self.depth_weights.numel()
-            stats["correct"], stats["count"] = packed[2 : 2 + k], packed[2 + k :]
-        if args.save_grads_step is not None and self.step == args.save_grads_step and self.rank == 0:
-            atomic_torch_save(
-                self.out / f"grads-{self.step}.pt", {n: p.grad.clone() for n, p in self.model.named_parameters()}
-            )
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf")
-        )
+            _all_reduce_stats(stats)
+        stats["loss"] /= self.world
+        if args.save_grads_step is not None and self.step == args.save_grads_step:
+            grads = self.parallel.full_gradients()  # every process: a collective under FSDP
+            if self.rank == 0:
+                atomic_torch_save(self.out / f"grads-{self.step}.pt", grads)
+        grad_norm = self.parallel.clip_grad_norm(args.grad_clip if args.grad_clip > 0 else float("inf"))
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
@@ -430,9 +523,10 @@ class Trainer:
         acc = (stats["correct"] / stats["count"].clamp(min=1)).tolist()
         return {
             "step": self.step,
+            "epoch": self.step * args.batch_size / len(self.train_rows),
             "loss": stats["loss"],
             "lr": lr,
-            "grad_norm": float(grad_norm),
+            "grad_norm": grad_norm,
             "elements": stats["elements"],
             "elements_per_s": stats["elements"] / elapsed,
             "tokens_per_s": args.batch_size * self.data.manifest["seq_len"] / elapsed,
@@ -441,21 +535,79 @@ class Trainer:
 
     # -----------------------------------------------------------------------------------------------------------------
 
+    def evaluate_held_out(self) -> dict[str, float]:
+        """Held-out loss (the training objective on fixed COD elements per row) and offline acceptance length of the
+        current weights on the held-out rows (see TrainArgs.eval_rows): chains drafted in parallel, and for K = 1
+        also autoregressively (``--eval-ar-depths`` drafts, as EAGLE-3 serves). Computed on rank 0."""
+        args = self.args
+        drafter = self.parallel.full_drafter()  # every process: a collective under FSDP
+        record: dict[str, float] = {}
+        if drafter is not None:
+            directory = args.eval_data or args.data
+            record["eval_loss"] = self.held_out_loss(drafter)
+            chain = evaluate(drafter, directory, rows=self.eval_rows)
+            record["eval_acceptance_length"] = chain["acceptance_length"]
+            record |= {f"eval_acc_{d}": v for d, v in enumerate(chain["top1_accuracy"])}
+            if args.num_depths == 1:
+                served = evaluate(
+                    drafter, directory, rows=self.eval_rows, depth=args.eval_ar_depths, autoregressive=True
+                )
+                record["eval_ar_acceptance_length"] = served["acceptance_length"]
+        if self.world > 1:
+            dist.barrier()
+        return record
+
+    @torch.no_grad()
+    def held_out_loss(self, drafter: PEagleDrafter) -> float:
+        """Mean per-row loss over the held-out rows; row r's COD elements come from a seed of r alone, so every
+        evaluation of a run scores the same elements."""
+        args = self.args
+        drafter.eval()
+        stats = new_stats(args.num_depths)
+        for index in self.eval_rows:
+            row = TrainRow(*(t.to(self.device) for t in self.eval_data.row(index)))
+            seed = (HOLDOUT_SEED + index) % (2**31 - 1)
+            anchors, depths = cod_sample(
+                row.loss_mask, row.document_ids, args.num_depths, args.ratio, args.ratio_min, args.max_anchors, seed
+            )
+            train_row(
+                drafter,
+                row,
+                anchors,
+                depths,
+                self.target_lm_head,
+                self.draft_ids,
+                self.depth_weights,
+                loss_kind=args.loss,
+                segments=args.segments,
+                attention=self.attention,
+                scale=1.0 / len(self.eval_rows),
+                stats=stats,
+                backward=False,
+            )
+        return stats["loss"]
+
+    # -----------------------------------------------------------------------------------------------------------------
+
     def save(self, final: bool = False) -> Path:
         """Writes ``final`` or ``checkpoint-STEP`` whole: built in a staging directory, published by one rename, and
-        only then named by ``latest.json``. A save killed at any point leaves the previous checkpoint the latest."""
+        only then named by ``latest.json``. A save killed at any point leaves the previous checkpoint the latest.
+        Weights and optimizer state are whole (gathered on rank 0 when sharded)."""
         name = "final" if final else f"checkpoint-{self.step:07d}"
         directory = self.out / name
+        drafter = self.parallel.full_drafter()  # every process: collectives under FSDP
+        optimizer = self.parallel.optimizer_state(self.optimizer)
         if self.rank == 0:
             staging = staging_directory(directory)
-            save_pretrained(self.model, staging)
+            save_pretrained(drafter, staging)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(str(staging / "tokenizer"))
             state = {
                 "step": self.step,
-                "optimizer": self.optimizer.state_dict(),
+                "optimizer": optimizer,
                 "scheduler": self.scheduler.state_dict(),
                 "args": asdict(self.args),
+                "held_out": self.held_out,
             }
             atomic_torch_save(staging / TRAINER_STATE, state)
             publish_directory(staging, directory)
@@ -480,20 +632,23 @@ class Trainer:
         directory = self.resumable_checkpoint()
         if directory is None:
             return False
-        state = torch.load(directory / TRAINER_STATE, map_location=self.device, weights_only=False)
+        state = torch.load(directory / TRAINER_STATE, map_location="cpu", weights_only=False)
         # Settings that change what a step computes must match, or the run would not continue exactly.
-        free = {"steps", "save_every", "log_every", "resume", "overwrite", "progress", "out", "tensorboard"}
-        free |= {"save_grads_step", "init_from"}  # resumed weights come from the checkpoint
         current = asdict(self.args)
-        changed = {k: (v, current.get(k)) for k, v in state["args"].items() if k not in free and current.get(k) != v}
+        changed = {
+            k: (v, current.get(k)) for k, v in state["args"].items() if k not in RESUME_FREE and current.get(k) != v
+        }
         if changed:
             detail = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
             raise ValueError(f"--resume with settings that differ from the checkpoint's ({detail})")
-        weights = load_state_dict(directory)
-        missing, unexpected = self.model.load_state_dict(weights, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"{directory} does not match this drafter: missing {missing}, unexpected {unexpected}")
-        self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("held_out", []) != self.held_out:
+            raise ValueError(
+                "--resume must train on the rows the checkpoint's run trained on: it held out "
+                f"{len(state.get('held_out', []))} rows of --data, this run {len(self.held_out)} (--eval-every, "
+                "--eval-data, --eval-rows)"
+            )
+        self.parallel.load_full_state_dict(load_state_dict(directory))
+        self.parallel.load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
         return True
@@ -508,24 +663,23 @@ class Trainer:
                 if key != "step":
                     self.writer.add_scalar(key, value, record["step"])
 
-    def run(self) -> list[dict[str, Any]]:
-        from tqdm import tqdm
-
+    def _prepare_output(self) -> None:
+        """Clears (--overwrite) or resumes --out; metrics of steps after the resumed checkpoint are dropped."""
         args = self.args
         if self.rank == 0:
             if args.overwrite and self.out.exists():
                 clear_directory(self.out)
             remove_temporaries(self.out)  # what killed saves left
         self.out.mkdir(parents=True, exist_ok=True)
+        path = self.out / "metrics.jsonl"
         if args.resume and self.load_latest():
             # Drop metrics of steps after the checkpoint (an interrupted run may have logged them).
-            path = self.out / "metrics.jsonl"
             if path.exists() and self.rank == 0:
                 kept = [ln for ln in path.read_text().splitlines() if json.loads(ln)["step"] <= self.step]
                 atomic_write_json_lines(path, kept)
         elif self.rank == 0:
-            if (self.out / "metrics.jsonl").exists():
-                (self.out / "metrics.jsonl").unlink()
+            if path.exists():
+                path.unlink()
             if self.warm_start is not None:  # a run that starts from the warm-started weights
                 atomic_write_json(self.out / "init_from.json", self.warm_start)
                 print(f"[peagle train] warm start from {args.init_from}: initialised {self.warm_start['initialised']}")
@@ -536,12 +690,22 @@ class Trainer:
                 raise ValueError("--tensorboard needs the tensorboard package (pip install tensorboard)") from err
 
             self.writer = SummaryWriter(str(self.out / "tensorboard"))
+
+    def run(self) -> list[dict[str, Any]]:
+        from tqdm import tqdm
+
+        args = self.args
+        self._prepare_output()
         records = []
-        bar = tqdm(total=args.steps, initial=self.step, desc="train", disable=not args.progress or self.rank != 0)
-        while self.step < args.steps:
+        total = self.total_steps
+        bar = tqdm(total=total, initial=self.step, desc="train", disable=not args.progress or self.rank != 0)
+        while self.step < total:
             record = self.train_step()
+            evaluated = bool(args.eval_every) and (self.step % args.eval_every == 0 or self.step == total)
+            if evaluated:
+                record |= self.evaluate_held_out()
             records.append(record)
-            if self.step % max(1, args.log_every) == 0 or self.step == args.steps:
+            if evaluated or self.step % max(1, args.log_every) == 0 or self.step == total:
                 self.log(record)
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.4f}", acc0=f"{record['acc_0']:.3f}")
@@ -553,6 +717,48 @@ class Trainer:
 
 
 TRAINER_STATE = "trainer_state.pt"
+# The held-out rows of --data (see Trainer._split_rows) and the COD seeds of the held-out loss.
+HOLDOUT_SEED = 20_251_130
+# Settings --resume may change: they do not change what a step computes (steps / epochs: how long the run goes).
+RESUME_FREE = {
+    "init_from",  # resumed weights come from the checkpoint
+    "steps",
+    "epochs",
+    "save_every",
+    "log_every",
+    "resume",
+    "overwrite",
+    "progress",
+    "out",
+    "tensorboard",
+    "plot",
+    "save_grads_step",
+    "eval_every",
+    "eval_data",
+    "eval_rows",
+    "eval_ar_depths",
+    "fsdp",
+}
+
+
+def slot_row(train_rows: list[int], seed: int, slot: int) -> int:
+    """The row trained in slot ``slot`` of a run with ``seed``: epoch e = slot // len(train_rows) visits the training
+    rows in a permutation seeded with (seed, e), so an epoch sees every training row once and the order does not
+    depend on where a run resumed."""
+    epoch, offset = divmod(slot, len(train_rows))
+    generator = torch.Generator().manual_seed((seed * 7919 + epoch) % 2**63)  # the same seeds as ever below 2^63/7919
+    return train_rows[int(torch.randperm(len(train_rows), generator=generator)[offset])]
+
+
+def _all_reduce_stats(stats: dict[str, Any]) -> None:
+    """Sums the step's loss, element count and per-depth accuracy counts over the processes (metrics only)."""
+    k = stats["correct"].numel()
+    packed = torch.cat(
+        [torch.tensor([stats["loss"], stats["elements"]], dtype=torch.float64), stats["correct"], stats["count"]]
+    )
+    dist.all_reduce(packed)
+    stats["loss"], stats["elements"] = float(packed[0]), int(packed[1])
+    stats["correct"], stats["count"] = packed[2 : 2 + k], packed[2 + k :]
 
 
 def _complete_checkpoint(directory: Path) -> bool:
