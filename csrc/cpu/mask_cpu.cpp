@@ -6,7 +6,7 @@
 
 #include <algorithm>
 #include <climits>
-#include <cstring>
+#include <cstdlib>
 #include <tuple>
 
 #include "checks/mask.h"
@@ -58,6 +58,12 @@ bool fits_int32(const at::Tensor& t) {
   return t.numel() == 0 || (t.min().item<int64_t>() >= INT32_MIN + 1 && t.max().item<int64_t>() <= INT32_MAX - 1);
 }
 
+at::Tensor zeroed_bool_matrix(int64_t n, const at::TensorOptions& options) {
+  void* data = std::calloc(static_cast<size_t>(std::max<int64_t>(n * n, 1)), 1);
+  TORCH_CHECK(data != nullptr, "peagle: out of memory for a ", n, " x ", n, " mask");
+  return at::from_blob(data, {n, n}, [](void* p) { std::free(p); }, options.dtype(at::kBool));
+}
+
 // Maximal runs of consecutive elements of one document, grouped by document (runs ascending within a group): a dense
 // row evaluates the predicate on its own document's runs only and zero-fills the rest. COD lays out each depth sorted
 // by anchor, so a document has about one run per depth.
@@ -94,11 +100,10 @@ DocumentRuns document_runs(const at::Tensor& doc_c) {
 at::Tensor dense_from_lows(const at::Tensor& a_c, const at::Tensor& d_c, const at::Tensor& doc_c,
                            const at::Tensor& low) {
   const int64_t n = a_c.size(0);
-  at::Tensor out = at::empty({n, n}, a_c.options().dtype(at::kBool));
-  bool* o = out.data_ptr<bool>();
   if (!(fits_int32(a_c) && fits_int32(d_c) && fits_int32(doc_c))) {
-    mask_dense_rows_int64(o, n, a_c.data_ptr<int64_t>(), d_c.data_ptr<int64_t>(), doc_c.data_ptr<int64_t>(),
-                          low.data_ptr<int64_t>());
+    at::Tensor out = at::empty({n, n}, a_c.options().dtype(at::kBool));
+    mask_dense_rows_int64(out.data_ptr<bool>(), n, a_c.data_ptr<int64_t>(), d_c.data_ptr<int64_t>(),
+                          doc_c.data_ptr<int64_t>(), low.data_ptr<int64_t>());
     return out;
   }
   const at::Tensor a32 = a_c.to(at::kInt), d32 = d_c.to(at::kInt), doc32 = doc_c.to(at::kInt);
@@ -113,28 +118,29 @@ at::Tensor dense_from_lows(const at::Tensor& a_c, const at::Tensor& d_c, const a
   const DocumentRuns runs = document_runs(doc_c);
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(n, 1));
   if (!runs.worthwhile) {
+    at::Tensor out = at::empty({n, n}, a_c.options().dtype(at::kBool));
+    bool* o = out.data_ptr<bool>();
     at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
       for (int64_t q = begin; q < end; ++q) mask::dense_row(o + q * n, n, a[q], d[q], doc[q], lo[q], doc, a, d, root);
     });
     return out;
   }
+  // Zeroed by calloc: a large calloc maps fresh zero pages without writing them, and a row writes only its own
+  // document's runs, so the other documents' cells cost nothing until read.
+  at::Tensor out = zeroed_bool_matrix(n, a_c.options());
+  bool* o = out.data_ptr<bool>();
   const int64_t* run_begin = runs.begin.data_ptr<int64_t>();
   const int64_t* run_end = runs.end.data_ptr<int64_t>();
   const int64_t* group_start = runs.group_start.data_ptr<int64_t>();
   const int64_t* group = runs.element_group.data_ptr<int64_t>();
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     for (int64_t q = begin; q < end; ++q) {
+      if (doc[q] == -1) continue;
       bool* row = o + q * n;
-      int64_t pos = 0;
-      if (doc[q] != -1) {
-        for (int64_t r = group_start[group[q]]; r < group_start[group[q] + 1]; ++r) {
-          const int64_t b = run_begin[r], e = run_end[r];
-          std::memset(row + pos, 0, b - pos);
-          mask::dense_row(row + b, e - b, a[q], d[q], doc[q], lo[q], doc + b, a + b, d + b, root + b);
-          pos = e;
-        }
+      for (int64_t r = group_start[group[q]]; r < group_start[group[q] + 1]; ++r) {
+        const int64_t b = run_begin[r], e = run_end[r];
+        mask::dense_row(row + b, e - b, a[q], d[q], doc[q], lo[q], doc + b, a + b, d + b, root + b);
       }
-      std::memset(row + pos, 0, n - pos);
     }
   });
   return out;
