@@ -104,7 +104,7 @@ def format_table(rows: list[dict]) -> str:
 def verdict(baseline_ms: float, ours_ms: float, unit: str | None = None) -> str:
     if unit:  # values, higher is better
         ratio = ours_ms / baseline_ms if baseline_ms else float("inf")
-        return f"{ratio:.1f}x {unit}" if ratio >= 1 else f"**peagle loses: {1 / ratio:.1f}x fewer {unit}**"
+        return f"{ratio:.1f}x more {unit}" if ratio >= 1 else f"**peagle loses: {1 / ratio:.1f}x fewer {unit}**"
     ratio = baseline_ms / ours_ms
     if ratio >= 1:
         return f"{ratio:.1f}x faster"

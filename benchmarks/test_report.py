@@ -69,7 +69,7 @@ def test_value_cases_compare_the_largest_value():
     row = next(line for line in report.markdown_report([("r.json", run)]).splitlines() if "| longest |" in line)
     cells = row.split(" | ")
     assert cells[2] == "peagle-S4 16384 tokens" and cells[3] == "spec" and cells[4] == "2048 tokens"
-    assert cells[5] == "8.0x tokens" and "other 1024 tokens (16.0x)" in cells[6]
+    assert cells[5] == "8.0x more tokens" and "other 1024 tokens (16.0x)" in cells[6]
     losing = dict(run, benchmarks=[longest("peagle-S1", 1024, 1.0), longest("spec", 4096, 1.0)])
     row = next(line for line in report.markdown_report([("r.json", losing)]).splitlines() if "| longest |" in line)
     assert "**peagle loses: 4.0x fewer tokens**" in row

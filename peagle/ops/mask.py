@@ -22,6 +22,13 @@ The paper's amortized construction (precompute the mask once for the longest len
 chain, so one number per row holds it; each sample's dense and block masks are sliced out of it (rows looked up by
 (d, a), documents applied per sample). Both ops run the same kernels as :func:`mask_dense` / :func:`mask_block`, with
 the window's bound read from the table instead of computed.
+
+Defaults: both paths are exact against the predicate, and ``benchmarks/bench_mask.py`` measures them equal within
+noise at T = 2048-16384 (what a sample costs is its documents and writing its output, which no table amortises; looking
+the bound up costs what computing it does). So training keeps the paths that need no maximum length up front:
+:func:`mask_dense` for SDPA (``peagle.model.drafter.document_blocks``, one per document, and
+``peagle.train.partition.segment_masks``) and :class:`BlockMaskBuilder` for flex attention
+(``PEagleDrafter.element_mask``, ``segment_masks``).
 """
 
 from __future__ import annotations
