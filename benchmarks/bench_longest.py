@@ -11,7 +11,8 @@ probe does not fit, then bisects to a multiple of 256.
     .venv-cpu/bin/python -m pytest benchmarks/bench_longest.py -q -p no:cacheprovider --benchmark-json=longest.json
     .venv-cpu/bin/python benchmarks/bench_longest.py            # the table
 
-PEAGLE_BENCH_MEMORY_CAP_MIB (default 512) sets the cap; PEAGLE_BENCH_SMOKE=1 uses 64 MiB.
+PEAGLE_BENCH_MEMORY_CAP_MIB (default 512) sets the cap; PEAGLE_BENCH_SMOKE=1 uses 64 MiB, two implementations and
+T <= 1024. RESULTS.md's row used a 128 MiB cap (a few minutes per implementation on 2 loaded cores).
 """
 
 from __future__ import annotations
@@ -29,8 +30,12 @@ from common import SMOKE
 CAP_MIB = float(os.environ.get("PEAGLE_BENCH_MEMORY_CAP_MIB", "64" if SMOKE else "512"))
 HIDDEN, LAYERS, INTERMEDIATE, VOCAB = 128, 1, 384, 2048
 COD = (5, 0.7, 0.2, 128)  # K, ratio, ratio_min, max_anchors (the demo's)
-IMPLS = ["speculators-0.9.0", "peagle-S1", "peagle-S2", "peagle-S4", "peagle-S8"]
-START, GRANULE, LIMIT = 512, 256, 1 << 18
+IMPLS = (
+    ["speculators-0.9.0", "peagle-S2"]
+    if SMOKE
+    else ["speculators-0.9.0", "peagle-S1", "peagle-S2", "peagle-S4", "peagle-S8"]
+)
+START, GRANULE, LIMIT = 512, 256, 1024 if SMOKE else 1 << 18  # smoke: at most three probes per implementation
 
 _CHILD = r"""
 import json, sys
@@ -49,7 +54,8 @@ def _vm_kib(field: str) -> int:
 
 
 def import_speculators_peagle():
-    """The root conftest's import shim of speculators' P-EAGLE classes (benchmarks/conftest.py shadows its name)."""
+    """The root conftest's import shim of speculators' P-EAGLE classes, in a probe's own process (benchmarks/conftest.py
+    shadows the name; under pytest use the ``speculators_peagle`` fixture, which must not run twice)."""
     import importlib.util
 
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conftest.py")
@@ -129,10 +135,10 @@ def case_name() -> str:
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_longest_sequence(benchmark, impl):
+def test_longest_sequence(benchmark, request, impl):
     if impl.startswith("speculators"):
         try:
-            import_speculators_peagle()
+            request.getfixturevalue("speculators_peagle")  # the root conftest's shim, once per session
         except ImportError:
             pytest.skip("speculators 0.9.0 is not installed")
     result = {}
