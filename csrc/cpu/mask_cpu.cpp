@@ -37,7 +37,9 @@ at::Tensor window_lows(const at::Tensor& anchors_c, const at::Tensor& depths_c, 
 }
 
 at::Tensor table_lows(const at::Tensor& table, const at::Tensor& anchors_c, const at::Tensor& depths_c) {
-  return table.to(at::kLong).reshape(-1).index_select(0, depths_c * table.size(1) + anchors_c).contiguous();
+  // Bounds past +-kBig mean what +-kBig means (anchors are far inside): clamped so summaries stay in their range.
+  const at::Tensor flat = table.to(at::kLong).reshape(-1).index_select(0, depths_c * table.size(1) + anchors_c);
+  return flat.clamp(-mask::kBig, mask::kBig).contiguous();
 }
 
 namespace {

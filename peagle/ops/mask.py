@@ -346,7 +346,7 @@ def _window_lows(anchors: Tensor, depths: Tensor, window: int | None) -> Tensor:
 
 
 def _table_lows(table: Tensor, anchors: Tensor, depths: Tensor) -> Tensor:
-    return table.long()[depths.long(), anchors.long()]
+    return table.long()[depths.long(), anchors.long()].clamp(-_BIG, _BIG)  # as the kernels: +-2^61 is "no bound"
 
 
 def _dense_from_lows(anchors: Tensor, depths: Tensor, document_ids: Tensor, low: Tensor) -> Tensor:
