@@ -43,39 +43,43 @@ def speculators(request):
     return types.SimpleNamespace(**vars(spec), loss=loss)
 
 
-def config() -> DrafterConfig:
+def config(
+    hidden: int = HIDDEN, vocab: int = VOCAB, layers: int = 2, depths: int = K, intermediate: int | None = None
+) -> DrafterConfig:
     return DrafterConfig(
-        hidden_size=HIDDEN,
-        vocab_size=VOCAB,
-        num_layers=2,
-        num_heads=HIDDEN // 64,
-        num_kv_heads=HIDDEN // 64,
+        hidden_size=hidden,
+        vocab_size=vocab,
+        num_layers=layers,
+        num_heads=hidden // 64,
+        num_kv_heads=hidden // 64,
         head_dim=64,
-        intermediate_size=4 * HIDDEN,
-        mask_token_id=VOCAB - 1,
-        num_depths=K,
+        intermediate_size=intermediate or 4 * hidden,
+        mask_token_id=vocab - 1,
+        num_depths=depths,
         aux_layer_ids=[1, 2, 3],
     )
 
 
-def inputs():
+def inputs(length: int = LENGTH, hidden_size: int = HIDDEN, vocab: int = VOCAB):
     gen = torch.Generator().manual_seed(0)
-    row = random_packed_row(gen, LENGTH, mean_document_length=LENGTH / 4)
-    hidden = torch.randn(LENGTH, 3 * HIDDEN, generator=gen)
-    ids = torch.randint(0, VOCAB - 1, (LENGTH,), generator=gen)
-    last = torch.randn(LENGTH, HIDDEN, generator=gen)
+    row = random_packed_row(gen, length, mean_document_length=length / 4)
+    hidden = torch.randn(length, 3 * hidden_size, generator=gen)
+    ids = torch.randint(0, vocab - 1, (length,), generator=gen)
+    last = torch.randn(length, hidden_size, generator=gen)
     return row, hidden, ids, last
 
 
-def make_models(spec):
+def make_models(spec, cfg: DrafterConfig | None = None):
+    """peagle's drafter and, when speculators is installed, its PEagleDraftModel with the same weights."""
+    cfg = cfg or config()
     torch.manual_seed(0)
-    ours = PEagleDrafter(config())
+    ours = PEagleDrafter(cfg)
     if spec is None:
         return ours, None, None
-    d = config().to_speculators_dict()
+    d = cfg.to_speculators_dict()
     d["transformer_layer_config"]["attn_implementation"] = "sdpa"
     theirs = spec.PEagleDraftModel(spec.PEagleSpeculatorConfig.model_validate(d))
-    verifier_head = torch.randn(VOCAB, HIDDEN) * 0.05
+    verifier_head = torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.05
     with torch.no_grad():
         theirs.load_state_dict(ours.state_dict(), strict=False)
         theirs.verifier_lm_head.weight.copy_(verifier_head)
@@ -85,22 +89,24 @@ def make_models(spec):
     return ours, theirs, verifier_head
 
 
-def peagle_step(model, row, hidden, ids, last, head, seed=0):
+def peagle_step(model, row, hidden, ids, last, head, seed=0, segments=1, cod=(K, RATIO, RATIO_MIN, ANCHORS)):
     # The trainer consumes the target's final normalised hidden state; speculators normalises it inside its step.
     target_hidden = last * torch.rsqrt(last.pow(2).mean(-1, keepdim=True) + 1e-6)
     train_row_in = TrainRow(ids, hidden, target_hidden, row.document_ids, row.loss_mask)
-    anchors, depths = cod_sample(row.loss_mask, row.document_ids, K, RATIO, RATIO_MIN, ANCHORS, seed)
+    anchors, depths = cod_sample(row.loss_mask, row.document_ids, *cod, seed)
     model.zero_grad(set_to_none=True)
-    stats = train_row(model, train_row_in, anchors, depths, head, model.draft_ids(), torch.ones(K))
+    weights = torch.ones(cod[0])
+    stats = train_row(model, train_row_in, anchors, depths, head, model.draft_ids(), weights, segments=segments)
     return stats["loss"], stats["elements"]
 
 
-def speculators_step(model, row, hidden, ids, last, loss_config):
+def speculators_step(model, row, hidden, ids, last, loss_config, cod=(K, RATIO, RATIO_MIN, ANCHORS)):
+    depths, ratio, ratio_min, anchors = cod
     model.zero_grad(set_to_none=True)
     _, loss, _ = model(
         hidden[None], ids[None], row.document_ids[None], loss_mask=row.loss_mask[None].float(),
-        verifier_last_hidden_states=last[None], loss_config=loss_config, max_anchors=ANCHORS, num_depths=K,
-        down_sample_ratio=RATIO, down_sample_ratio_min=RATIO_MIN,
+        verifier_last_hidden_states=last[None], loss_config=loss_config, max_anchors=anchors, num_depths=depths,
+        down_sample_ratio=ratio, down_sample_ratio_min=ratio_min,
     )  # fmt: skip
     loss.backward()
     return float(loss), None

@@ -15,7 +15,11 @@ def pytest_benchmark_update_machine_info(config, machine_info):
 
     smoke = os.environ.get("PEAGLE_BENCH_SMOKE", "0") not in ("", "0")
     machine_info["peagle"] = {
-        "command": ("PEAGLE_BENCH_SMOKE=1 " if smoke else "") + "python -m pytest " + shlex.join(sys.argv[1:]),
+        "command": "".join(
+            f"{k}={shlex.quote(v)} " for k, v in sorted(os.environ.items()) if k.startswith("PEAGLE_BENCH_")
+        )
+        + "python -m pytest "
+        + shlex.join(sys.argv[1:]),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "loadavg_start": _LOAD_AT_START,

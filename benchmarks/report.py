@@ -6,7 +6,9 @@ noise mostly cancels).
     python benchmarks/report.py results.json [...] --markdown [--out PATH]    # writes benchmarks/RESULTS.md
 
 A benchmark names its case and implementation in extra_info {"case": ..., "impl": ...}; its time is the benchmark's
-mean. Baselines timed inside the same benchmark go in extra_info {"baselines": {name: seconds}} (same case), and an
+mean, unless it reports a measured quantity instead (extra_info {"value": ..., "unit": ..., "better": "higher"}, e.g.
+the longest trainable sequence): then the row compares values, the largest being the strongest. Baselines timed
+inside the same benchmark go in extra_info {"baselines": {name: seconds}} (same case), and an
 optional extra_info {"note": ...} explains a row (e.g. what would change a loss). The markdown file has one row per
 case (a case measured again in a later file takes the later times): the fastest peagle implementation against the
 strongest (fastest) baseline, the ratio, the other baselines, and the machine (cores, load average at the start and end
@@ -35,6 +37,13 @@ class Case:
     ms: dict[str, float] = field(default_factory=dict)  # implementation -> time (ms)
     info: dict[str, dict] = field(default_factory=dict)  # implementation -> its other extra_info
     notes: dict[str, str] = field(default_factory=dict)  # implementation -> note (a later run of it replaces it)
+    unit: str | None = None  # set when the case compares values (higher is better) instead of times
+
+    def strongest(self, values: dict[str, float]) -> str:
+        return (max if self.unit else min)(values, key=values.get)
+
+    def show(self, value: float) -> str:
+        return f"{value:g} {self.unit}" if self.unit else f"{value:.3f}"
 
 
 def collect_cases(runs: list[dict]) -> list[Case]:
@@ -48,7 +57,12 @@ def collect_cases(runs: list[dict]) -> list[Case]:
             impl = info.pop("impl", bench["name"])
             baselines = info.pop("baselines", {})
             note = info.pop("note", None)
-            case.ms[impl] = bench["stats"]["mean"] * 1e3
+            if "value" in info:
+                case.unit = info.pop("unit", "units")
+                info.pop("better", None)
+                case.ms[impl] = float(info.pop("value"))
+            else:
+                case.ms[impl] = bench["stats"]["mean"] * 1e3
             case.info[impl] = info
             for base, seconds in baselines.items():
                 case.ms[base] = seconds * 1e3
@@ -87,27 +101,38 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join([fmt.format(*header), *(fmt.format(*line) for line in lines)])
 
 
-def verdict(baseline_ms: float, ours_ms: float) -> str:
+def verdict(baseline_ms: float, ours_ms: float, unit: str | None = None) -> str:
+    if unit:  # values, higher is better
+        ratio = ours_ms / baseline_ms if baseline_ms else float("inf")
+        return f"{ratio:.1f}x more {unit}" if ratio >= 1 else f"**peagle loses: {1 / ratio:.1f}x fewer {unit}**"
     ratio = baseline_ms / ours_ms
     if ratio >= 1:
         return f"{ratio:.1f}x faster"
     return f"**peagle loses: {1 / ratio:.1f}x slower**"
 
 
+def _ratio(case: Case, theirs: float, ours: float) -> float:
+    return ours / theirs if case.unit else theirs / ours
+
+
 def summary_row(case: Case) -> str:
     ours = {k: v for k, v in case.ms.items() if is_ours(k)}
     theirs = {k: v for k, v in case.ms.items() if not is_ours(k)}
-    best_ours = min(ours, key=ours.get) if ours else None
+    best_ours = case.strongest(ours) if ours else None
     cells = [os.path.basename(case.source), case.name]
-    cells.append(f"{best_ours} {ours[best_ours]:.3f}" if best_ours else "-")
+    cells.append(f"{best_ours} {case.show(ours[best_ours])}" if best_ours else "-")
     if not theirs or best_ours is None:
-        others = ", ".join(f"{k} {v:.3f}" for k, v in sorted(ours.items(), key=lambda kv: kv[1]) if k != best_ours)
+        others = ", ".join(
+            f"{k} {case.show(v)}" for k, v in sorted(ours.items(), key=lambda kv: kv[1]) if k != best_ours
+        )
         cells += ["no baseline in this case", "-", "-", others]
     else:
-        strongest = min(theirs, key=theirs.get)
-        cells += [strongest, f"{theirs[strongest]:.3f}", verdict(theirs[strongest], ours[best_ours])]
+        strongest = case.strongest(theirs)
+        cells += [strongest, case.show(theirs[strongest]), verdict(theirs[strongest], ours[best_ours], case.unit)]
         others = sorted((k for k in theirs if k != strongest), key=theirs.get)
-        cells.append(", ".join(f"{k} {theirs[k]:.3f} ({theirs[k] / ours[best_ours]:.1f}x)" for k in others))
+        cells.append(
+            ", ".join(f"{k} {case.show(theirs[k])} ({_ratio(case, theirs[k], ours[best_ours]):.1f}x)" for k in others)
+        )
     return "| " + " | ".join(cells) + " |"
 
 
@@ -137,7 +162,8 @@ def markdown_report(runs: list[tuple[str, dict]]) -> str:
         *machine_lines(runs),
         "",
         "Each row: the fastest peagle implementation of the case against the strongest (fastest) baseline measured in",
-        "the same run (times in ms, pytest-benchmark means; baselines timed inside a benchmark: best of a few rounds).",
+        "the same run (times in ms, pytest-benchmark means; baselines timed inside a benchmark: best of a few rounds;",
+        "rows with a unit compare that measured value instead, the largest being the strongest).",
         "The machine is shared: other jobs ran beside these benchmarks (see the load averages), so absolute times are",
         "noisy; ratios come from one run each.",
         "",

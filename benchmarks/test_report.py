@@ -56,3 +56,20 @@ def test_plain_table_lists_every_implementation_fastest_first():
     assert [r["impl"] for r in rows if r["case"] == "win"] == ["peagle", "peagle-op", "fast", "slow"]
     slow = next(r for r in rows if r["impl"] == "slow")
     assert round(slow["peagle x faster"]) == 100 and round(slow["peagle-op x faster"]) == 50
+
+
+def test_value_cases_compare_the_largest_value():
+    """Cases that report a value (higher is better, e.g. the longest trainable T) compare values, not times."""
+
+    def longest(impl, value, seconds):
+        return bench("longest", impl, seconds, value=value, unit="tokens", better="higher")
+
+    run = dict(RUN, benchmarks=[longest("peagle-S1", 4096, 1.0), longest("peagle-S4", 16384, 9.0),
+                                longest("spec", 2048, 0.1), longest("other", 1024, 0.01)])  # fmt: skip
+    row = next(line for line in report.markdown_report([("r.json", run)]).splitlines() if "| longest |" in line)
+    cells = row.split(" | ")
+    assert cells[2] == "peagle-S4 16384 tokens" and cells[3] == "spec" and cells[4] == "2048 tokens"
+    assert cells[5] == "8.0x more tokens" and "other 1024 tokens (16.0x)" in cells[6]
+    losing = dict(run, benchmarks=[longest("peagle-S1", 1024, 1.0), longest("spec", 4096, 1.0)])
+    row = next(line for line in report.markdown_report([("r.json", losing)]).splitlines() if "| longest |" in line)
+    assert "**peagle loses: 4.0x fewer tokens**" in row

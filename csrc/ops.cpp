@@ -24,6 +24,12 @@ TORCH_LIBRARY(peagle, m) {
   m.def(
       "mask_block(Tensor anchors, Tensor depths, Tensor document_ids, int block_size=128, int? window=None) -> "
       "(Tensor kv_num_blocks, Tensor kv_indices, Tensor full_kv_num_blocks, Tensor full_kv_indices)");
+  // The same masks sliced out of a table precomputed once per maximum length (the paper's amortized construction):
+  // table[d, a] = the lowest depth-0 anchor that element (a, d) may see (the window's bound; 0 without one).
+  m.def("mask_slice_dense(Tensor table, Tensor anchors, Tensor depths, Tensor document_ids) -> Tensor");
+  m.def(
+      "mask_slice_block(Tensor table, Tensor anchors, Tensor depths, Tensor document_ids, int block_size=128) -> "
+      "(Tensor kv_num_blocks, Tensor kv_indices, Tensor full_kv_num_blocks, Tensor full_kv_indices)");
 
   // Gated DeltaNet: tree verification of GDN layers (closed form over the tree, no per-node states), commit of the
   // last accepted node's state into the pool, and the causal conv1d in front of GDN over a tree and its commit.

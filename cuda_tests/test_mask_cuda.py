@@ -6,7 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peagle.ops import BlockMaskBuilder, block_kinds, block_kinds_from_predicate, cod_sample, mask_block, mask_dense
+from peagle.ops import (
+    BlockMaskBuilder,
+    block_kinds,
+    block_kinds_from_predicate,
+    cod_sample,
+    mask_block,
+    mask_dense,
+    mask_slice_block,
+    mask_slice_dense,
+    mask_slice_table,
+)
 from peagle.ops.mask import EMPTY, FULL
 from testkit import random_packed_row
 
@@ -50,6 +60,35 @@ def test_cuda_equals_cpu(generator, case, shuffle):
     got_blocks = mask_block(a.cuda(), d.cuda(), docs.cuda().int(), block, window)
     for got, want in zip(got_blocks, want_blocks, strict=True):
         assert got.is_cuda and got.dtype == torch.int32 and torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_cuda_mask_slice_equals_cpu(generator, case, shuffle):
+    length, k, r, r_min, mean_doc, window, block = case
+    a, d, docs = sample(generator, length, k, r, r_min, mean_doc, shuffle=shuffle)
+    table = mask_slice_table(length + 7, k, window)
+    dev = [t.cuda() for t in (table, a, d, docs)]
+    if a.numel() <= 8192:
+        want = mask_slice_dense(table, a, d, docs)
+        got = mask_slice_dense(dev[0], dev[1], dev[2].int(), dev[3])
+        assert got.is_cuda and torch.equal(got.cpu(), want)
+    want_blocks = mask_slice_block(table, a, d, docs, block)
+    got_blocks = mask_slice_block(dev[0].long(), dev[1], dev[2], dev[3].int(), block)
+    for got, want in zip(got_blocks, want_blocks, strict=True):
+        assert got.is_cuda and got.dtype == torch.int32 and torch.equal(got.cpu(), want)
+    if length <= 300:
+        torch.library.opcheck(torch.ops.peagle.mask_slice_block, (*dev, block))
+        torch.library.opcheck(torch.ops.peagle.mask_slice_dense, tuple(dev))
+
+
+def test_cuda_mask_slice_bad_inputs():
+    docs = torch.zeros(4, dtype=torch.long, device="cuda")
+    a, d = torch.tensor([0, 1], device="cuda"), torch.tensor([0, 2], device="cuda")
+    with pytest.raises(RuntimeError, match=r"peagle\.mask_slice_dense: depths must be < the table's num_depths = 2"):
+        torch.ops.peagle.mask_slice_dense(mask_slice_table(4, 2, device="cuda"), a, d, docs)
+    with pytest.raises(RuntimeError, match=r"peagle\.mask_slice_block: table must be on the same device as anchors"):
+        torch.ops.peagle.mask_slice_block(mask_slice_table(4, 3), a, d, docs, 4)
 
 
 def test_cuda_block_classification_is_exact(generator):

@@ -10,7 +10,9 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from peagle.ops import (
     BlockMaskBuilder,
+    MaskSlicer,
     block_kinds,
+    block_kinds_from_dense,
     block_kinds_from_predicate,
     build_block_mask,
     cod_sample,
@@ -19,6 +21,11 @@ from peagle.ops import (
     mask_block_reference,
     mask_dense,
     mask_dense_reference,
+    mask_slice_block,
+    mask_slice_block_reference,
+    mask_slice_dense,
+    mask_slice_dense_reference,
+    mask_slice_table,
 )
 from peagle.ops.mask import EMPTY, FULL, PARTIAL
 from testkit import random_packed_row
@@ -375,3 +382,148 @@ def test_block_size_is_bounded():
         RuntimeError, match=r"peagle\.mask_block: block_size must be in \[1, 65536\], got 1099511627776"
     ):
         torch.ops.peagle.mask_block(a, torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long), 2**40, None)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# mask_slice: the masks sliced out of the max-length table (the paper's amortized construction).
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("variant", ["cod", "shuffled_int32"])
+def test_mask_slice_matches_predicate_and_reference(generator, case, variant):
+    length, k, r, r_min, mean_doc, window, block = case
+    a, d, docs = sample(generator, length, k, r, r_min, mean_doc, shuffle=variant != "cod", int32=variant != "cod")
+    extra = int(torch.randint(0, 50, (), generator=generator))  # the table covers the longest sample, not this one
+    table = mask_slice_table(length + extra, k + int(extra % 3), window)
+    if variant != "cod":
+        table = table.long()
+    dense = mask_slice_dense(table, a, d, docs)
+    assert dense.dtype == torch.bool and dense.shape == (a.numel(), a.numel())
+    assert torch.equal(dense, mask_dense_reference(a, d, docs, window))  # the predicate itself
+    assert torch.equal(dense, mask_slice_dense_reference(table, a, d, docs))
+    blocks = mask_slice_block(table, a, d, docs, block)
+    for got, want, plain in zip(
+        blocks, mask_slice_block_reference(table, a, d, docs, block), mask_block(a, d, docs, block, window), strict=True
+    ):
+        assert got.dtype == torch.int32 and torch.equal(got, want) and torch.equal(got, plain)
+    check_exact(block_kinds(blocks), block_kinds_from_predicate(a, d, docs, block, window))
+
+
+def test_mask_slice_follows_any_table(generator):
+    """Arbitrary tables (negative, past the anchor, per-row): the ops follow table[d, a] as the causal bound."""
+    for _ in range(8):
+        length = int(torch.randint(1, 300, (), generator=generator))
+        a, d, docs = sample(
+            generator, length, 5, 0.8, 0.3, 30.0, shuffle=bool(torch.rand((), generator=generator) < 0.5)
+        )
+        table = torch.randint(-5, length + 5, (5, length), generator=generator)
+        block = [1, 4, 16, 64][int(torch.randint(0, 4, (), generator=generator))]
+        want = mask_slice_dense_reference(table, a, d, docs)
+        assert torch.equal(mask_slice_dense(table, a, d, docs), want)
+        blocks = mask_slice_block(table, a, d, docs, block)
+        for got, ref in zip(blocks, mask_slice_block_reference(table, a, d, docs, block), strict=True):
+            assert torch.equal(got, ref)
+        check_exact(block_kinds(blocks), block_kinds_from_dense(want, block))
+
+
+def test_mask_slice_check_can_fail(generator):
+    """Power check: a table one step off the window gives a different mask, and the comparison above would see it."""
+    a, d, docs = sample(generator, 200, 6, 0.9, 0.3, 100.0)
+    wrong = mask_slice_table(200, 6, 9)  # window 9 instead of 8
+    assert not torch.equal(mask_slice_dense(wrong, a, d, docs), mask_dense_reference(a, d, docs, 8))
+    tight = block_kinds_from_predicate(a, d, docs, 1, 8)  # block 1: kinds are the dense mask itself
+    with pytest.raises(AssertionError):
+        check_exact(block_kinds(mask_slice_block(wrong, a, d, docs, 1)), tight)
+
+
+def test_mask_slice_table_values():
+    assert mask_slice_table(4, 2).tolist() == [[0, 0, 0, 0], [0, 0, 0, 0]]
+    # Window 2: element (a, d) sees depth-0 anchors a_k > a + d - 2.
+    assert mask_slice_table(5, 3, 2).tolist() == [[0, 0, 1, 2, 3], [0, 1, 2, 3, 4], [1, 2, 3, 4, 5]]
+    assert mask_slice_table(3, 1).dtype == torch.int32
+    with pytest.raises(ValueError, match="max_length and num_depths must be >= 1, got 0 and 2"):
+        mask_slice_table(0, 2)
+    with pytest.raises(ValueError, match="window must be None or >= 1, got 0"):
+        mask_slice_table(3, 2, 0)
+
+
+def test_mask_slice_edge_cases():
+    table = mask_slice_table(8, 4)
+    docs = torch.tensor([0, 0, -1, 1])
+    empty = torch.empty(0, dtype=torch.long)
+    assert mask_slice_dense(table, empty, empty, docs).shape == (0, 0)
+    assert all(t.shape[0] == 0 for t in mask_slice_block(table, empty, empty, docs, 4))
+    # The table exactly as long as the row, the last anchor at its deepest depth.
+    a, d = torch.tensor([0, 1, 3, 3]), torch.tensor([0, 0, 0, 3])
+    exact = mask_slice_table(4, 4, 2)
+    assert torch.equal(mask_slice_dense(exact, a, d, docs), mask_dense_reference(a, d, docs, 2))
+    # Padding sees nothing; a single element sees itself (one full block).
+    assert not mask_slice_dense(table, a, d, torch.full((4,), -1)).any()
+    blocks = mask_slice_block(table, torch.tensor([3]), torch.tensor([0]), docs, 1)
+    assert blocks.full_kv_num_blocks.tolist() == [1] and blocks.kv_num_blocks.tolist() == [0]
+
+
+def test_mask_slicer_masks_attend_like_sdpa(generator):
+    slicer = MaskSlicer(max_length=500, num_depths=6, window=40, block_size=32)
+    for length in (480, 130):
+        a, d, docs = sample(generator, length, 6, 0.8, 0.2, 60.0)
+        dense = slicer.dense(a, d, docs)
+        assert torch.equal(dense, mask_dense_reference(a, d, docs, 40))
+        n = a.numel()
+        q, k, v = torch.randn(3, 1, 2, n, 16, generator=generator).unbind(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = flex_attention(q, k, v, block_mask=slicer.block_mask(a, d, docs))
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+        seen = dense.any(1)
+        torch.testing.assert_close(out[..., seen, :], want[..., seen, :], atol=1e-5, rtol=0)
+
+
+def test_mask_slice_opcheck(generator):
+    a, d, docs = sample(generator, 90, 4, 0.8, 0.2, 30.0)
+    table = mask_slice_table(100, 4, 7)
+    torch.library.opcheck(torch.ops.peagle.mask_slice_dense, (table, a, d, docs))
+    torch.library.opcheck(torch.ops.peagle.mask_slice_dense, (table.long(), a.int(), d.int(), docs.int()))
+    torch.library.opcheck(torch.ops.peagle.mask_slice_block, (table, a, d, docs, 16))
+    torch.library.opcheck(torch.ops.peagle.mask_slice_block, (mask_slice_table(90, 4), a, d, docs, 128))
+
+
+SLICE_BAD = [
+    # (table, anchors, depths, message)
+    (
+        torch.zeros(4, dtype=torch.int32),
+        torch.tensor([0]),
+        torch.tensor([0]),
+        r"table must be 2-D \[num_depths, max_length\]",
+    ),
+    (torch.zeros(2, 4), torch.tensor([0]), torch.tensor([0]), "table must be int32 or int64, got Float"),
+    (
+        torch.zeros(2, 3, dtype=torch.int32),
+        torch.tensor([0, 3]),
+        torch.tensor([0, 0]),
+        r"anchors must be < the table's max_length = 3 \(table.shape\[1\]\), got 3",
+    ),
+    (
+        torch.zeros(2, 4, dtype=torch.int32),
+        torch.tensor([0, 1]),
+        torch.tensor([0, 2]),
+        r"depths must be < the table's num_depths = 2 \(table.shape\[0\]\), got 2",
+    ),
+    (torch.zeros(2, 4, dtype=torch.int32), torch.tensor([0, 4]), torch.tensor([0, 0]), r"anchors must be in \[0, T\)"),
+    (torch.zeros(2, 4, dtype=torch.int32), torch.tensor([0, 1]), torch.tensor([0, -1]), "depths must be >= 0, got -1"),
+]
+
+
+@pytest.mark.parametrize("bad", SLICE_BAD)
+@pytest.mark.parametrize("op", ["mask_slice_dense", "mask_slice_block"])
+def test_mask_slice_bad_inputs(bad, op):
+    table, a, d, message = bad
+    docs = torch.zeros(4, dtype=torch.long)
+    with pytest.raises(RuntimeError, match=f"peagle.{op}: {message}"):
+        if op == "mask_slice_dense":
+            torch.ops.peagle.mask_slice_dense(table, a, d, docs)
+        else:
+            torch.ops.peagle.mask_slice_block(table, a, d, docs, 4)
+    if op == "mask_slice_block":
+        with pytest.raises(RuntimeError, match=r"peagle\.mask_slice_block: block_size must be in \[1, 65536\], got 0"):
+            torch.ops.peagle.mask_slice_block(mask_slice_table(4, 2), torch.tensor([0]), torch.tensor([0]), docs, 0)

@@ -35,6 +35,10 @@ from peagle.ops import (
     mask_block_reference,
     mask_dense,
     mask_dense_reference,
+    mask_slice_block,
+    mask_slice_block_reference,
+    mask_slice_dense,
+    mask_slice_dense_reference,
     tree_build_parallel,
     tree_build_parallel_reference,
     tree_expand_topk,
@@ -173,6 +177,24 @@ def test_mask_block_fuzz(case, block_size):
     got = run_or_clear_error("mask_block", lambda: mask_block(anchors, depths, docs, block_size, window))
     if got is not None:
         assert_same(got, mask_block_reference(anchors, depths, docs, block_size, window))
+
+
+@FUZZ
+@given(case=mask_case(), data=st.data())
+def test_mask_slice_fuzz(case, data):
+    """Any table (shape, values, dtype, including tables too short for the elements) and any elements."""
+    anchors, depths, docs, _ = case
+    shape = (data.draw(st.integers(0, 7)), data.draw(st.integers(0, 22)))
+    table = ints(data.draw, math.prod(shape), -(2**62), 2**62).reshape(shape)
+    if data.draw(st.booleans()):
+        table = table.clamp(-(2**31), 2**31 - 1).int()
+    got = run_or_clear_error("mask_slice_dense", lambda: mask_slice_dense(table, anchors, depths, docs))
+    if got is not None:
+        assert torch.equal(got, mask_slice_dense_reference(table, anchors, depths, docs))
+    block_size = data.draw(st.integers(0, 9))
+    got = run_or_clear_error("mask_slice_block", lambda: mask_slice_block(table, anchors, depths, docs, block_size))
+    if got is not None:
+        assert_same(got, mask_slice_block_reference(table, anchors, depths, docs, block_size))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

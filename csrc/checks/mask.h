@@ -51,13 +51,39 @@ inline void check_mask_elements(const char* op, const at::Tensor& anchors, const
   check_document_ids(op, document_ids);
 }
 
+// block_size sizes the per-block buffers: bounded so that an absurd value is an error, not an allocation.
+inline void check_block_size(const char* op, int64_t block_size) {
+  TORCH_CHECK(block_size >= 1 && block_size <= kMaxMaskBlockSize, "peagle.", op, ": block_size must be in [1, ",
+              kMaxMaskBlockSize, "], got ", block_size);
+}
+
 inline void check_mask_block_args(const at::Tensor& anchors, const at::Tensor& depths, const at::Tensor& document_ids,
                                   int64_t block_size, const c10::optional<int64_t>& window) {
   check_mask_elements("mask_block", anchors, depths, document_ids, window);
-  // block_size sizes the per-block buffers: bounded so that an absurd value is an error, not an allocation.
-  TORCH_CHECK(block_size >= 1 && block_size <= kMaxMaskBlockSize, "peagle.mask_block: block_size must be in [1, ",
-              kMaxMaskBlockSize, "], got ", block_size);
+  check_block_size("mask_block", block_size);
 }
+
+// mask_slice_*: the table [K, L] (L = max_length) of the lowest depth-0 anchor each (anchor, depth) may see, and
+// elements with anchors < L and depths < K (besides the checks of every mask op; window arithmetic lives in the table).
+inline void check_mask_slice_args(const char* op, const at::Tensor& table, const at::Tensor& anchors,
+                                  const at::Tensor& depths, const at::Tensor& document_ids) {
+  check_mask_elements(op, anchors, depths, document_ids, c10::nullopt);
+  check_rank(op, "table", table, 2, "[num_depths, max_length]");
+  check_integer(op, "table", table);
+  check_same_device(op, "table", table, anchors, "anchors");
+  if (anchors.numel() == 0) return;
+  const int64_t amax = anchors.max().item<int64_t>();
+  TORCH_CHECK(amax < table.size(1), "peagle.", op, ": anchors must be < the table's max_length = ", table.size(1),
+              " (table.shape[1]), got ", amax);
+  const int64_t dmax = depths.max().item<int64_t>();
+  TORCH_CHECK(dmax < table.size(0), "peagle.", op, ": depths must be < the table's num_depths = ", table.size(0),
+              " (table.shape[0]), got ", dmax);
+}
+
+// Per-element causal lower bounds (int64 [N]; see mask::causal_low): from the window (mask_dense, mask_block) or looked
+// up in a mask_slice table. Defined in csrc/cpu/mask_cpu.cpp with ATen ops, shared by both backends.
+at::Tensor window_lows(const at::Tensor& anchors_c, const at::Tensor& depths_c, const c10::optional<int64_t>& window);
+at::Tensor table_lows(const at::Tensor& table, const at::Tensor& anchors_c, const at::Tensor& depths_c);
 
 // [nb, block_size]: each block's valid anchors sorted ascending, then padding (defined in csrc/cpu/mask_cpu.cpp with
 // ATen ops, so both backends use it).

@@ -13,29 +13,30 @@ namespace {
 constexpr int kThreads = 256;
 
 __global__ void mask_dense_kernel(const int64_t* __restrict__ anchors, const int64_t* __restrict__ depths,
-                                  const int64_t* __restrict__ edoc, int64_t n, int64_t window, bool* __restrict__ out) {
+                                  const int64_t* __restrict__ edoc, const int64_t* __restrict__ low, int64_t n,
+                                  bool* __restrict__ out) {
   const int64_t total = n * n;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
     const int64_t q = i / n;
     const int64_t k = i - q * n;
-    out[i] = mask::allowed(anchors[q], depths[q], edoc[q], anchors[k], depths[k], edoc[k], window);
+    out[i] = mask::allowed_from(anchors[q], depths[q], edoc[q], low[q], anchors[k], depths[k], edoc[k]);
   }
 }
 
 __global__ void mask_summary_kernel(const int64_t* __restrict__ anchors, const int64_t* __restrict__ depths,
-                                    const int64_t* __restrict__ edoc, int64_t n, int64_t block_size, int64_t nb,
-                                    int64_t* __restrict__ summary) {
+                                    const int64_t* __restrict__ edoc, const int64_t* __restrict__ low, int64_t n,
+                                    int64_t block_size, int64_t nb, int64_t* __restrict__ summary) {
   const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (b >= nb) return;
   const int64_t begin = b * block_size;
   const int64_t end = begin + block_size < n ? begin + block_size : n;
-  mask::summarize(anchors, depths, edoc, begin, end, summary + b * mask::kSummaryFields);
+  mask::summarize(anchors, depths, edoc, low, begin, end, summary + b * mask::kSummaryFields);
 }
 
 // One warp per q block: each round classifies 32 kv blocks and appends the partial / full ones in ascending order.
 __global__ void mask_classify_kernel(const int64_t* __restrict__ summary, const int64_t* __restrict__ sorted_anchors,
-                                     int64_t nb, int64_t block_size, int64_t window, int32_t* __restrict__ kv_num,
+                                     int64_t nb, int64_t block_size, int32_t* __restrict__ kv_num,
                                      int32_t* __restrict__ kv_idx, int32_t* __restrict__ full_num,
                                      int32_t* __restrict__ full_idx) {
   const int lane = threadIdx.x & 31;
@@ -46,9 +47,9 @@ __global__ void mask_classify_kernel(const int64_t* __restrict__ summary, const 
   int32_t partial = 0, full = 0;
   for (int64_t base = 0; base < nb; base += 32) {
     const int64_t kb = base + lane;
-    const int8_t kind =
-        kb < nb ? mask::classify(qs, summary + kb * mask::kSummaryFields, window, sorted_anchors + qb * block_size)
-                : mask::kEmpty;
+    const int8_t kind = kb < nb
+                            ? mask::classify(qs, summary + kb * mask::kSummaryFields, sorted_anchors + qb * block_size)
+                            : mask::kEmpty;
     const unsigned p = __ballot_sync(0xffffffffu, kind == mask::kPartial);
     const unsigned f = __ballot_sync(0xffffffffu, kind == mask::kFull);
     if (kind == mask::kPartial) kv_idx[qb * nb + partial + __popc(p & lower)] = static_cast<int32_t>(kb);
@@ -69,29 +70,29 @@ int grid_for(int64_t work, int64_t per_block) {
 
 }  // namespace
 
-cudaError_t mask_dense(const int64_t* anchors, const int64_t* depths, const int64_t* edoc, int64_t n, int64_t window,
-                       bool* out, cudaStream_t stream) {
+cudaError_t mask_dense(const int64_t* anchors, const int64_t* depths, const int64_t* edoc, const int64_t* low,
+                       int64_t n, bool* out, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  mask_dense_kernel<<<grid_for(n * n, kThreads), kThreads, 0, stream>>>(anchors, depths, edoc, n, window, out);
+  mask_dense_kernel<<<grid_for(n * n, kThreads), kThreads, 0, stream>>>(anchors, depths, edoc, low, n, out);
   return cudaGetLastError();
 }
 
-cudaError_t mask_block_summaries(const int64_t* anchors, const int64_t* depths, const int64_t* edoc, int64_t n,
-                                 int64_t block_size, int64_t* summary, cudaStream_t stream) {
+cudaError_t mask_block_summaries(const int64_t* anchors, const int64_t* depths, const int64_t* edoc, const int64_t* low,
+                                 int64_t n, int64_t block_size, int64_t* summary, cudaStream_t stream) {
   const int64_t nb = (n + block_size - 1) / block_size;
   if (nb == 0) return cudaSuccess;
   const int blocks = static_cast<int>((nb + kThreads - 1) / kThreads);
-  mask_summary_kernel<<<blocks, kThreads, 0, stream>>>(anchors, depths, edoc, n, block_size, nb, summary);
+  mask_summary_kernel<<<blocks, kThreads, 0, stream>>>(anchors, depths, edoc, low, n, block_size, nb, summary);
   return cudaGetLastError();
 }
 
 cudaError_t mask_block_classify(const int64_t* summary, const int64_t* sorted_anchors, int64_t nb, int64_t block_size,
-                                int64_t window, int32_t* kv_num_blocks, int32_t* kv_indices,
-                                int32_t* full_kv_num_blocks, int32_t* full_kv_indices, cudaStream_t stream) {
+                                int32_t* kv_num_blocks, int32_t* kv_indices, int32_t* full_kv_num_blocks,
+                                int32_t* full_kv_indices, cudaStream_t stream) {
   if (nb == 0) return cudaSuccess;
   constexpr int64_t kWarpsPerBlock = kThreads / 32;
   const int blocks = static_cast<int>((nb + kWarpsPerBlock - 1) / kWarpsPerBlock);
-  mask_classify_kernel<<<blocks, kThreads, 0, stream>>>(summary, sorted_anchors, nb, block_size, window, kv_num_blocks,
+  mask_classify_kernel<<<blocks, kThreads, 0, stream>>>(summary, sorted_anchors, nb, block_size, kv_num_blocks,
                                                         kv_indices, full_kv_num_blocks, full_kv_indices);
   return cudaGetLastError();
 }

@@ -69,6 +69,16 @@ TEST(MaskPredicate, SlidingWindowEdges) {
   EXPECT_TRUE(same_doc(1000, 3, 0, 0));
 }
 
+TEST(MaskPredicate, CausalLowIsTheWindowsInclusiveBound) {
+  EXPECT_EQ(mask::causal_low(10, 2, 4), 9);  // a_k > 10 + 2 - 4 = 8
+  EXPECT_LT(mask::causal_low(10, 2, kNoWindow), -(int64_t{1} << 60));
+  // allowed_from with a sliced bound: (10, 2) may see depth-0 anchors [7, 10] and its own chain.
+  EXPECT_TRUE(mask::allowed_from(10, 2, 0, 7, 7, 0, 0));
+  EXPECT_FALSE(mask::allowed_from(10, 2, 0, 7, 6, 0, 0));
+  EXPECT_TRUE(mask::allowed_from(10, 2, 0, 20, 10, 1, 0));  // the own chain ignores the bound
+  EXPECT_FALSE(mask::allowed_from(10, 2, 0, 7, 7, 0, 1));   // documents still apply
+}
+
 TEST(MaskBlocks, AnyInRangeFindsValuesInAClosedInterval) {
   const int64_t sorted[] = {2, 5, 5, 9, mask::kBig};
   EXPECT_TRUE(mask::any_in_range(sorted, 4, 5, 5));
@@ -118,10 +128,11 @@ TEST(MaskBlocks, ClassificationIsExactInItsDirection) {
       const Elements e = random_elements(96, 4, rng);
       const auto n = static_cast<int64_t>(e.anchors.size());
       const int64_t nb = (n + block - 1) / block;
-      std::vector<int64_t> summary(nb * mask::kSummaryFields), sorted(nb * block, mask::kBig);
+      std::vector<int64_t> summary(nb * mask::kSummaryFields), sorted(nb * block, mask::kBig), lows(n);
+      for (int64_t i = 0; i < n; ++i) lows[i] = mask::causal_low(e.anchors[i], e.depths[i], window);
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t begin = b * block, end = std::min(n, begin + block);
-        mask::summarize(e.anchors.data(), e.depths.data(), e.docs.data(), begin, end,
+        mask::summarize(e.anchors.data(), e.depths.data(), e.docs.data(), lows.data(), begin, end,
                         &summary[b * mask::kSummaryFields]);
         int64_t count = 0;
         for (int64_t i = begin; i < end; ++i) {
@@ -141,7 +152,7 @@ TEST(MaskBlocks, ClassificationIsExactInItsDirection) {
             }
           }
           const int8_t kind = mask::classify(&summary[qb * mask::kSummaryFields], &summary[kb * mask::kSummaryFields],
-                                             window, &sorted[qb * block]);
+                                             &sorted[qb * block]);
           SCOPED_TRACE(testing::Message() << "window " << window << " block " << block << " q " << qb << " kv " << kb);
           if (kind == mask::kEmpty) {
             ASSERT_FALSE(any);
@@ -167,16 +178,18 @@ TEST(MaskBlocks, SummaryOfAShortBlockWithPadding) {
   const int64_t anchors[] = {3, 4, 2, 3};
   const int64_t depths[] = {0, 0, 2, 1};
   const int64_t docs[] = {1, -1, 1, 1};
+  int64_t lows[4];
+  for (int i = 0; i < 4; ++i) lows[i] = mask::causal_low(anchors[i], depths[i], 2);  // window 2: a + d - 1
   int64_t s[mask::kSummaryFields];
-  mask::summarize(anchors, depths, docs, 0, 4, s);
+  mask::summarize(anchors, depths, docs, lows, 0, 4, s);
   EXPECT_EQ(s[mask::kCount], 4);
   EXPECT_EQ(s[mask::kValid], 3);
   EXPECT_EQ(s[mask::kAnchorMin], 2);
   EXPECT_EQ(s[mask::kAnchorMax], 3);
   EXPECT_EQ(s[mask::kDepthMin], 0);
   EXPECT_EQ(s[mask::kDepthMax], 2);
-  EXPECT_EQ(s[mask::kSpanMin], 3);
-  EXPECT_EQ(s[mask::kSpanMax], 4);
+  EXPECT_EQ(s[mask::kLowMin], 2);
+  EXPECT_EQ(s[mask::kLowMax], 3);
   EXPECT_EQ(s[mask::kDocMin], 1);
   EXPECT_EQ(s[mask::kDocMax], 1);
   EXPECT_EQ(s[mask::kRoot], 1);
@@ -188,11 +201,11 @@ TEST(MaskBlocks, SummaryOfAShortBlockWithPadding) {
   EXPECT_EQ(s[mask::kDeepDepthMax], 2);
   // A block of padding only has no valid element and classifies as empty against anything.
   int64_t pad[mask::kSummaryFields];
-  mask::summarize(anchors, depths, docs, 1, 2, pad);
+  mask::summarize(anchors, depths, docs, lows, 1, 2, pad);
   EXPECT_EQ(pad[mask::kValid], 0);
   const int64_t sorted[] = {2, 3, 3};
-  EXPECT_EQ(mask::classify(s, pad, kNoWindow, sorted), mask::kEmpty);
-  EXPECT_EQ(mask::classify(pad, s, kNoWindow, sorted), mask::kEmpty);
+  EXPECT_EQ(mask::classify(s, pad, sorted), mask::kEmpty);
+  EXPECT_EQ(mask::classify(pad, s, sorted), mask::kEmpty);
 }
 
 }  // namespace

@@ -15,6 +15,20 @@ empty and a block holding a disallowed pair is never full; the ``mask_mod`` deci
 :class:`BlockMaskBuilder` keeps the per-length structure (element buffers padded to the maximum length, so ``mask_mod``
 closes over tensors of a fixed shape and a compiled flex attention is not re-traced per sample) and slices it per
 sample. On the CPU, flex attention has no backward: training there uses :func:`mask_dense` with SDPA.
+
+The paper's amortized construction (precompute the mask once for the longest length, slice it per sample) is
+:class:`MaskSlicer` over the ``mask_slice_*`` ops. The max-length mask of one document is stored losslessly as
+:func:`mask_slice_table`: each of its rows, element (a, d), allows the depth-0 anchors [table[d, a], a] plus its own
+chain, so one number per row holds it; each sample's dense and block masks are sliced out of it (rows looked up by
+(d, a), documents applied per sample). Both ops run the same kernels as :func:`mask_dense` / :func:`mask_block`, with
+the window's bound read from the table instead of computed.
+
+Defaults: both paths are exact against the predicate, and ``benchmarks/bench_mask.py`` measures them equal within
+noise at T = 2048-16384 (what a sample costs is its documents and writing its output, which no table amortises; looking
+the bound up costs what computing it does). So training keeps the paths that need no maximum length up front:
+:func:`mask_dense` for SDPA (``peagle.model.drafter.document_blocks``, one per document, and
+``peagle.train.partition.segment_masks``) and :class:`BlockMaskBuilder` for flex attention
+(``PEagleDrafter.element_mask``, ``segment_masks``).
 """
 
 from __future__ import annotations
@@ -29,7 +43,9 @@ from torch.nn.attention.flex_attention import BlockMask
 __all__ = [
     "BlockMaskBuilder",
     "MaskBlocks",
+    "MaskSlicer",
     "block_kinds",
+    "block_kinds_from_dense",
     "block_kinds_from_predicate",
     "build_block_mask",
     "make_mask_mod",
@@ -37,9 +53,15 @@ __all__ = [
     "mask_block_reference",
     "mask_dense",
     "mask_dense_reference",
+    "mask_slice_block",
+    "mask_slice_block_reference",
+    "mask_slice_dense",
+    "mask_slice_dense_reference",
+    "mask_slice_table",
 ]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
+_BIG = torch.iinfo(torch.long).max // 4  # mask::kBig: the bound of "no bound" in summaries and lows
 MAX_BLOCK_SIZE = 65536  # the bound mask_block checks (csrc/checks/mask.h): block_size sizes its buffers
 
 
@@ -73,6 +95,42 @@ def mask_block(
     Same arguments as :func:`mask_dense`, plus ``block_size`` (elements per block on both sides, in [1, 65536]).
     """
     return MaskBlocks(*torch.ops.peagle.mask_block(anchors, depths, document_ids, block_size, window))
+
+
+def mask_slice_table(
+    max_length: int, num_depths: int, window: int | None = None, device: torch.device | str | None = None
+) -> Tensor:
+    """The max-length mask of one document, one row per element (a, d): [num_depths, max_length] int32.
+
+    table[d, a] is the lowest depth-0 anchor that element (a, d) may see (its row allows depth-0 anchors in
+    [table[d, a], a] and its own chain at depths <= d): 0 without a window, max(0, a + d - W + 1) with window W.
+    Computed once per maximum length; :func:`mask_slice_dense` and :func:`mask_slice_block` slice samples out of it.
+    """
+    if max_length < 1 or num_depths < 1:
+        raise ValueError(f"max_length and num_depths must be >= 1, got {max_length} and {num_depths}")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be None or >= 1, got {window}")
+    if window is None:
+        return torch.zeros(num_depths, max_length, dtype=torch.int32, device=device)
+    a = torch.arange(max_length, device=device)[None, :]
+    d = torch.arange(num_depths, device=device)[:, None]
+    return (a + d - window + 1).clamp(min=0).to(torch.int32)
+
+
+def mask_slice_dense(table: Tensor, anchors: Tensor, depths: Tensor, document_ids: Tensor) -> Tensor:
+    """The dense mask [N, N] of one sample sliced out of ``table`` (:func:`mask_slice_table`).
+
+    Same elements and documents as :func:`mask_dense`; anchors must be below the table's max_length, depths below
+    its num_depths.
+    """
+    return torch.ops.peagle.mask_slice_dense(table, anchors, depths, document_ids)
+
+
+def mask_slice_block(
+    table: Tensor, anchors: Tensor, depths: Tensor, document_ids: Tensor, block_size: int = 128
+) -> MaskBlocks:
+    """The block-sparse structure of one sample sliced out of ``table`` (as :func:`mask_block`)."""
+    return MaskBlocks(*torch.ops.peagle.mask_slice_block(table, anchors, depths, document_ids, block_size))
 
 
 def block_kinds(blocks: MaskBlocks) -> Tensor:
@@ -171,6 +229,18 @@ class BlockMaskBuilder:
     ) -> BlockMask:
         """The ``BlockMask`` of one sample's N elements (same arguments as :func:`mask_block`)."""
         blocks = mask_block(anchors, depths, document_ids, self.block_size, window)
+        return self.from_blocks(blocks, anchors, depths, document_ids, window, compute_q_blocks)
+
+    def from_blocks(
+        self,
+        blocks: MaskBlocks,
+        anchors: Tensor,
+        depths: Tensor,
+        document_ids: Tensor,
+        window: int | None = None,
+        compute_q_blocks: bool = True,
+    ) -> BlockMask:
+        """The ``BlockMask`` of one sample from its block structure (of this builder's block size)."""
         n = anchors.shape[0]
         a_buf, d_buf, doc_buf = self._reserve(n, anchors.device)
         a_buf[:n] = anchors
@@ -191,6 +261,47 @@ class BlockMaskBuilder:
         )
 
 
+class MaskSlicer:
+    """The paper's amortized mask construction: the max-length table built once, every sample's masks sliced from it.
+
+    Covers samples with anchors < ``max_length`` and depths < ``num_depths``. Not thread-safe (see
+    :class:`BlockMaskBuilder`, which it uses for the ``BlockMask``'s element buffers).
+    """
+
+    def __init__(
+        self,
+        max_length: int,
+        num_depths: int,
+        window: int | None = None,
+        block_size: int = 128,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.window = window
+        self.table = mask_slice_table(max_length, num_depths, window, device)
+        self._builder = BlockMaskBuilder(block_size)
+
+    def _table_on(self, device: torch.device) -> Tensor:
+        if self.table.device != device:
+            self.table = self.table.to(device)
+        return self.table
+
+    def dense(self, anchors: Tensor, depths: Tensor, document_ids: Tensor) -> Tensor:
+        """The dense boolean mask [N, N] (for SDPA) of one sample."""
+        return mask_slice_dense(self._table_on(anchors.device), anchors, depths, document_ids)
+
+    def blocks(self, anchors: Tensor, depths: Tensor, document_ids: Tensor) -> MaskBlocks:
+        """The block-sparse structure of one sample."""
+        table = self._table_on(anchors.device)
+        return mask_slice_block(table, anchors, depths, document_ids, self._builder.block_size)
+
+    def block_mask(
+        self, anchors: Tensor, depths: Tensor, document_ids: Tensor, compute_q_blocks: bool = True
+    ) -> BlockMask:
+        """The flex-attention ``BlockMask`` of one sample (valid until the next call)."""
+        blocks = self.blocks(anchors, depths, document_ids)
+        return self._builder.from_blocks(blocks, anchors, depths, document_ids, self.window, compute_q_blocks)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Fake kernels (shapes only) for torch.compile / FakeTensor.
 
@@ -209,6 +320,16 @@ def _mask_block_fake(anchors, depths, document_ids, block_size=128, window=None)
     return num, idx, num.clone(), idx.clone()
 
 
+@torch.library.register_fake("peagle::mask_slice_dense")
+def _mask_slice_dense_fake(table, anchors, depths, document_ids):
+    return _mask_dense_fake(anchors, depths, document_ids)
+
+
+@torch.library.register_fake("peagle::mask_slice_block")
+def _mask_slice_block_fake(table, anchors, depths, document_ids, block_size=128):
+    return _mask_block_fake(anchors, depths, document_ids, block_size)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # References: the executable specification of both ops (pure PyTorch, vectorised).
 
@@ -217,27 +338,48 @@ def _element_docs(anchors: Tensor, document_ids: Tensor) -> Tensor:
     return document_ids.long()[anchors.long()]
 
 
-def mask_dense_reference(anchors: Tensor, depths: Tensor, document_ids: Tensor, window: int | None = None) -> Tensor:
-    """Reference of :func:`mask_dense`: the predicate, broadcast over all pairs."""
+def _window_lows(anchors: Tensor, depths: Tensor, window: int | None) -> Tensor:
+    """Lowest depth-0 anchor each element may see causally (a_k > a + d - W), -2^61 without a window."""
+    if window is None:
+        return torch.full_like(anchors.long(), -_BIG)
+    return anchors.long() + depths.long() - window + 1
+
+
+def _table_lows(table: Tensor, anchors: Tensor, depths: Tensor) -> Tensor:
+    return table.long()[depths.long(), anchors.long()].clamp(-_BIG, _BIG)  # as the kernels: +-2^61 is "no bound"
+
+
+def _dense_from_lows(anchors: Tensor, depths: Tensor, document_ids: Tensor, low: Tensor) -> Tensor:
     a, d = anchors.long(), depths.long()
     doc = _element_docs(a, document_ids)
-    aq, dq, docq = a[:, None], d[:, None], doc[:, None]
+    aq, dq, docq, lowq = a[:, None], d[:, None], doc[:, None], low[:, None]
     ak, dk, dock = a[None, :], d[None, :], doc[None, :]
-    causal = (dk == 0) & (ak <= aq)
-    if window is not None:
-        causal = causal & (ak > aq + dq - window)
+    causal = (dk == 0) & (ak <= aq) & (ak >= lowq)
     return (docq != -1) & (docq == dock) & (causal | ((ak == aq) & (dk <= dq)))
 
 
-def _block_summaries(anchors: Tensor, depths: Tensor, document_ids: Tensor, block_size: int) -> dict[str, Tensor]:
+def mask_dense_reference(anchors: Tensor, depths: Tensor, document_ids: Tensor, window: int | None = None) -> Tensor:
+    """Reference of :func:`mask_dense`: the predicate, broadcast over all pairs."""
+    return _dense_from_lows(anchors, depths, document_ids, _window_lows(anchors, depths, window))
+
+
+def mask_slice_dense_reference(table: Tensor, anchors: Tensor, depths: Tensor, document_ids: Tensor) -> Tensor:
+    """Reference of :func:`mask_slice_dense`: the predicate with each query's causal bound looked up in the table."""
+    return _dense_from_lows(anchors, depths, document_ids, _table_lows(table, anchors, depths))
+
+
+def _block_summaries(
+    anchors: Tensor, depths: Tensor, document_ids: Tensor, low: Tensor, block_size: int
+) -> dict[str, Tensor]:
     """Per-block summaries over valid elements (document != -1), as in csrc/include/peagle/mask.h."""
     n = anchors.shape[0]
     nb = (n + block_size - 1) // block_size
     pad = nb * block_size - n
     a = torch.nn.functional.pad(anchors.long(), (0, pad)).view(nb, block_size)
     d = torch.nn.functional.pad(depths.long(), (0, pad)).view(nb, block_size)
+    low = torch.nn.functional.pad(low, (0, pad)).view(nb, block_size)
     doc = torch.nn.functional.pad(_element_docs(anchors, document_ids), (0, pad), value=-1).view(nb, block_size)
-    big = torch.iinfo(torch.long).max // 4
+    big = _BIG
     valid = doc != -1
     root = valid & (d == 0)
     deep = valid & (d > 0)
@@ -260,8 +402,8 @@ def _block_summaries(anchors: Tensor, depths: Tensor, document_ids: Tensor, bloc
         "amax": hi(a, valid),
         "dmin": lo(d, valid),
         "dmax": hi(d, valid),
-        "smin": lo(a + d, valid),
-        "smax": hi(a + d, valid),
+        "lmin": lo(low, valid),
+        "lmax": hi(low, valid),
         "docmin": lo(doc, valid),
         "docmax": hi(doc, valid),
         "root": root.sum(1),
@@ -292,14 +434,25 @@ def mask_block_reference(
     anchors: Tensor, depths: Tensor, document_ids: Tensor, block_size: int = 128, window: int | None = None
 ) -> MaskBlocks:
     """Reference of :func:`mask_block`: the summary-based classification, vectorised over block pairs."""
-    s = _block_summaries(anchors, depths, document_ids, block_size)
+    return _blocks_from_lows(anchors, depths, document_ids, _window_lows(anchors, depths, window), block_size)
+
+
+def mask_slice_block_reference(
+    table: Tensor, anchors: Tensor, depths: Tensor, document_ids: Tensor, block_size: int = 128
+) -> MaskBlocks:
+    """Reference of :func:`mask_slice_block`: the classification of :func:`mask_block` with the table's bounds."""
+    return _blocks_from_lows(anchors, depths, document_ids, _table_lows(table, anchors, depths), block_size)
+
+
+def _blocks_from_lows(
+    anchors: Tensor, depths: Tensor, document_ids: Tensor, low: Tensor, block_size: int
+) -> MaskBlocks:
+    s = _block_summaries(anchors, depths, document_ids, low, block_size)
     sorted_anchors = s.pop("sorted")
     q = {k: v[:, None] for k, v in s.items()}
     k = {k: v[None, :] for k, v in s.items()}
     some = (q["valid"] > 0) & (k["valid"] > 0) & (q["docmax"] >= k["docmin"]) & (k["docmax"] >= q["docmin"])
-    causal = (k["root"] > 0) & (k["rmin"] <= q["amax"])
-    if window is not None:
-        causal = causal & (k["rmax"] > q["smin"] - window)
+    causal = (k["root"] > 0) & (k["rmin"] <= q["amax"]) & (k["rmax"] >= q["lmin"])
     # The own-chain term needs a_q == a_k: some valid q anchor must lie in the kv block's anchor range.
     nb = sorted_anchors.shape[0]
     first = torch.searchsorted(sorted_anchors, s["amin"][None, :].expand(nb, nb).contiguous())
@@ -314,10 +467,7 @@ def mask_block_reference(
         & (k["docmin"] == k["docmax"])
         & (q["docmin"] == k["docmin"])
     )
-    roots_ok = k["rmax"] <= q["amin"]
-    if window is not None:
-        roots_ok = roots_ok & (k["rmin"] > q["smax"] - window)
-    roots_ok = (k["root"] == 0) | roots_ok
+    roots_ok = (k["root"] == 0) | ((k["rmax"] <= q["amin"]) & (k["rmin"] >= q["lmax"]))
     deep_ok = (k["deep"] == 0) | (
         (q["amin"] == q["amax"]) & (k["emin"] == q["amin"]) & (k["emax"] == q["amin"]) & (k["edmax"] <= q["dmin"])
     )
@@ -334,7 +484,11 @@ def block_kinds_from_predicate(
     A block is full when every real pair in it is allowed (a short last block counts only its real elements), empty
     when none is. O(N^2): for tests and benchmarks only.
     """
-    dense = mask_dense_reference(anchors, depths, document_ids, window)
+    return block_kinds_from_dense(mask_dense_reference(anchors, depths, document_ids, window), block_size)
+
+
+def block_kinds_from_dense(dense: Tensor, block_size: int = 128) -> Tensor:
+    """The tightest classification [nb, nb] int8 of a dense mask [N, N] (see :func:`block_kinds_from_predicate`)."""
     n = dense.shape[0]
     nb = (n + block_size - 1) // block_size
     pad = nb * block_size - n

@@ -17,16 +17,27 @@ namespace peagle {
 namespace mask {
 
 constexpr int64_t kNoWindow = -1;
+constexpr int64_t kBig = INT64_MAX / 4;
 
 // Kinds of a (q block, kv block) pair.
 constexpr int8_t kEmpty = 0;
 constexpr int8_t kPartial = 1;
 constexpr int8_t kFull = 2;
 
-PEAGLE_HD bool allowed(int64_t aq, int64_t dq, int64_t docq, int64_t ak, int64_t dk, int64_t dock, int64_t window) {
+// Lowest depth-0 anchor that query (a, d) may see through the causal term: with window W, a_k > a + d - W.
+PEAGLE_HD int64_t causal_low(int64_t a, int64_t d, int64_t window) {
+  return window == kNoWindow ? -kBig : a + d - window + 1;
+}
+
+// The predicate with the query's causal lower bound given (lowq = causal_low(aq, dq, W), or a mask_slice table entry).
+PEAGLE_HD bool allowed_from(int64_t aq, int64_t dq, int64_t docq, int64_t lowq, int64_t ak, int64_t dk, int64_t dock) {
   if (docq == -1 || docq != dock) return false;
   if (ak == aq && dk <= dq) return true;
-  return dk == 0 && ak <= aq && (window == kNoWindow || ak > aq + dq - window);
+  return dk == 0 && ak <= aq && ak >= lowq;
+}
+
+PEAGLE_HD bool allowed(int64_t aq, int64_t dq, int64_t docq, int64_t ak, int64_t dk, int64_t dock, int64_t window) {
+  return allowed_from(aq, dq, docq, causal_low(aq, dq, window), ak, dk, dock);
 }
 
 // One row of the dense mask, branch-free over 32-bit key arrays so that the compiler vectorises it (the predicate then
@@ -54,8 +65,8 @@ enum SummaryField : int {
   kAnchorMax,
   kDepthMin,
   kDepthMax,
-  kSpanMin,  // min of a + d
-  kSpanMax,  // max of a + d
+  kLowMin,  // min of the causal lower bound (causal_low or a mask_slice table entry)
+  kLowMax,  // max of it
   kDocMin,
   kDocMax,
   kRoot,           // valid depth-0 elements
@@ -68,16 +79,15 @@ enum SummaryField : int {
   kSummaryFields
 };
 
-constexpr int64_t kBig = INT64_MAX / 4;
-
 PEAGLE_HD int64_t min64(int64_t x, int64_t y) { return x < y ? x : y; }
 PEAGLE_HD int64_t max64(int64_t x, int64_t y) { return x > y ? x : y; }
 
-// Summarises elements [begin, end) into out[kSummaryFields]; edoc[i] = document of element i's anchor.
-PEAGLE_HD void summarize(const int64_t* anchors, const int64_t* depths, const int64_t* edoc, int64_t begin, int64_t end,
-                         int64_t* out) {
+// Summarises elements [begin, end) into out[kSummaryFields]; edoc[i] = document of element i's anchor, low[i] = the
+// lowest depth-0 anchor it may see causally.
+PEAGLE_HD void summarize(const int64_t* anchors, const int64_t* depths, const int64_t* edoc, const int64_t* low,
+                         int64_t begin, int64_t end, int64_t* out) {
   int64_t valid = 0, root = 0, deep = 0;
-  int64_t amin = kBig, amax = -kBig, dmin = kBig, dmax = -kBig, smin = kBig, smax = -kBig;
+  int64_t amin = kBig, amax = -kBig, dmin = kBig, dmax = -kBig, lmin = kBig, lmax = -kBig;
   int64_t docmin = kBig, docmax = -kBig, rmin = kBig, rmax = -kBig, emin = kBig, emax = -kBig, edmax = -kBig;
   for (int64_t i = begin; i < end; ++i) {
     const int64_t doc = edoc[i];
@@ -89,8 +99,8 @@ PEAGLE_HD void summarize(const int64_t* anchors, const int64_t* depths, const in
     amax = max64(amax, a);
     dmin = min64(dmin, d);
     dmax = max64(dmax, d);
-    smin = min64(smin, a + d);
-    smax = max64(smax, a + d);
+    lmin = min64(lmin, low[i]);
+    lmax = max64(lmax, low[i]);
     docmin = min64(docmin, doc);
     docmax = max64(docmax, doc);
     if (d == 0) {
@@ -110,8 +120,8 @@ PEAGLE_HD void summarize(const int64_t* anchors, const int64_t* depths, const in
   out[kAnchorMax] = amax;
   out[kDepthMin] = dmin;
   out[kDepthMax] = dmax;
-  out[kSpanMin] = smin;
-  out[kSpanMax] = smax;
+  out[kLowMin] = lmin;
+  out[kLowMax] = lmax;
   out[kDocMin] = docmin;
   out[kDocMax] = docmax;
   out[kRoot] = root;
@@ -140,12 +150,11 @@ PEAGLE_HD bool any_in_range(const int64_t* sorted, int64_t count, int64_t lo, in
 // Kind of the pair (q block summary q, kv block summary k). q_anchors: the q block's valid anchors sorted ascending
 // (q[kValid] of them), so the own-chain term (which needs a_q == a_k) is ruled out when no q anchor lies in the kv
 // block's anchor range: O(log block_size) per pair instead of a range-overlap guess.
-PEAGLE_HD int8_t classify(const int64_t* q, const int64_t* k, int64_t window, const int64_t* q_anchors) {
+PEAGLE_HD int8_t classify(const int64_t* q, const int64_t* k, const int64_t* q_anchors) {
   if (q[kValid] == 0 || k[kValid] == 0) return kEmpty;
   if (q[kDocMax] < k[kDocMin] || k[kDocMax] < q[kDocMin]) return kEmpty;
   // Some allowed pair is possible through the causal depth-0 term or through the own-chain term.
-  const bool causal = k[kRoot] > 0 && k[kRootAnchorMin] <= q[kAnchorMax] &&
-                      (window == kNoWindow || k[kRootAnchorMax] > q[kSpanMin] - window);
+  const bool causal = k[kRoot] > 0 && k[kRootAnchorMin] <= q[kAnchorMax] && k[kRootAnchorMax] >= q[kLowMin];
   const bool chain = k[kDepthMin] <= q[kDepthMax] && any_in_range(q_anchors, q[kValid], k[kAnchorMin], k[kAnchorMax]);
   if (!causal && !chain) return kEmpty;
   // Every pair allowed: all elements valid and in one document, every depth-0 key causally visible (and inside the
@@ -153,8 +162,7 @@ PEAGLE_HD int8_t classify(const int64_t* q, const int64_t* k, int64_t window, co
   const bool one_doc = q[kValid] == q[kCount] && k[kValid] == k[kCount] && q[kDocMin] == q[kDocMax] &&
                        k[kDocMin] == k[kDocMax] && q[kDocMin] == k[kDocMin];
   if (!one_doc) return kPartial;
-  if (k[kRoot] > 0 &&
-      !(k[kRootAnchorMax] <= q[kAnchorMin] && (window == kNoWindow || k[kRootAnchorMin] > q[kSpanMax] - window))) {
+  if (k[kRoot] > 0 && !(k[kRootAnchorMax] <= q[kAnchorMin] && k[kRootAnchorMin] >= q[kLowMax])) {
     return kPartial;
   }
   if (k[kDeep] > 0 && !(q[kAnchorMin] == q[kAnchorMax] && k[kDeepAnchorMin] == q[kAnchorMin] &&
