@@ -47,14 +47,19 @@ def cod(generator):
         OPS.cod_gather_backward(torch.randn_like(feats), anchors, depths, 300)
 
 
-@case("mask_dense", "mask_block")
+@case("mask_dense", "mask_block", "mask_slice_dense", "mask_slice_block")
 def mask(generator):
+    from peagle.ops import mask_slice_table
+
     row = random_packed_row(generator, 200)
     anchors, depths = OPS.cod_sample(*dev(row.loss_mask, row.document_ids), 4, 0.7, 0.2, None, 1)
     docs = row.document_ids.to(DEVICE)
     for window in (None, 16):
         OPS.mask_dense(anchors, depths, docs, window)
         OPS.mask_block(anchors, depths, docs, 32, window)
+        table = mask_slice_table(256, 4, window, device=DEVICE)
+        OPS.mask_slice_dense(table, anchors, depths, docs)
+        OPS.mask_slice_block(table, anchors, depths, docs, 32)
 
 
 @case("gdn_tree_verify", "gdn_commit", "causal_conv1d_tree", "causal_conv1d_commit")
