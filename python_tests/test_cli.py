@@ -49,7 +49,8 @@ def test_serve_prints_the_vllm_command_for_a_drafter(tmp_path, capsys):
 # The options of `peagle train` before they were generated from TrainArgs: none may go missing or change its name.
 TRAIN_FLAGS = """
 --data --out --layers --depths --heads --kv-heads --head-dim --intermediate-size --layer-style
---fc-norm --norm-before-fc --norm-output --draft-vocab-size --mask-token-id
+--fc-norm --norm-before-fc --norm-output --eh-proj --nope --sliding-window --moe-experts --moe-top-k
+--moe-balance-weight --lm-head-rank --lm-head-candidates --lm-head-kl-weight --draft-vocab-size --mask-token-id
 --reuse-special-token-as-mask --ratio --ratio-min --max-anchors --segments --memory-budget-mb --loss
 --depth-weights --steps --batch-size --lr --min-lr-ratio --warmup-steps --weight-decay --grad-clip
 --seed --attention --save-every --log-every --resume --overwrite --tensorboard --save-grads-step --quiet""".split()

@@ -165,3 +165,28 @@ def test_vllm_serve_refuses_a_drafter_with_options(generator, tmp_path):
         serve_command(str(tmp_path / "ckpt"), target="t")
     save_pretrained(make_drafter(generator, dtype=torch.float32), tmp_path / "plain")
     assert serve_command(str(tmp_path / "plain"), target="t")[:3] == ["vllm", "serve", "t"]
+
+
+def test_efficient_head_init_is_the_frequency_weighted_truncated_svd(generator):
+    """D = the top-r right singular vectors of diag(sqrt(f)) W and U = W D^T: the weighted error of U D is the sum of
+    the trailing squared singular values (Eckart-Young), and at full rank U D = W."""
+    model = make_drafter(generator, efficient_lm_head_rank=6, efficient_lm_head_candidates=8, draft_vocab_size=50)
+    model.set_draft_vocab(torch.randperm(VOCAB, generator=generator)[:50].sort().values)
+    counts = torch.randint(0, 1000, (VOCAB,), generator=generator).double()
+    model.init_efficient_lm_head(counts)
+    weight = model.lm_head.weight
+    freq = counts[model.draft_ids()] + 1
+    singular = torch.linalg.svdvals(freq.sqrt()[:, None] * weight)
+    approx = model.lm_head_up.weight @ model.lm_head_down.weight
+    error = (freq[:, None] * (weight - approx) ** 2).sum()
+    torch.testing.assert_close(error, (singular[6:] ** 2).sum(), rtol=1e-8, atol=1e-8)
+    torch.testing.assert_close(model.lm_head_down.weight @ model.lm_head_down.weight.T, torch.eye(6).double())
+    # The weighting matters: the unweighted SVD has a larger frequency-weighted error.
+    model.init_efficient_lm_head()
+    uniform = model.lm_head_up.weight @ model.lm_head_down.weight
+    assert (freq[:, None] * (weight - uniform) ** 2).sum() > error * 1.001
+    full = make_drafter(generator, efficient_lm_head_rank=32, efficient_lm_head_candidates=8)
+    full.init_efficient_lm_head()
+    torch.testing.assert_close(full.lm_head_up.weight @ full.lm_head_down.weight, full.lm_head.weight)
+    with pytest.raises(ValueError, match="token_counts"):
+        model.init_efficient_lm_head(counts[:10])

@@ -421,8 +421,10 @@ class PEagleDrafter(nn.Module):
             if counts.numel() != cfg.vocab_size or bool((counts < 0).any()):
                 raise ValueError(f"token_counts must be {cfg.vocab_size} counts >= 0, got {tuple(counts.shape)}")
             freq = counts[self.draft_ids()] + 1.0  # +1: tokens unseen in the data keep a little weight
-        _, _, vh = torch.linalg.svd(freq.sqrt()[:, None] * weight, full_matrices=False)
-        down = vh[: cfg.efficient_lm_head_rank]
+        # The right singular vectors of diag(sqrt(f)) W are the eigenvectors of its [H, H] Gram matrix W^T diag(f) W
+        # (cheap for a 150K-row head); eigh sorts ascending.
+        _, vectors = torch.linalg.eigh(weight.T @ (freq[:, None] * weight))
+        down = vectors[:, -cfg.efficient_lm_head_rank :].flip(1).T
         self.lm_head_down.weight.copy_(down)
         self.lm_head_up.weight.copy_(weight @ down.T)
 
