@@ -152,3 +152,39 @@ def test_greedy_output_with_an_options_drafter_is_the_targets_greedy_output(serv
         assert tokens == served.reference(prompt)
     print(f"options drafter {method} {mode}: AL {out.metrics.acceptance_length:.2f}")
     assert out.metrics.acceptance_length > 1.5  # the options drafter really drafts
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Exact distribution with an options-on drafter
+
+SAMPLED_OPTIONS = dict(eh_proj=True, nope=True, sliding_window=2, moe_num_experts=3, moe_top_k=2)
+
+
+@pytest.fixture(scope="module")
+def sampled(one_thread):
+    """The 12-token target of test_engine_sampling and options-on drafters (a window of 2 positions: it bites within
+    the prompt and the 3 sampled tokens)."""
+    from test_engine_sampling import VOCAB
+
+    model = tiny_target("llama", vocab_size=VOCAB, hidden=32, layers=2, seed=3, logit_scale=0.1,
+                        num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    rows = self_distilled_rows(model, sequences=8, length=32, seed=3)
+    return SimpleNamespace(
+        model=model,
+        peagle=train_tiny_drafter(model, 3, rows, steps=30, seed=3, **SAMPLED_OPTIONS),
+        eagle3=train_tiny_drafter(model, 1, rows, steps=30, seed=3, **SAMPLED_OPTIONS),
+    )
+
+
+@pytest.mark.parametrize(
+    "case", ["peagle-chain-gumbel", "peagle-tree-gumbel", "eagle3-tree-gumbel", "peagle-tree-topk"]
+)
+def test_first_three_tokens_with_an_options_drafter_follow_the_exact_distribution(sampled, case):
+    from test_engine_sampling import CASES, chi_square_pvalue, decoder_for, exact_joint, sample_counts
+
+    method, mode, draft_sampling, temperature, top_k, top_p = CASES[case]
+    decoder = decoder_for(sampled, method, mode, draft_sampling)
+    counts = sample_counts(decoder, temperature, top_k, top_p)
+    pvalue = chi_square_pvalue(counts, exact_joint(sampled.model, temperature, top_k, top_p))
+    print(f"options drafter {case}: chi-square p-value {pvalue:.4f}")
+    assert pvalue > 1e-3
