@@ -74,6 +74,13 @@ TORCH_LIBRARY(peagle, m) {
       "kv_compact(Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor block_table, Tensor(c!) seq_len, "
       "Tensor accepted_path, Tensor num_accepted) -> ()");
 
+  // Efficient LM head (peagle/ops/lm_head.py): low-rank scores up @ (down @ h) over the whole vocabulary, the top
+  // num_candidates per row (score descending, ties to the lower id), and their exact logits weight[ids] @ h, without
+  // [N, V] scores or logits in the kernels. Outputs: candidate ids [N, C] int64, candidate logits [N, C] float32.
+  m.def(
+      "efficient_lm_head(Tensor hidden, Tensor down, Tensor up, Tensor weight, int num_candidates) -> "
+      "(Tensor candidate_ids, Tensor candidate_logits)");
+
   // Returns the CPU output blocks kept for reuse (see csrc/cpu/large_buffers.h) to the OS; bytes released. Takes no
   // tensor, so its one kernel is composite (registered in csrc/cpu/large_buffers.cpp).
   m.def("release_cpu_buffers() -> int");

@@ -20,6 +20,11 @@ from peagle.ops.gdn import (
     gdn_tree_verify_reference,
 )
 from peagle.ops.kv import kv_compact, kv_compact_reference
+from peagle.ops.lm_head import (
+    efficient_lm_head,
+    efficient_lm_head_full_logits,
+    efficient_lm_head_reference,
+)
 from peagle.ops.mask import (
     BlockMaskBuilder,
     MaskBlocks,
@@ -70,6 +75,9 @@ __all__ = [
     "cod_gather_reference",
     "cod_sample",
     "cod_sample_reference",
+    "efficient_lm_head",
+    "efficient_lm_head_full_logits",
+    "efficient_lm_head_reference",
     "gdn_commit",
     "gdn_commit_reference",
     "gdn_recurrence_reference",
