@@ -21,6 +21,7 @@ SERVED_OPTIONS = [
     dict(sliding_window=1, nope=True),
     dict(eh_proj=True, moe_num_experts=3, moe_top_k=2),
     dict(eh_proj=True, nope=True, sliding_window=40, moe_num_experts=4, moe_top_k=1, layer_style="qwen3"),
+    dict(efficient_lm_head_rank=8, efficient_lm_head_candidates=12, sliding_window=7),
 ]
 
 
@@ -130,7 +131,8 @@ def served(one_thread):
     """A tiny Llama target and options-on drafters trained on its own greedy text (P-EAGLE K = 4 and EAGLE-3)."""
     model = tiny_target("llama", seed=1)
     rows = self_distilled_rows(model, seed=1)
-    options = dict(eh_proj=True, nope=True, sliding_window=16, moe_num_experts=4, moe_top_k=2)
+    options = dict(eh_proj=True, nope=True, sliding_window=16, moe_num_experts=4, moe_top_k=2,
+                   efficient_lm_head_rank=8, efficient_lm_head_candidates=16)  # fmt: skip
     peagle = train_tiny_drafter(model, 4, rows, draft_vocab_size=56, **options)
     eagle3_drafter = train_tiny_drafter(model, 1, rows, **options)
     cache: dict[tuple[int, ...], list[int]] = {}
@@ -157,13 +159,14 @@ def test_greedy_output_with_an_options_drafter_is_the_targets_greedy_output(serv
 # ---------------------------------------------------------------------------------------------------------------------
 # Exact distribution with an options-on drafter
 
-SAMPLED_OPTIONS = dict(eh_proj=True, nope=True, sliding_window=2, moe_num_experts=3, moe_top_k=2)
+SAMPLED_OPTIONS = dict(eh_proj=True, nope=True, sliding_window=2, moe_num_experts=3, moe_top_k=2,
+                       efficient_lm_head_rank=4, efficient_lm_head_candidates=6)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def sampled(one_thread):
     """The 12-token target of test_engine_sampling and options-on drafters (a window of 2 positions: it bites within
-    the prompt and the 3 sampled tokens)."""
+    the prompt and the 3 sampled tokens; the efficient head drafts from 6 of the 12 tokens, -inf for the others)."""
     from test_engine_sampling import VOCAB
 
     model = tiny_target("llama", vocab_size=VOCAB, hidden=32, layers=2, seed=3, logit_scale=0.1,

@@ -21,6 +21,7 @@ OPTION_CASES = [
     dict(moe_num_experts=4, moe_top_k=2),
     dict(eh_proj=True, nope=True, sliding_window=3, moe_num_experts=3, moe_top_k=1, draft_vocab_size=40),
 ]
+EFFICIENT = dict(efficient_lm_head_rank=6, efficient_lm_head_candidates=10)
 
 
 def case_id(changes: dict) -> str:
@@ -120,7 +121,9 @@ def test_gradients_reach_every_option_parameter(generator):
     assert "layers.0.hidden_norm.weight" not in dict(model.named_parameters())  # eh_proj replaces the 2H-wide layer
 
 
-@pytest.mark.parametrize("changes", [OPTION_CASES[-1], dict(sliding_window=7, nope=True)], ids=case_id)
+@pytest.mark.parametrize(
+    "changes", [OPTION_CASES[-1], dict(sliding_window=7, nope=True), dict(EFFICIENT, moe_num_experts=2)], ids=case_id
+)
 def test_checkpoint_round_trip_with_options(generator, tmp_path, changes):
     model = make_drafter(generator, dtype=torch.float32, **changes)
     save_pretrained(model, tmp_path / "ckpt")
@@ -190,3 +193,65 @@ def test_efficient_head_init_is_the_frequency_weighted_truncated_svd(generator):
     torch.testing.assert_close(full.lm_head_up.weight @ full.lm_head_down.weight, full.lm_head.weight)
     with pytest.raises(ValueError, match="token_counts"):
         model.init_efficient_lm_head(counts[:10])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The efficient LM head
+
+
+def efficient_reference(model: PEagleDrafter, states: torch.Tensor) -> torch.Tensor:
+    """Logits of the efficient head by its definition, in plain PyTorch: the C best tokens by the low-rank score
+    U (D h) keep their full-head logit W h, every other token gets -inf."""
+    cfg = model.config
+    scores = states @ model.lm_head_down.weight.T @ model.lm_head_up.weight.T
+    ids = scores.topk(cfg.efficient_lm_head_candidates, dim=-1).indices
+    full = states @ model.lm_head.weight.T
+    return torch.full_like(full, float("-inf")).scatter(-1, ids, full.gather(-1, ids))
+
+
+def test_efficient_head_serves_the_exact_logits_of_the_low_rank_candidates(generator):
+    model = make_drafter(generator, dtype=torch.float32, **EFFICIENT).eval()
+    states = torch.randn(64, 32, generator=generator)
+    with torch.no_grad():
+        got = model.head(states)
+        want = efficient_reference(model, states)
+        assert torch.equal(got.isinf(), want.isinf())
+        assert (got.isfinite().sum(-1) == 10).all()
+        torch.testing.assert_close(got[got.isfinite()], want[want.isfinite()], rtol=1e-5, atol=1e-5)
+        model.train()  # training scores the whole vocabulary with the full head
+        torch.testing.assert_close(model.head(states), states @ model.lm_head.weight.T)
+
+
+def test_train_serve_parity_with_the_efficient_head(generator):
+    """Eval-mode training forward (the efficient head, as evaluation and serving run it) == forward_inference."""
+    model = make_drafter(generator, dtype=torch.float32, eh_proj=True, sliding_window=4, **EFFICIENT).eval()
+    cfg = model.config
+    row, input_ids, hidden, anchors, depths = make_row(generator, 64, cfg.num_depths, cfg.num_aux * cfg.hidden_size)
+    hidden = hidden.float()
+    with torch.no_grad():
+        out = model.forward_train(input_ids, hidden, anchors, depths, row.document_ids)
+    assert out.low_rank_logits is None
+    docs = row.document_ids
+    valid = torch.nonzero(docs[anchors] != -1).squeeze(1)
+    for e in valid[torch.randperm(valid.numel(), generator=generator)[:20]].tolist():
+        a, d = int(anchors[e]), int(depths[e])
+        start = int(torch.nonzero(docs == docs[a])[0])
+        with torch.no_grad():
+            logits = model.forward_inference(input_ids[start : a + 1], hidden[start : a + 1], d, start_position=start)
+        assert torch.equal(out.logits[e].isinf(), logits[-1].isinf()), f"element (a={a}, d={d})"
+        finite = logits[-1].isfinite()
+        torch.testing.assert_close(out.logits[e][finite], logits[-1][finite], rtol=1e-4, atol=1e-4)
+
+
+def test_training_forward_gives_the_low_rank_logits_of_detached_states(generator):
+    model = make_drafter(generator, dtype=torch.float32, **EFFICIENT).train()
+    cfg = model.config
+    row, input_ids, hidden, anchors, depths = make_row(generator, 48, cfg.num_depths, cfg.num_aux * cfg.hidden_size)
+    states = []
+    model.lm_head.register_forward_hook(lambda mod, inp, out: states.append(inp[0]))
+    out = model.forward_train(input_ids, hidden.float(), anchors, depths, row.document_ids)
+    torch.testing.assert_close(out.logits, model.lm_head(states[0]))
+    torch.testing.assert_close(out.low_rank_logits, model.low_rank_logits(states[0]))
+    out.low_rank_logits.sum().backward()
+    assert model.lm_head_down.weight.grad is not None and model.lm_head_up.weight.grad is not None
+    assert model.fc.weight.grad is None and model.lm_head.weight.grad is None  # the trunk and full head: untouched

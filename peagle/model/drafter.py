@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from peagle.model.config import DrafterConfig
-from peagle.ops import BlockMaskBuilder, cod_gather, mask_dense
+from peagle.ops import BlockMaskBuilder, cod_gather, efficient_lm_head_full_logits, mask_dense
 
 __all__ = [
     "DocumentBlocks",
@@ -390,15 +390,11 @@ class PEagleDrafter(nn.Module):
         cfg = self.config
         if not cfg.efficient_lm_head or self.training:
             return self.lm_head(out)
-        from peagle.ops.lm_head import efficient_lm_head_full_logits
-
-        flat = out.reshape(-1, out.shape[-1])
+        # The op takes float32 / bfloat16 / float16: a float64 drafter (tests) runs it in float32.
+        work = torch.float32 if out.dtype == torch.float64 else out.dtype
+        heads = (self.lm_head_down.weight, self.lm_head_up.weight, self.lm_head.weight)
         logits = efficient_lm_head_full_logits(
-            flat,
-            self.lm_head_down.weight,
-            self.lm_head_up.weight,
-            self.lm_head.weight,
-            cfg.efficient_lm_head_candidates,
+            out.reshape(-1, out.shape[-1]).to(work), *(w.to(work) for w in heads), cfg.efficient_lm_head_candidates
         )
         return logits.to(out.dtype).view(*out.shape[:-1], -1)
 
