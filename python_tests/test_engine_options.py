@@ -38,6 +38,7 @@ def one_thread():
 
 
 @pytest.mark.parametrize("changes", SERVED_OPTIONS, ids=case_id)
+@torch.no_grad()  # as the engine drafts (the efficient head's op has no autograd)
 def test_cached_peagle_pass_with_options_equals_forward_inference(changes):
     """Elements committed over several passes (the first longer than a prefill chunk) then K - 1 mask elements give
     the distributions of forward_inference on the whole prefix, the sliding window included."""
@@ -53,8 +54,7 @@ def test_cached_peagle_pass_with_options_equals_forward_inference(changes):
         logits, _ = drafting._pass(torch.arange(batch), list(range(batch)), 3, 4)
         for b in range(batch):
             seen[b] += lengths[b]
-            with torch.no_grad():  # the efficient head's op serves without autograd
-                expected = model.forward_inference(tokens[b, : seen[b]], hidden[b, : seen[b]], 3)[seen[b] - 1 :]
+            expected = model.forward_inference(tokens[b, : seen[b]], hidden[b, : seen[b]], 3)[seen[b] - 1 :]
             torch.testing.assert_close(logits[b], expected, rtol=1e-9, atol=1e-9)
 
 
