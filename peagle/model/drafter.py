@@ -11,6 +11,12 @@ Two forwards share every weight:
   explicit mask (the serving loop's pass; the cache itself is kept by ``peagle.decode``).
 Parameter names follow the speculators / vLLM Eagle3 layout (fc, layers.i.*, norm, lm_head, embed_tokens,
 mask_hidden, d2t, t2d), so a state dict is a servable checkpoint.
+
+The EAGLE-4 options of :class:`DrafterConfig` (off by default) change the body in every forward alike: ``eh_proj``
+(enorm, hnorm, eh_proj before a plain first layer), ``nope`` (no rotary), ``sliding_window`` (the mask ops' window in
+training, :func:`window_visible` where a forward builds its own mask), ``moe`` (:class:`_MoE` plus
+post_mlp_layernorm) and ``efficient_lm_head`` (lm_head_down / lm_head_up; :meth:`PEagleDrafter.head` serves through
+the fused op in eval mode, training keeps the full head and returns the low-rank logits beside it).
 """
 
 from __future__ import annotations
