@@ -14,7 +14,7 @@ Recall: the demo run's trained P-EAGLE drafter (``drafters-*/peagle-k*/final``) 
 (every position, depths 0..K-1 as in training); its final states and full LM head give the reference top-1. A
 low-rank head (r, C below) starts from the SVD of the LM head weighted by the training rows' token counts
 (``token_freq``), is trained with KL(full head || low-rank head) on the training rows' states (Adam), and recall is
-measured on the held-out rows' states.
+measured on the held-out rows' states (the first 24 training and 12 held-out rows of the demo data).
 """
 
 from __future__ import annotations
@@ -49,44 +49,52 @@ def windowed_drafting(window: int | None, capacity: int) -> PEagleDrafting:
     return drafting
 
 
-def step_time(drafting: PEagleDrafting, context: int, repeat: int) -> float:
-    """Best time of one pass after ``context`` committed entries (random keys/values written straight into the
-    cache: a 32K prefill through the drafter would only slow the set-up)."""
-    cache = drafting.cache
+def fill_cache(drafting: PEagleDrafting, context: int) -> None:
+    """``context`` committed entries: random keys/values written straight into the cache (a 32K prefill through the
+    drafter would only slow the set-up)."""
     gen = torch.Generator().manual_seed(context)
-    for store in (*cache.k, *cache.v):
+    for store in (*drafting.cache.k, *drafting.cache.v):
         store.view(-1, *store.shape[2:])[:context].copy_(torch.randn(context, *store.shape[2:], generator=gen))
-    rows = torch.arange(1)
-    tokens = torch.randint(0, VOCAB - 1, (1, 1), generator=gen)
-    aux = torch.randn(1, 1, 3 * HIDDEN, generator=gen)
+
+
+def one_pass(drafting: PEagleDrafting, context: int) -> None:
+    """One drafting pass after ``context`` committed entries (the lengths are reset first: a pass commits one)."""
+    cache, rows = drafting.cache, torch.arange(1)
+    cache.seq_len.fill_(context)
+    cache.host_len[0] = context
+    drafting.set_pending(rows, [0], torch.ones(1, 1, dtype=torch.long), torch.ones(1, 1, 3 * HIDDEN), [1])
+    drafting._pass(rows, [0], DEPTHS - 1, DEPTHS)
+
+
+def best_time(fn, repeat: int) -> float:
     best = float("inf")
     for _ in range(repeat):
-        cache.seq_len.fill_(context)
-        cache.host_len[0] = context
-        drafting.set_pending(rows, [0], tokens, aux, [1])
         start = time.perf_counter()
-        drafting._pass(rows, [0], DEPTHS - 1, DEPTHS)
+        fn()
         best = min(best, time.perf_counter() - start)
     return best
 
 
 @pytest.mark.parametrize("context", CONTEXTS)
+@torch.no_grad()
 def test_cpu_sliding_window_step_vs_full_attention(benchmark, context):
-    repeat = 3 if SMOKE else 10
-    full = step_time(windowed_drafting(None, context), context, repeat)
+    repeat = 3 if SMOKE else 20
+    full = windowed_drafting(None, context)
+    fill_cache(full, context)
+    full_s = best_time(lambda: one_pass(full, context), repeat)
     drafting = windowed_drafting(WINDOW, context)
-    step_time(drafting, context, 1)
-    benchmark.pedantic(lambda: step_time(drafting, context, 1), rounds=repeat, warmup_rounds=1)
+    fill_cache(drafting, context)
+    benchmark.pedantic(lambda: one_pass(drafting, context), rounds=repeat, warmup_rounds=2)
     ours = benchmark.stats.stats.min
     benchmark.extra_info.update(
         impl="peagle-window",
         case=f"drafter step, context {context}, W = {WINDOW}",
-        baselines={"full attention": full},
-        speedup_vs_full=full / ours,
+        baselines={"full attention": full_s},
+        speedup_vs_full=full_s / ours,
         note=f"{LAYERS} layers, hidden {HIDDEN}, vocab {VOCAB}, K = {DEPTHS}; the window's time stays flat, full "
         "attention's grows with the context",
     )
-    print(f"context {context}: full attention {full * 1e3:.2f} ms, window {WINDOW} {ours * 1e3:.2f} ms")
+    print(f"context {context}: full attention {full_s * 1e3:.2f} ms, window {WINDOW} {ours * 1e3:.2f} ms")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -156,7 +164,7 @@ def recall(head: PEagleDrafter, states: torch.Tensor) -> float:
     return float((ids == full[:, None]).any(-1).double().mean())
 
 
-RECALL_CASES = [(8, 16), (16, 32), (32, 64)]
+RECALL_CASES = [(8, 16), (16, 32)]
 
 
 @pytest.fixture(scope="module")
@@ -164,8 +172,8 @@ def demo_states():
     run = os.environ.get("PEAGLE_DEMO_RUN")
     if not run:
         pytest.skip("set PEAGLE_DEMO_RUN to a finished demo run")
-    model, train_states, counts = demo_drafter_states(Path(run), "train", 4 if SMOKE else 64)
-    _, held_states, _ = demo_drafter_states(Path(run), "heldout", 2 if SMOKE else 32)
+    model, train_states, counts = demo_drafter_states(Path(run), "train", 4 if SMOKE else 24)
+    _, held_states, _ = demo_drafter_states(Path(run), "heldout", 2 if SMOKE else 12)
     return model, train_states, counts, held_states
 
 
@@ -178,7 +186,7 @@ def test_cpu_low_rank_head_recall_on_the_demo_target(benchmark, demo_states, ran
     result = {"svd": recall(untrained, held_states), "trained": recall(head, held_states)}
     rows = held_states[:1024]
     with torch.no_grad():
-        full_s = min(_timed(lambda: head.lm_head(rows)) for _ in range(5))
+        full_s = best_time(lambda: head.lm_head(rows), 5)
         benchmark.pedantic(lambda: head.head(rows), rounds=5, warmup_rounds=1)  # the fused op (eval mode)
     vocab = model.config.draft_vocab_size
     benchmark.extra_info.update(
@@ -194,9 +202,3 @@ def test_cpu_low_rank_head_recall_on_the_demo_target(benchmark, demo_states, ran
     )
     print(f"recall r={rank} C={candidates}: SVD init {result['svd']:.4f}, trained {result['trained']:.4f}")
     assert result["trained"] >= result["svd"] - 0.01
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
