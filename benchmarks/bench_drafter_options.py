@@ -33,6 +33,7 @@ from peagle.model import DrafterConfig, PEagleDrafter
 from peagle.ops import efficient_lm_head
 
 SMOKE = os.environ.get("PEAGLE_BENCH_SMOKE", "0") not in ("", "0")
+torch.set_flush_denormal(True)  # denormal activations of the random drafter would slow every CPU kernel many times
 CONTEXTS = [256, 1024] if SMOKE else [2048, 8192, 32768]
 WINDOW = 64 if SMOKE else 1024
 HIDDEN, LAYERS, VOCAB, DEPTHS, BLOCK = (64, 1, 512, 4, 16) if SMOKE else (512, 2, 4096, 4, 16)
