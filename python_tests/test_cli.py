@@ -50,7 +50,8 @@ def test_serve_prints_the_vllm_command_for_a_drafter(tmp_path, capsys):
 # may go missing or change its name.
 TRAIN_FLAGS = """
 --data --out --layers --depths --heads --kv-heads --head-dim --intermediate-size --layer-style
---fc-norm --norm-before-fc --norm-output --draft-vocab-size --mask-token-id
+--fc-norm --norm-before-fc --norm-output --eh-proj --nope --sliding-window --moe-experts --moe-top-k
+--moe-balance-weight --lm-head-rank --lm-head-candidates --lm-head-kl-weight --draft-vocab-size --mask-token-id
 --reuse-special-token-as-mask --init-from --ratio --ratio-min --max-anchors --segments --memory-budget-mb --loss
 --depth-weights --ttt-steps --ttt-step-weight --steps --epochs --batch-size --micro-batch-size --lr --min-lr-ratio
 --warmup-steps --weight-decay --grad-clip --seed --attention --eval-every --eval-data --eval-rows --eval-ar-depths

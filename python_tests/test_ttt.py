@@ -42,7 +42,13 @@ def ttt_elements(row: TrainRow, ratio: float = 1.0) -> tuple[torch.Tensor, torch
 
 
 @pytest.mark.parametrize(
-    "overrides", [{}, {"draft_vocab_size": 20, "norm_output": True}, {"layer_style": "qwen3", "fc_norm": True}]
+    "overrides",
+    [
+        {},
+        {"draft_vocab_size": 20, "norm_output": True},
+        {"layer_style": "qwen3", "fc_norm": True},
+        {"sliding_window": 5, "nope": True, "eh_proj": True},  # EAGLE-4 options (MoE and the low-rank head refused)
+    ],
 )
 @pytest.mark.parametrize("ratio", [1.0, 0.6])
 def test_every_unrolled_step_equals_autoregressive_serving(overrides, ratio):

@@ -413,9 +413,12 @@ def train_tiny_drafter(
     lr: float = 3e-3,
     draft_vocab_size: int | None = None,
     layer_ids: list[int] | None = None,
+    **options,
 ):
     """A tiny drafter (K = ``num_depths``; 1 = EAGLE-3) trained for ``steps`` steps on ``rows``
-    (:func:`self_distilled_rows`): COD elements, KL to the target, as ``peagle train`` does."""
+    (:func:`self_distilled_rows`): COD elements, KL to the target, as ``peagle train`` does. ``options`` are further
+    DrafterConfig fields (the EAGLE-4 options; an efficient LM head starts from the SVD weighted by the rows' token
+    counts and learns with the KL to the full head)."""
     from peagle.model import DrafterConfig, PEagleDrafter
     from peagle.ops import cod_sample
     from peagle.train.trainer import new_stats, train_row
@@ -434,6 +437,7 @@ def train_tiny_drafter(
         mask_token_id=vocab - 1,
         num_depths=num_depths,
         draft_vocab_size=draft_vocab_size,
+        **options,
     )
     torch.manual_seed(seed)
     drafter = PEagleDrafter(drafter_config)
@@ -444,6 +448,8 @@ def train_tiny_drafter(
     with torch.no_grad():
         drafter.embed_tokens.weight.copy_(model.get_input_embeddings().weight)
         drafter.lm_head.weight.copy_(head[drafter.draft_ids()])
+        if drafter_config.efficient_lm_head:
+            drafter.init_efficient_lm_head(torch.bincount(torch.cat([r.input_ids for r in rows]), minlength=vocab))
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr)
     weights = torch.ones(num_depths)
     drafter.train()
@@ -451,6 +457,7 @@ def train_tiny_drafter(
         optimizer.zero_grad()
         row = rows[step % len(rows)]
         anchors, depths = cod_sample(row.loss_mask, row.document_ids, num_depths, 0.8, 0.3, None, seed + step)
-        train_row(drafter, row, anchors, depths, head, drafter.draft_ids(), weights, stats=new_stats(num_depths))
+        train_row(drafter, row, anchors, depths, head, drafter.draft_ids(), weights, stats=new_stats(num_depths),
+                  moe_balance_weight=0.01)  # fmt: skip
         optimizer.step()
     return drafter.eval()

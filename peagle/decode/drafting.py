@@ -38,6 +38,7 @@ from torch import Tensor
 from peagle.decode.kv_cache import PagedKVCache
 from peagle.decode.sampling import draft_distribution, gumbel_order
 from peagle.model import PEagleDrafter
+from peagle.model.drafter import window_visible
 from peagle.ops import TreeSpec, ancestor_mask, tree_build_parallel, tree_expand_topk, tree_select
 
 __all__ = ["DraftTree", "Eagle3Drafting", "PEagleDrafting", "eagle2_dynamic_tree", "root_tree"]
@@ -225,13 +226,22 @@ class _CachedDrafter:
         for r, c in zip(host_rows, counts, strict=True):
             self.host_pending[r] = c
 
-    def _context(self, rows: Tensor, host_rows: list[int]) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
-        """Committed keys/values of every layer [b, C, ...] and which of the C slots are committed [b, C]."""
-        length = self.cache.padded_len(host_rows)
-        blocks = self.cache.context_blocks(rows, length)
+    def _context(self, rows: Tensor, host_rows: list[int]) -> tuple[list[tuple[Tensor, Tensor]], Tensor, Tensor]:
+        """Committed keys/values of every layer [b, C, ...], which of the C slots are committed [b, C] and their
+        positions [b, C]. With a sliding window W only the blocks of the last max(W - 1, 1) committed positions are
+        read (all a new element or a drafted node can see: keys after its position - W, and its anchor), so a pass
+        costs the same at any context length."""
+        seq = self.cache.seq_len[rows]
+        window = self.config.sliding_window
+        if window is None:
+            length = self.cache.padded_len(host_rows)
+            blocks = self.cache.context_blocks(rows, length)
+            positions = torch.arange(length, device=self.device)[None, :].expand(rows.numel(), -1)
+        else:
+            keep = max(window - 1, 1)
+            blocks, positions = self.cache.window_blocks(rows, (seq - keep).clamp(min=0), keep)
         context = [self.cache.read(layer, blocks) for layer in range(self.config.num_layers)]
-        committed = torch.arange(length, device=self.device)[None, :] < self.cache.seq_len[rows][:, None]
-        return context, committed
+        return context, positions < seq[:, None], positions
 
     def _pass(self, rows: Tensor, host_rows: list[int], num_mask: int, logit_rows: int) -> tuple[Tensor, Tensor]:
         """Runs the pending elements (committing them) then ``num_mask`` mask elements per request.
@@ -279,15 +289,20 @@ class _CachedDrafter:
         ids = torch.where(real, tokens, self.config.mask_token_id)
         feats = torch.where(real[..., None], feats, self.mask_feat)
         seq = self.cache.seq_len[rows]
-        context, committed = self._context(rows, host_rows)
+        context, committed, key_positions = self._context(rows, host_rows)
+        # Under a sliding window an element sees the keys after its position - W and its own chain from its anchor
+        # (the last real element) on, as in training (window_visible; all keys without a window).
+        positions = seq[:, None] + slot
+        anchor = positions.clamp(max=(seq + counts - 1)[:, None])
+        window = self.config.sliding_window
         causal = (slot[:, None] >= slot[None, :])[None] & valid[:, None, :]
-        own = causal | torch.eye(width, dtype=torch.bool, device=self.device)
-        mask = torch.cat([committed[:, None, :].expand(batch, width, -1), own], dim=2)
+        eye = torch.eye(width, dtype=torch.bool, device=self.device)
+        own = (causal & window_visible(positions, positions, anchor, window)) | eye
+        sees = committed[:, None, :] & window_visible(positions, key_positions, anchor, window)
+        mask = torch.cat([sees, own], dim=2)
         if logit_index is None:
             logit_index = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
-        logits, hidden, new_kv = self.drafter.forward_cached(
-            ids, feats, seq[:, None] + slot, context, mask, logit_index
-        )
+        logits, hidden, new_kv = self.drafter.forward_cached(ids, feats, positions, context, mask, logit_index)
         write = self.cache.flat_slots(rows, seq[:, None] + slot, real)
         for layer, (k, v) in enumerate(new_kv):
             self.cache.write(layer, write, k, v)
@@ -355,7 +370,7 @@ class _Steps:
 
     def __init__(self, owner: Eagle3Drafting, rows: Tensor, host_rows: list[int], root_hidden: Tensor) -> None:
         self.owner = owner
-        self.context, self.committed = owner._context(rows, host_rows)
+        self.context, self.committed, self.key_positions = owner._context(rows, host_rows)
         self.root_position = owner.cache.seq_len[rows] - 1  # the last committed element drafts the root's children
         # Temporary entries of the drafted nodes, per layer [b, T, kv_heads, head_dim].
         self.temp: list[tuple[Tensor, Tensor]] = [(k[:, :0], v[:, :0]) for k, v in self.context]
@@ -368,12 +383,16 @@ class _Steps:
         owner = self.owner
         batch, width = tokens.shape
         eye = torch.eye(width, dtype=torch.bool, device=tokens.device).expand(batch, -1, -1)
-        mask = torch.cat([self.committed[:, None, :].expand(-1, width, -1), sees, eye], dim=2)
+        positions = (self.root_position + depth)[:, None].expand(-1, width)
+        # A node sees its ancestors, and of the committed keys those in its window and the root's element (its anchor).
+        anchor = self.root_position[:, None].expand(-1, width)
+        window = owner.config.sliding_window
+        committed = self.committed[:, None, :] & window_visible(positions, self.key_positions, anchor, window)
+        mask = torch.cat([committed, sees, eye], dim=2)
         context = [
             (torch.cat([k, tk], 1), torch.cat([v, tv], 1))
             for (k, v), (tk, tv) in zip(self.context, self.temp, strict=True)
         ]
-        positions = (self.root_position + depth)[:, None].expand(-1, width)
         logits, hidden, new_kv = owner.drafter.forward_cached(owner.draft_ids[tokens], feats, positions, context, mask)
         self.temp = [
             (torch.cat([tk, k], 1), torch.cat([tv, v], 1)) for (tk, tv), (k, v) in zip(self.temp, new_kv, strict=True)

@@ -72,6 +72,17 @@ class PagedKVCache:
         multiple of the block size, e.g. :meth:`padded_len`; the caller masks the slots past its requests' ends)."""
         return self.block_table[rows, : length // self.block_size]
 
+    def window_blocks(self, rows: Tensor, first: Tensor, count: int) -> tuple[Tensor, Tensor]:
+        """Block ids [b, m] covering logical slots ``first[b] .. first[b] + count - 1`` of ``rows`` (m is the same
+        for every row and depends on ``count`` only: a sliding window reads the same amount at any context length)
+        and the logical slot of each entry they hold [b, m * block_size]. Blocks past a request's last one read as
+        its last block; their slots lie past the capacity (the caller masks slots at or past ``seq_len``)."""
+        width = count // self.block_size + 2 if count else 0
+        start = (first // self.block_size)[:, None] + torch.arange(width, device=first.device)
+        blocks = self.block_table[rows[:, None], start.clamp(max=self.block_table.shape[1] - 1)]
+        slots = (start[..., None] * self.block_size + torch.arange(self.block_size, device=first.device)).flatten(1)
+        return blocks, slots
+
     def read(self, layer: int, blocks: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values [b, m * block_size, kv_heads, head_dim] of the blocks [b, m] (whole live blocks are
         copied, never the whole cache)."""

@@ -6,9 +6,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["DrafterConfig", "default_aux_layer_ids"]
+__all__ = ["OPTIONS_KEY", "DrafterConfig", "default_aux_layer_ids"]
 
 SPECULATORS_VERSION = "0.9.0"
+# peagle's extension of the speculators config: the EAGLE-4 drafter options (README, "Drafter options"). vLLM cannot
+# serve a drafter that has it; peagle's engine can.
+OPTIONS_KEY = "peagle_drafter_options"
 
 
 def default_aux_layer_ids(num_target_layers: int) -> list[int]:
@@ -48,6 +51,14 @@ class DrafterConfig:
     verifier_name_or_path: str | None = None
     verifier_architectures: list[str] = field(default_factory=lambda: ["LlamaForCausalLM"])
     tie_word_embeddings: bool = False
+    # EAGLE-4 options (all off by default; written to config.json under OPTIONS_KEY only when one is on).
+    eh_proj: bool = False  # pre-attention norms, then a 2H -> H projection of [embedding, fc output]
+    nope: bool = False  # no rotary position encoding in the decoder layers
+    sliding_window: int | None = None  # attend to the last W positions
+    moe_num_experts: int = 0  # mixture-of-experts MLP with E experts (0 = the dense MLP)
+    moe_top_k: int = 2  # experts per element
+    efficient_lm_head_rank: int = 0  # rank r of the low-rank scoring head (0 = the full LM head only)
+    efficient_lm_head_candidates: int = 128  # C candidates the full head rescores
 
     def __post_init__(self) -> None:
         if self.intermediate_size is None:
@@ -73,8 +84,55 @@ class DrafterConfig:
             errors.append("norm_before_fc and fc_norm are mutually exclusive")
         if len(self.aux_layer_ids) < 1:
             errors.append("aux_layer_ids must name at least one target layer")
+        errors += self._option_errors()
         if errors:
             raise ValueError("invalid DrafterConfig: " + "; ".join(errors))
+
+    def _option_errors(self) -> list[str]:
+        errors = []
+        if self.sliding_window is not None and self.sliding_window < 1:
+            errors.append(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+        if self.moe_num_experts < 0:
+            errors.append(f"moe_num_experts must be >= 0 (0 = dense MLP), got {self.moe_num_experts}")
+        if self.moe and not 1 <= self.moe_top_k <= self.moe_num_experts:
+            errors.append(f"moe_top_k must be in [1, moe_num_experts = {self.moe_num_experts}], got {self.moe_top_k}")
+        if not 0 <= self.efficient_lm_head_rank <= self.hidden_size:
+            errors.append(
+                f"efficient_lm_head_rank must be in [0, hidden_size = {self.hidden_size}], got "
+                f"{self.efficient_lm_head_rank}"
+            )
+        if self.efficient_lm_head and not 1 <= self.efficient_lm_head_candidates <= self.draft_vocab_size:
+            errors.append(
+                f"efficient_lm_head_candidates must be in [1, draft_vocab_size = {self.draft_vocab_size}], got "
+                f"{self.efficient_lm_head_candidates}"
+            )
+        return errors
+
+    @property
+    def moe(self) -> bool:
+        return self.moe_num_experts > 0
+
+    @property
+    def efficient_lm_head(self) -> bool:
+        return self.efficient_lm_head_rank > 0
+
+    def options_dict(self) -> dict[str, Any]:
+        """The EAGLE-4 options that are on, as written under ``OPTIONS_KEY`` in config.json (empty: none on)."""
+        options: dict[str, Any] = {}
+        if self.eh_proj:
+            options["eh_proj"] = True
+        if self.nope:
+            options["nope"] = True
+        if self.sliding_window is not None:
+            options["sliding_window"] = self.sliding_window
+        if self.moe:
+            options["moe"] = {"num_experts": self.moe_num_experts, "top_k": self.moe_top_k}
+        if self.efficient_lm_head:
+            options["efficient_lm_head"] = {
+                "rank": self.efficient_lm_head_rank,
+                "num_candidates": self.efficient_lm_head_candidates,
+            }
+        return options
 
     @property
     def num_aux(self) -> int:
@@ -135,7 +193,7 @@ class DrafterConfig:
             "norm_output": self.norm_output,
             "embed_requires_grad": True,
             "torch_dtype": "float32",
-        }
+        } | ({OPTIONS_KEY: options} if (options := self.options_dict()) else {})
 
     @classmethod
     def from_speculators_dict(cls, config: dict[str, Any]) -> DrafterConfig:
@@ -182,6 +240,7 @@ class DrafterConfig:
             verifier_name_or_path=verifier.get("name_or_path"),
             verifier_architectures=list(verifier.get("architectures") or []),
             tie_word_embeddings=layer.get("tie_word_embeddings", False),
+            **_options_from_dict(config.get(OPTIONS_KEY) or {}),
         )
 
     @classmethod
@@ -222,3 +281,22 @@ class DrafterConfig:
 
     def replace(self, **changes: Any) -> DrafterConfig:
         return dataclasses.replace(self, **changes)
+
+
+def _options_from_dict(options: dict[str, Any]) -> dict[str, Any]:
+    """DrafterConfig fields of a config.json's ``OPTIONS_KEY`` block (the inverse of ``options_dict``)."""
+    known = {"eh_proj", "nope", "sliding_window", "moe", "efficient_lm_head"}
+    if not isinstance(options, dict) or set(options) - known:
+        raise ValueError(f"{OPTIONS_KEY} must be a dict with keys among {sorted(known)}, got {options!r}")
+    fields: dict[str, Any] = {
+        "eh_proj": bool(options.get("eh_proj", False)),
+        "nope": bool(options.get("nope", False)),
+        "sliding_window": options.get("sliding_window"),
+    }
+    if "moe" in options:
+        fields["moe_num_experts"] = options["moe"]["num_experts"]
+        fields["moe_top_k"] = options["moe"]["top_k"]
+    if "efficient_lm_head" in options:
+        fields["efficient_lm_head_rank"] = options["efficient_lm_head"]["rank"]
+        fields["efficient_lm_head_candidates"] = options["efficient_lm_head"]["num_candidates"]
+    return fields

@@ -11,6 +11,12 @@ Two forwards share every weight:
   explicit mask (the serving loop's pass; the cache itself is kept by ``peagle.decode``).
 Parameter names follow the speculators / vLLM Eagle3 layout (fc, layers.i.*, norm, lm_head, embed_tokens,
 mask_hidden, d2t, t2d), so a state dict is a servable checkpoint.
+
+The EAGLE-4 options of :class:`DrafterConfig` (off by default) change the body in every forward alike: ``eh_proj``
+(enorm, hnorm, eh_proj before a plain first layer), ``nope`` (no rotary), ``sliding_window`` (the mask ops' window in
+training, :func:`window_visible` where a forward builds its own mask), ``moe`` (:class:`_MoE` plus
+post_mlp_layernorm) and ``efficient_lm_head`` (lm_head_down / lm_head_up; :meth:`PEagleDrafter.head` serves through
+the fused op in eval mode, training keeps the full head and returns the low-rank logits beside it).
 """
 
 from __future__ import annotations
@@ -23,9 +29,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from peagle.model.config import DrafterConfig
-from peagle.ops import BlockMaskBuilder, cod_gather, mask_dense
+from peagle.ops import BlockMaskBuilder, cod_gather, efficient_lm_head_full_logits, mask_dense
 
-__all__ = ["DocumentBlocks", "DraftOutput", "PEagleDrafter", "RMSNorm", "document_blocks"]
+__all__ = [
+    "DocumentBlocks",
+    "DraftOutput",
+    "PEagleDrafter",
+    "RMSNorm",
+    "document_blocks",
+    "routing_balance",
+    "window_visible",
+]
 
 Attention = Literal["sdpa", "sdpa-full", "flex"]
 
@@ -56,7 +70,7 @@ class DocumentBlocks(NamedTuple):
         return torch.cat(outs, dim=2)
 
 
-def document_blocks(anchors: Tensor, depths: Tensor, document_ids: Tensor) -> DocumentBlocks:
+def document_blocks(anchors: Tensor, depths: Tensor, document_ids: Tensor, window: int | None = None) -> DocumentBlocks:
     docs = document_ids.long()[anchors.long()]
     key = torch.where(docs < 0, torch.full_like(docs, torch.iinfo(torch.long).max), docs)
     key, order = torch.sort(key, stable=True)
@@ -66,8 +80,19 @@ def document_blocks(anchors: Tensor, depths: Tensor, document_ids: Tensor) -> Do
     _, counts = torch.unique_consecutive(key[:valid], return_counts=True)
     bounds = [0, *torch.cumsum(counts, 0).tolist()]
     a, d = anchors[order], depths[order]
-    masks = [mask_dense(a[lo:hi], d[lo:hi], document_ids) for lo, hi in itertools.pairwise(bounds)]
+    masks = [mask_dense(a[lo:hi], d[lo:hi], document_ids, window) for lo, hi in itertools.pairwise(bounds)]
     return DocumentBlocks(order, inverse, bounds, masks)
+
+
+def window_visible(query_pos: Tensor, key_pos: Tensor, anchor_pos: Tensor, window: int | None) -> Tensor:
+    """Which keys a query may see under the sliding window [..., n, m] (True everywhere without one): keys in the last
+    W positions up to the query's, and its own chain from its anchor on (the P-EAGLE mask's rule: a mask element
+    always sees its anchor and the mask elements before it). ``query_pos``/``anchor_pos`` [..., n], ``key_pos``
+    [..., m]; causality is the caller's."""
+    q, k = query_pos[..., :, None], key_pos[..., None, :]
+    if window is None:
+        return torch.ones_like(q - k, dtype=torch.bool)
+    return (k > q - window) | (k >= anchor_pos[..., :, None])
 
 
 class RMSNorm(nn.Module):
@@ -109,6 +134,7 @@ class _SelfAttention(nn.Module):
         self.k_proj = nn.Linear(in_width, self.kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(in_width, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
+        self.rotary = not config.nope
         if config.layer_style == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -123,6 +149,8 @@ class _SelfAttention(nn.Module):
         v = self.v_proj(x).view(*lead, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if not self.rotary:  # NoPE
+            return q, k, v
         c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
         return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s, v
 
@@ -181,6 +209,41 @@ class _MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class _MoE(nn.Module):
+    """Mixture-of-experts MLP: a router (``gate``) picks the top-k of E experts per element; their outputs are mixed
+    with the renormalised router probabilities of the picked experts. The routing of the last forward is kept in
+    ``routing`` (router probabilities [n, E] and picked experts [n, k]) for the load-balancing loss."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList(_MLP(hidden, intermediate) for _ in range(num_experts))
+        self.routing: tuple[Tensor, Tensor] | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        probs = torch.softmax(self.gate(flat).to(torch.promote_types(flat.dtype, torch.float32)), dim=-1)
+        weight, picked = torch.topk(probs, self.top_k, dim=-1)
+        weight = (weight / weight.sum(-1, keepdim=True)).to(flat.dtype)
+        self.routing = (probs, picked)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.nonzero(picked == e, as_tuple=True)
+            if rows.numel():
+                out.index_add_(0, rows, expert(flat[rows]) * weight[rows, slot, None])
+        return out.view_as(x)
+
+
+def routing_balance(probs: Tensor, picked: Tensor) -> tuple[Tensor, Tensor]:
+    """Load-balancing loss E * sum_e f_e P_e (f_e: share of the routed slots that went to expert e, P_e: its mean
+    router probability; 1 when balanced) and the load imbalance max_e f_e / mean_e f_e of one MoE layer's routing."""
+    num_experts = probs.shape[-1]
+    load = torch.bincount(picked.flatten(), minlength=num_experts).to(probs.dtype) / max(picked.numel(), 1)
+    loss = num_experts * (load * probs.mean(0)).sum()
+    return loss, load.max() * num_experts
+
+
 class _DecoderLayer(nn.Module):
     """A Llama / Qwen3 decoder layer; the first one reads cat(norm(embedding), hidden_norm(fc output)) (2H wide)."""
 
@@ -194,7 +257,12 @@ class _DecoderLayer(nn.Module):
             self.hidden_norm = RMSNorm(hidden, eps)
         self.self_attn = _SelfAttention(config, 2 * hidden if first else hidden)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
-        self.mlp = _MLP(hidden, config.intermediate_size)
+        if config.moe:
+            self.mlp = _MoE(hidden, config.intermediate_size, config.moe_num_experts, config.moe_top_k)
+            self.post_mlp_layernorm = RMSNorm(hidden, eps)  # the extra norm after the MoE MLP
+        else:
+            self.mlp = _MLP(hidden, config.intermediate_size)
+            self.post_mlp_layernorm = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: object, embeds: Tensor | None = None) -> Tensor:
         return self._block(x, embeds, lambda h: self.self_attn(h, cos, sin, mask))
@@ -222,13 +290,16 @@ class _DecoderLayer(nn.Module):
         else:
             residual, attn_in = x, self.input_layernorm(x)
         x = residual + attend(attn_in)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        mlp = self.mlp(self.post_attention_layernorm(x))
+        return x + (mlp if self.post_mlp_layernorm is None else self.post_mlp_layernorm(mlp))
 
 
 class DraftOutput(NamedTuple):
     logits: Tensor  # [N, draft_vocab]
     label_index: Tensor  # [N] a + d: the row of the target distribution each element predicts
     position_ids: Tensor  # [N]
+    # Training with the efficient LM head: the low-rank head's logits [N, draft_vocab] of the detached final states.
+    low_rank_logits: Tensor | None = None
 
 
 class PEagleDrafter(nn.Module):
@@ -243,9 +314,17 @@ class PEagleDrafter(nn.Module):
         self.input_norm = RMSNorm(width, eps) if config.norm_before_fc else None
         self.fc_norm = nn.ModuleList(RMSNorm(hidden, eps) for _ in range(config.num_aux)) if config.fc_norm else None
         self.fc = nn.Linear(width, hidden, bias=False)
-        self.layers = nn.ModuleList(_DecoderLayer(config, i == 0) for i in range(config.num_layers))
+        if config.eh_proj:  # pre-attention norms and the 2H -> H projection replace the 2H-wide first layer
+            self.enorm, self.hnorm = RMSNorm(hidden, eps), RMSNorm(hidden, eps)
+            self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.layers = nn.ModuleList(
+            _DecoderLayer(config, i == 0 and not config.eh_proj) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(hidden, eps)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        if config.efficient_lm_head:  # D [r, H] and U [V, r] of the low-rank scoring head
+            self.lm_head_down = nn.Linear(hidden, config.efficient_lm_head_rank, bias=False)
+            self.lm_head_up = nn.Linear(config.efficient_lm_head_rank, config.draft_vocab_size, bias=False)
         self.mask_hidden = nn.Parameter(torch.randn(1, 1, width) * 0.02)
         self.rotary = _Rotary(config.head_dim, config.rope_theta)
         if config.uses_draft_vocab:
@@ -304,14 +383,64 @@ class PEagleDrafter(nn.Module):
             hidden = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)
         return self.fc(hidden)
 
+    def _layer_input(self, embeds: Tensor, feats: Tensor) -> Tensor:
+        """The first layer's input: the fc output (the 2H-wide first layer reads the embeddings itself), or with
+        ``eh_proj`` the projection of the normed [embedding, fc output]."""
+        if not self.config.eh_proj:
+            return feats
+        return self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(feats)], dim=-1))
+
+    def head(self, out: Tensor) -> Tensor:
+        """Logits [..., draft_vocab] of final states [..., H]: the full LM head, or (eval mode, ``efficient_lm_head``)
+        the fused efficient head: exact logits of the C candidates the low-rank head scores best, -inf elsewhere."""
+        cfg = self.config
+        if not cfg.efficient_lm_head or self.training:
+            return self.lm_head(out)
+        # The op takes float32 / bfloat16 / float16: a float64 drafter (tests) runs it in float32.
+        work = torch.float32 if out.dtype == torch.float64 else out.dtype
+        heads = (self.lm_head_down.weight, self.lm_head_up.weight, self.lm_head.weight)
+        logits = efficient_lm_head_full_logits(
+            out.reshape(-1, out.shape[-1]).to(work), *(w.to(work) for w in heads), cfg.efficient_lm_head_candidates
+        )
+        return logits.to(out.dtype).view(*out.shape[:-1], -1)
+
+    def low_rank_logits(self, out: Tensor) -> Tensor:
+        """The low-rank head's scores U (D out) [..., draft_vocab] (what the efficient head ranks candidates by)."""
+        return self.lm_head_up(self.lm_head_down(out))
+
+    @torch.no_grad()
+    def init_efficient_lm_head(self, token_counts: Tensor | None = None) -> None:
+        """D and U from a truncated SVD of the trained LM head W, its rows weighted by the tokens' frequencies: D =
+        the top-r right singular vectors of diag(sqrt(f)) W, U = W D^T (the rank-r minimiser of sum_v f_v |W_v -
+        U_v D|^2). ``token_counts`` [vocab_size] are the training data's target-token counts (None: uniform)."""
+        cfg = self.config
+        if not cfg.efficient_lm_head:
+            raise ValueError("this drafter has no efficient LM head (efficient_lm_head_rank = 0)")
+        weight = self.lm_head.weight.double()
+        freq = torch.ones(weight.shape[0], dtype=torch.float64, device=weight.device)
+        if token_counts is not None:
+            counts = torch.as_tensor(token_counts, dtype=torch.float64, device=weight.device).flatten()
+            if counts.numel() != cfg.vocab_size or bool((counts < 0).any()):
+                raise ValueError(f"token_counts must be {cfg.vocab_size} counts >= 0, got {tuple(counts.shape)}")
+            freq = counts[self.draft_ids()] + 1.0  # +1: tokens unseen in the data keep a little weight
+        # The right singular vectors of diag(sqrt(f)) W are the eigenvectors of its [H, H] Gram matrix W^T diag(f) W
+        # (cheap for a 150K-row head); eigh sorts ascending.
+        _, vectors = torch.linalg.eigh(weight.T @ (freq[:, None] * weight))
+        down = vectors[:, -cfg.efficient_lm_head_rank :].flip(1).T
+        self.lm_head_down.weight.copy_(down)
+        self.lm_head_up.weight.copy_(weight @ down.T)
+
     def _trunk(
         self, embeds: Tensor, feats: Tensor, position_ids: Tensor, mask: object, with_hidden: bool = False
     ) -> Tensor | tuple[Tensor, Tensor]:
         blocks = isinstance(mask, DocumentBlocks)
         if blocks:  # work in document order; back to element order at the end
             embeds, feats, position_ids = embeds[mask.order], feats[mask.order], position_ids[mask.order]
+        if mask is None and self.config.sliding_window is not None:  # causal over the elements, windowed
+            causal = torch.ones(feats.shape[0], feats.shape[0], dtype=torch.bool, device=feats.device).tril()
+            mask = causal & window_visible(position_ids, position_ids, position_ids, self.config.sliding_window)
         cos, sin = self.rotary(position_ids, feats.dtype)
-        x = feats
+        x = self._layer_input(embeds, feats)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, embeds)
         out = self.norm(x)
@@ -368,19 +497,23 @@ class PEagleDrafter(nn.Module):
         label_index = inputs.label_index
         if logit_rows is not None:
             out, label_index, position_ids = out[logit_rows], label_index[logit_rows], position_ids[logit_rows]
-        return DraftOutput(self.lm_head(out), label_index, position_ids)
+        # The low-rank head learns from the full head's distribution, not the trunk from it: detached states.
+        low_rank = self.low_rank_logits(out.detach()) if cfg.efficient_lm_head and self.training else None
+        return DraftOutput(self.head(out), label_index, position_ids, low_rank)
 
     def element_mask(self, anchors: Tensor, depths: Tensor, document_ids: Tensor, attention: Attention = "sdpa"):
-        """The P-EAGLE mask of the elements from the mask ops (dense for SDPA, BlockMask for flex)."""
+        """The P-EAGLE mask of the elements from the mask ops (dense for SDPA, BlockMask for flex), windowed with
+        ``sliding_window``."""
+        window = self.config.sliding_window
         if attention == "flex":
             if self._block_builder is None:
                 self._block_builder = BlockMaskBuilder()
-            return self._block_builder.build(anchors, depths, document_ids)
+            return self._block_builder.build(anchors, depths, document_ids, window)
         if attention == "sdpa":
-            return document_blocks(anchors, depths, document_ids)
+            return document_blocks(anchors, depths, document_ids, window)
         if attention != "sdpa-full":
             raise ValueError(f"attention must be 'sdpa', 'sdpa-full' or 'flex', got {attention!r}")
-        mask = mask_dense(anchors, depths, document_ids)
+        mask = mask_dense(anchors, depths, document_ids, window)
         # Padding queries may attend to nothing; let them see themselves so no softmax row is empty (they carry no
         # loss and no other query can see them).
         diagonal = mask.diagonal()
@@ -395,7 +528,7 @@ class PEagleDrafter(nn.Module):
         drafting feeds back as the features of the next step. ``mask``: None (causal over the N elements), a dense
         [N, N] bool mask, or :class:`DocumentBlocks`."""
         out, hidden = self._trunk(self.embed_tokens(input_ids.long()), feats, position_ids, mask, with_hidden=True)
-        return self.lm_head(out), hidden
+        return self.head(out), hidden
 
     def forward_unrolled(
         self, input_ids: Tensor, hidden: Tensor, anchors: Tensor, depths: Tensor, document_ids: Tensor
@@ -424,7 +557,7 @@ class PEagleDrafter(nn.Module):
         anchors, depths = anchors.long(), depths.long()
         draft_ids = self.draft_ids()
         real = self.project(hidden.to(self.fc.weight.dtype))
-        mask = mask_dense(anchors, depths, document_ids)
+        mask = mask_dense(anchors, depths, document_ids, self.config.sliding_window)
         mask |= torch.eye(mask.shape[0], dtype=torch.bool, device=mask.device)  # padding rows see themselves
         context = [(real.new_zeros(1, 0, self.config.num_kv_heads, self.config.head_dim),) * 2] * len(self.layers)
         logits_out: list[Tensor] = []
@@ -474,8 +607,13 @@ class PEagleDrafter(nn.Module):
         )
         ids = torch.cat([input_ids.long(), input_ids.new_full((num_mask,), cfg.mask_token_id).long()])
         positions = torch.arange(ids.numel(), device=ids.device) + start_position
-        out = self._trunk(self.embed_tokens(ids), feats, positions, None)
-        return self.lm_head(out)
+        mask = None
+        if cfg.sliding_window is not None:  # mask elements see their anchor (the last real element) and each other
+            anchor = positions.clamp(max=start_position + input_ids.numel() - 1)
+            causal = torch.ones(ids.numel(), ids.numel(), dtype=torch.bool, device=ids.device).tril()
+            mask = causal & window_visible(positions, positions, anchor, cfg.sliding_window)
+        out = self._trunk(self.embed_tokens(ids), feats, positions, mask)
+        return self.head(out)
 
     def forward_cached(
         self,
@@ -504,7 +642,7 @@ class PEagleDrafter(nn.Module):
         embeds = self.embed_tokens(input_ids.long())
         cos, sin = self.rotary(position_ids.reshape(-1), feats.dtype)
         cos, sin = cos.view(batch, n, -1), sin.view(batch, n, -1)
-        x = feats
+        x = self._layer_input(embeds, feats)
         new_kv = []
         for layer, (past_k, past_v) in zip(self.layers, context, strict=True):
             x, k, v = layer.forward_cached(x, cos, sin, past_k, past_v, mask, embeds)
@@ -512,7 +650,15 @@ class PEagleDrafter(nn.Module):
         if rows is not None:
             x = x.gather(1, rows[..., None].expand(-1, -1, x.shape[-1]))
         out = self.norm(x)
-        return self.lm_head(out), out if self.config.norm_output else x, new_kv
+        return self.head(out), out if self.config.norm_output else x, new_kv
+
+    def moe_balance(self) -> tuple[Tensor, Tensor] | None:
+        """Load-balancing loss and expert-load imbalance (max / mean) of the last forward's routing, averaged over the
+        MoE layers (:func:`routing_balance`); None without MoE."""
+        if not self.config.moe:
+            return None
+        per_layer = [routing_balance(*layer.mlp.routing) for layer in self.layers]
+        return torch.stack([b[0] for b in per_layer]).mean(), torch.stack([b[1] for b in per_layer]).mean()
 
     def projected_mask_hidden(self) -> Tensor:
         """``project(mask_hidden)`` [H]: the features of every mask element."""

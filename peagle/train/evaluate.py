@@ -101,11 +101,14 @@ def chain_steps(
     """
     draft_ids = model.draft_ids()
     dtype = model.fc.weight.dtype
+    window = model.config.sliding_window
     length = input_ids.numel()
     positions = torch.arange(length, device=input_ids.device)
     zeros = torch.zeros_like(positions)
     real = model.project(hidden.to(dtype))
-    logits, out = model.forward_features(input_ids, real, positions, document_blocks(positions, zeros, document_ids))
+    logits, out = model.forward_features(
+        input_ids, real, positions, document_blocks(positions, zeros, document_ids, window)
+    )
     first = draft_ids[logits.argmax(-1)]
     yield logits, first
     n = anchors.numel()
@@ -114,7 +117,7 @@ def chain_steps(
         depths = torch.arange(1, j + 1, device=anchors.device).repeat_interleave(n)
         elem_anchors = torch.cat([positions, anchors.repeat(j)])
         elem_depths = torch.cat([zeros, depths])
-        mask = document_blocks(elem_anchors, elem_depths, document_ids)
+        mask = document_blocks(elem_anchors, elem_depths, document_ids, window)
         logits, out = model.forward_features(
             torch.cat([input_ids, *tokens]), torch.cat([real, *fed]), elem_anchors + elem_depths, mask
         )

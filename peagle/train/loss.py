@@ -8,7 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["distillation_loss", "element_loss", "new_stats", "record_stats", "weighted_kl"]
+__all__ = ["OPTION_STATS", "distillation_loss", "element_loss", "new_stats", "record_stats", "weighted_kl"]
+
+# Sums over a step of the drafter options' statistics (stats["options"]): MoE forwards, balance loss and imbalance,
+# the low-rank head's KL and its recall hits over rows.
+OPTION_STATS = ("moe_forwards", "moe_balance_loss", "moe_imbalance", "lm_head_kl", "lm_head_hits", "lm_head_rows")
 
 
 def element_loss(logits: Tensor, target_logits: Tensor, kind: str) -> Tensor:
@@ -86,12 +90,13 @@ def distillation_loss(
 
 
 def new_stats(num_depths: int) -> dict[str, Any]:
-    """Accumulators of a step: loss, elements run, and correct / counted elements per depth."""
+    """Accumulators of a step: loss, elements run, correct / counted elements per depth, and the options' sums."""
     return {
         "loss": 0.0,
         "elements": 0,
         "correct": torch.zeros(num_depths, dtype=torch.float64),
         "count": torch.zeros(num_depths, dtype=torch.float64),
+        "options": torch.zeros(len(OPTION_STATS), dtype=torch.float64),
     }
 
 

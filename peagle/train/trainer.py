@@ -41,7 +41,7 @@ from peagle.train.data import load_tokenizer, resolve_mask_token
 from peagle.train.dataset import ExtractedData, TrainRow
 from peagle.train.evaluate import evaluate
 from peagle.train.extract import load_target_head
-from peagle.train.loss import distillation_loss, element_loss, new_stats, record_stats
+from peagle.train.loss import OPTION_STATS, distillation_loss, element_loss, new_stats, record_stats
 from peagle.train.parallel import ParallelDrafter
 from peagle.train.partition import partition_elements
 from peagle.train.ttt import step_weights, train_ttt_row
@@ -74,6 +74,19 @@ class TrainArgs:
     fc_norm: bool = option(False, "EAGLE-3.1: RMSNorm each aux hidden state before fc")
     norm_before_fc: bool = option(False, "one RMSNorm over the concatenated aux states")
     norm_output: bool = option(False, "EAGLE-3.1 norm_output flag (recorded for serving)")
+    eh_proj: bool = option(False, "pre-attention norms and a 2H -> H projection instead of the 2H-wide first layer")
+    nope: bool = option(False, "no rotary position encoding in the drafter layers (NoPE)")
+    sliding_window: int | None = option(None, "attend to the last W positions only (default: all)")
+    moe_num_experts: int = option(0, "mixture-of-experts MLP with E experts, 0 = dense MLP", flag="--moe-experts")
+    moe_top_k: int = option(2, "experts per element (with --moe-experts)")
+    moe_balance_weight: float = option(0.01, "weight of the MoE load-balancing loss")
+    efficient_lm_head_rank: int = option(
+        0, "efficient LM head: rank r of its low-rank head, 0 = off", flag="--lm-head-rank"
+    )
+    efficient_lm_head_candidates: int = option(
+        128, "efficient LM head: candidates C the full head rescores", flag="--lm-head-candidates"
+    )
+    lm_head_kl_weight: float = option(1.0, "weight of KL(full head || low-rank head) (with --lm-head-rank)")
     draft_vocab_size: int | None = option(
         None, "draft vocabulary (most frequent trained tokens; d2t/t2d); default: the full target vocabulary"
     )
@@ -159,6 +172,17 @@ class TrainArgs:
             ("intermediate_size", optional(self.intermediate_size, lambda v: v >= 1), "at least 1"),
             ("draft_vocab_size", optional(self.draft_vocab_size, lambda v: v >= 1), "at least 1"),
             ("mask_token_id", optional(self.mask_token_id, lambda v: v >= 0), "at least 0"),
+            ("sliding_window", optional(self.sliding_window, lambda v: v >= 1), "at least 1"),
+            ("moe_num_experts", self.moe_num_experts >= 0, "at least 0"),
+            (
+                "moe_top_k",
+                self.moe_top_k >= 1 and (not self.moe_num_experts or self.moe_top_k <= self.moe_num_experts),
+                "in [1, --moe-experts]",
+            ),
+            ("moe_balance_weight", 0 <= self.moe_balance_weight < math.inf, "at least 0"),
+            ("efficient_lm_head_rank", self.efficient_lm_head_rank >= 0, "at least 0"),
+            ("efficient_lm_head_candidates", self.efficient_lm_head_candidates >= 1, "at least 1"),
+            ("lm_head_kl_weight", 0 <= self.lm_head_kl_weight < math.inf, "at least 0"),
             ("ratio", 0 < self.ratio <= 1, "in (0, 1]"),
             ("ratio_min", 0 <= self.ratio_min <= 1, "in [0, 1]"),
             ("max_anchors", optional(self.max_anchors, lambda v: v >= 1), "at least 1"),
@@ -195,6 +219,10 @@ class TrainArgs:
                 (self.num_depths != 1, "--depths 1 (TTT unrolls an autoregressive EAGLE-3 drafter)"),
                 (self.segments != 1 or self.memory_budget_mb is not None, "no --segments / --memory-budget-mb"),
                 (weights is not None, "--ttt-step-weight instead of --depth-weights"),
+                (
+                    self.moe_num_experts > 0 or self.efficient_lm_head_rank > 0,
+                    "no --moe-experts / --lm-head-rank (their extra losses are not unrolled)",
+                ),
             ]
             for bad, needed in clash:
                 if bad:
@@ -254,6 +282,44 @@ def pack_rows(
     return row, torch.cat(anchors), torch.cat(depths), torch.cat(positions), torch.cat(row_index)
 
 
+def _option_losses(
+    model: PEagleDrafter, out: DraftOutput, weight: Tensor, stats: dict[str, Any], **weights: float
+) -> Tensor:
+    """The options' extra training loss of one forward (scaled like the row's loss), their statistics into
+    ``stats["options"]``: the MoE load-balancing loss (``moe_balance_weight``) and KL(full head || low-rank head)
+    over the loss-carrying elements (``lm_head_kl_weight``), with the low-rank head's recall (the full head's top-1
+    among its C candidates)."""
+    extra = out.logits.new_zeros(())
+    acc = stats["options"]
+    balance = model.moe_balance()
+    if balance is not None:
+        extra = extra + weights["moe_balance_weight"] * balance[0] * float(weight.sum())
+        acc[:3] += torch.tensor([1.0, balance[0].item(), balance[1].item()], dtype=torch.float64)
+    if out.low_rank_logits is not None:
+        full = out.logits.detach()
+        kl = (element_loss(out.low_rank_logits, full, "kl") * weight).sum()
+        extra = extra + weights["lm_head_kl_weight"] * kl
+        with torch.no_grad():
+            candidates = out.low_rank_logits.topk(model.config.efficient_lm_head_candidates, dim=-1).indices
+            hits = (candidates == full.argmax(-1, keepdim=True)).any(-1)
+        acc[3:] += torch.tensor([kl.item(), hits.sum().item(), hits.numel()], dtype=torch.float64)
+    return extra
+
+
+def option_metrics(stats: dict[str, Any]) -> dict[str, float]:
+    """Per-step metrics of the options that ran: mean MoE balance loss and imbalance (max / mean expert load), the
+    low-rank head's KL and recall."""
+    acc = dict(zip(OPTION_STATS, stats["options"].tolist(), strict=True))
+    metrics = {}
+    if acc["moe_forwards"]:
+        metrics["moe_balance_loss"] = acc["moe_balance_loss"] / acc["moe_forwards"]
+        metrics["moe_imbalance"] = acc["moe_imbalance"] / acc["moe_forwards"]
+    if acc["lm_head_rows"]:
+        metrics["lm_head_kl"] = acc["lm_head_kl"]
+        metrics["lm_head_recall"] = acc["lm_head_hits"] / acc["lm_head_rows"]
+    return metrics
+
+
 def train_row(
     model: PEagleDrafter,
     row: TrainRow,
@@ -272,6 +338,8 @@ def train_row(
     row_index: Tensor | None = None,
     forward: Callable[..., DraftOutput] | None = None,
     backward: bool = True,
+    moe_balance_weight: float = 0.0,
+    lm_head_kl_weight: float = 1.0,
 ) -> dict[str, Any]:
     """Forward (+ backward) of one row's COD elements (S segments one after another), the row's loss being the
     weighted mean over its valid elements, times ``scale``. Returns (and accumulates into) ``stats``.
@@ -329,8 +397,10 @@ def train_row(
         loss, correct = distillation_loss(
             logits, out.label_index, w[keep], row.target_hidden, target_lm_head, draft_ids, loss_kind
         )
+        weights = dict(moe_balance_weight=moe_balance_weight, lm_head_kl_weight=lm_head_kl_weight)
+        extra = _option_losses(model, out._replace(logits=logits), w[keep], stats, **weights)
         if backward:
-            (loss * scale).backward()
+            ((loss + extra) * scale).backward()
         record_stats(stats, loss * scale, correct, seg_depths[keep])
     return stats
 
@@ -392,6 +462,13 @@ class Trainer:
             fc_norm=args.fc_norm,
             norm_before_fc=args.norm_before_fc,
             norm_output=args.norm_output,
+            eh_proj=args.eh_proj,
+            nope=args.nope,
+            sliding_window=args.sliding_window,
+            moe_num_experts=args.moe_num_experts,
+            moe_top_k=args.moe_top_k,
+            efficient_lm_head_rank=args.efficient_lm_head_rank,
+            efficient_lm_head_candidates=args.efficient_lm_head_candidates,
         )
         weights = list(args.depth_weights or [1.0] * args.num_depths)
         if args.ttt_steps > 1:
@@ -415,18 +492,24 @@ class Trainer:
     def _init_from_target(self, head: dict[str, Tensor]) -> None:
         cfg = self.config
         if cfg.uses_draft_vocab:
-            freq_path = Path(self.data.manifest["data"]) / "token_freq.safetensors"
-            if not freq_path.exists():
-                raise FileNotFoundError(f"a draft vocabulary needs token frequencies: {freq_path} is missing")
-            from safetensors.torch import load_file
-
-            counts = load_file(freq_path)["counts"].double()
-            counts = torch.nn.functional.pad(counts, (0, cfg.vocab_size - counts.numel()))
+            counts = self._token_counts("a draft vocabulary")
             # Most frequent trained tokens; ties go to lower ids (stable order).
             order = torch.sort(-counts, stable=True).indices[: cfg.draft_vocab_size]
             self.model.set_draft_vocab(order.sort().values)
         self.model.embed_tokens.weight.copy_(head["embed_tokens.weight"][: cfg.vocab_size])
         self.model.lm_head.weight.copy_(head["lm_head.weight"][self.model.draft_ids().cpu()])
+        if cfg.efficient_lm_head:
+            self.model.init_efficient_lm_head(self._token_counts("the efficient LM head's initialisation"))
+
+    def _token_counts(self, purpose: str) -> Tensor:
+        """Counts [vocab_size] of the trained tokens of the prepared data (token_freq.safetensors)."""
+        freq_path = Path(self.data.manifest["data"]) / "token_freq.safetensors"
+        if not freq_path.exists():
+            raise FileNotFoundError(f"{purpose} needs token frequencies: {freq_path} is missing")
+        from safetensors.torch import load_file
+
+        counts = load_file(freq_path)["counts"].double()
+        return torch.nn.functional.pad(counts, (0, self.config.vocab_size - counts.numel())).to(self.device)
 
     def _split_rows(self) -> tuple[list[int], list[int]]:
         """(training rows, held-out rows) of --data. Rows are held out only for held-out evaluation without
@@ -489,6 +572,8 @@ class Trainer:
             positions=positions,
             row_index=row_index,
             forward=self.parallel.forward,
+            moe_balance_weight=self.args.moe_balance_weight,
+            lm_head_kl_weight=self.args.lm_head_kl_weight,
         )
 
     def train_step(self) -> dict[str, Any]:
@@ -531,6 +616,7 @@ class Trainer:
             "elements_per_s": stats["elements"] / elapsed,
             "tokens_per_s": args.batch_size * self.data.manifest["seq_len"] / elapsed,
             **{f"acc_{d}": acc[d] for d in range(len(acc))},
+            **option_metrics(stats),
         }
 
     # -----------------------------------------------------------------------------------------------------------------
@@ -751,14 +837,15 @@ def slot_row(train_rows: list[int], seed: int, slot: int) -> int:
 
 
 def _all_reduce_stats(stats: dict[str, Any]) -> None:
-    """Sums the step's loss, element count and per-depth accuracy counts over the processes (metrics only)."""
+    """Sums the step's loss, element count, per-depth accuracy counts and option statistics over the processes
+    (metrics only)."""
     k = stats["correct"].numel()
-    packed = torch.cat(
-        [torch.tensor([stats["loss"], stats["elements"]], dtype=torch.float64), stats["correct"], stats["count"]]
-    )
+    head = torch.tensor([stats["loss"], stats["elements"]], dtype=torch.float64)
+    packed = torch.cat([head, stats["correct"], stats["count"], stats["options"]])
     dist.all_reduce(packed)
     stats["loss"], stats["elements"] = float(packed[0]), int(packed[1])
-    stats["correct"], stats["count"] = packed[2 : 2 + k], packed[2 + k :]
+    stats["correct"], stats["count"] = packed[2 : 2 + k], packed[2 + k : 2 + 2 * k]
+    stats["options"] = packed[2 + 2 * k :]
 
 
 def _complete_checkpoint(directory: Path) -> bool:

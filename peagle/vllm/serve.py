@@ -7,6 +7,8 @@ import os
 import shlex
 from pathlib import Path
 
+from peagle.model.config import OPTIONS_KEY
+
 
 def serve_command(
     drafter: str | os.PathLike,
@@ -25,6 +27,11 @@ def serve_command(
             f"drafter: {config_path} not found (expected a peagle/speculators checkpoint directory)"
         )
     config = json.loads(config_path.read_text())
+    if config.get(OPTIONS_KEY):
+        raise ValueError(
+            f"drafter {drafter} uses options vLLM cannot serve ({', '.join(config[OPTIONS_KEY])}); serve it with "
+            "peagle's engine (peagle.decode)"
+        )
     spec = config.get("speculators_config", {})
     if target is None:
         target = spec.get("verifier", {}).get("name_or_path")
