@@ -20,6 +20,7 @@ from peagle.ops.gdn import tree_path
 from peagle.train.evaluate import chain_drafts
 from testkit import (
     TINY_FAMILIES,
+    flat_cost_table,
     fresh_seed,
     greedy_reference,
     random_tree,
@@ -37,6 +38,8 @@ OPTIONS = {
     ("peagle", "tree"): dict(topk=[3, 2, 2, 1], num_nodes=12),
     ("eagle3", "chain"): dict(depth=4),
     ("eagle3", "tree"): dict(depth=4, topk=3, num_nodes=12),
+    ("peagle", "harness"): dict(cost_table=flat_cost_table(), num_nodes=12),
+    ("eagle3", "harness"): dict(depth=4, cost_table=flat_cost_table(), num_nodes=12),
 }
 
 
@@ -105,6 +108,8 @@ def test_greedy_output_is_the_targets_greedy_output(request, kind, method, mode,
     emitted = sum(r.emitted for r in out.requests)
     assert metrics.acceptance_length == pytest.approx(emitted / metrics.request_rounds)
     assert len(metrics.conditional_acceptance) == (4 if method == "peagle" else OPTIONS[(method, mode)]["depth"])
+    if mode == "harness":  # the harness verified trees of more than one shape
+        assert len({a for r in out.requests for a in r.accepted}) > 1
     assert metrics.total_s >= metrics.draft_s + metrics.verify_s + metrics.other_s
 
 

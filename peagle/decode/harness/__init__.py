@@ -1,0 +1,32 @@
+"""The harness: cost-aware drafting decisions. ``cost`` holds the profiled cost table, ``policy`` the decision math
+(its per-depth step is the ``harness_decide`` op), ``profile`` measures a cost table (``peagle profile``)."""
+
+from peagle.decode.harness.cost import COST_TABLE_VERSION, CostTable, machine_identity
+from peagle.decode.harness.policy import (
+    DepthHarness,
+    DepthStepper,
+    HarnessPolicy,
+    PassHarness,
+    Plan,
+    harness_budget,
+    pass_budget,
+    predicted_acceptance,
+    select_budget,
+    update_calibration,
+)
+
+__all__ = [
+    "COST_TABLE_VERSION",
+    "CostTable",
+    "DepthHarness",
+    "DepthStepper",
+    "HarnessPolicy",
+    "PassHarness",
+    "Plan",
+    "harness_budget",
+    "machine_identity",
+    "pass_budget",
+    "predicted_acceptance",
+    "select_budget",
+    "update_calibration",
+]
