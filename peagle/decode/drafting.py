@@ -346,15 +346,15 @@ class PEagleDrafting(_CachedDrafter):
     ) -> DraftTree:
         """The round's tree; with a ``harness`` (:class:`peagle.decode.harness.PassHarness`) the pass depth, the
         candidate tree's top-k and the verified nodes are its decisions."""
-        depth = self.depth if harness is None else harness.depth(rows)
-        logits, _ = self._pass(rows, host_rows, depth - 1, depth)
+        depths = self.depth if harness is None else harness.depth(rows)
+        logits, _ = self._pass(rows, host_rows, depths - 1, depths)
         probs = draft_distribution(logits, sampling.temperature)  # [b, depth, Vd]
         if harness is None:
-            topk = [1] * depth if self.mode == "chain" else self.topk
+            topk = [1] * depths if self.mode == "chain" else self.topk
             spec = tree_build_parallel(probs, topk, self.max_nodes)
         else:
-            topk = harness.topk(depth)
-            spec = harness.select(rows, tree_build_parallel(probs, topk, self.max_nodes), depth, sampling.gumbel)
+            topk = harness.topk(depths)
+            spec = harness.select(rows, tree_build_parallel(probs, topk, self.max_nodes), depths, sampling.gumbel)
         if not sampling.gumbel:
             return self._from_spec(roots, spec)
         # Shape from the unperturbed distributions; node of sibling rank r at depth d = the r-th draw of depth d.
@@ -365,7 +365,7 @@ class PEagleDrafting(_CachedDrafter):
         tree = self._from_spec(roots, spec, tokens)
         # Node i's children were drawn from depth depth[i]'s distribution (leaves at the last depth have none).
         node_probs = self._full_vocab(probs).gather(
-            1, tree.depth.clamp(max=depth - 1)[..., None].expand(-1, -1, self.target_vocab)
+            1, tree.depth.clamp(max=depths - 1)[..., None].expand(-1, -1, self.target_vocab)
         )
         return tree._replace(draft_probs=node_probs)
 
