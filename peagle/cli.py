@@ -350,7 +350,7 @@ def add_profile_parser(commands) -> None:
     prof.add_argument("--nodes", default="1,2,4,8,16,32", help="verified nodes per request (default 1,2,4,8,16,32)")
     prof.add_argument("--widths", default="1,2,4", help="drafted nodes per depth (default 1,2,4)")
     prof.add_argument("--depths", type=int, default=6, help="autoregressive draft depths to time (default 6)")
-    prof.add_argument("--repeats", type=int, default=3, help="timed calls per point; the median counts (default 3)")
+    prof.add_argument("--repeats", type=int, default=5, help="timed calls per point; the fastest counts (default 5)")
     prof.add_argument("--device", default=None, help="torch device (default: the target's)")
     prof.add_argument("--quiet", action="store_true", help="no progress bar")
     prof.set_defaults(func=cmd_profile)
