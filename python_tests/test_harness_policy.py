@@ -20,6 +20,7 @@ from peagle.decode.harness import (
     select_budget,
     update_calibration,
 )
+from peagle.decode.harness.policy import sharpen, update_sharpness
 from peagle.ops import calibration_scale, tree_build_parallel
 
 DEPTH, VOCAB, MAX_NODES = 6, 8, 32
@@ -120,6 +121,7 @@ def test_harness_beats_every_fixed_chain_and_tree(seed):
     assert ours > best, f"harness {ours:.1f} tokens/s vs best fixed configuration {best:.1f}"
     # Calibration stays near 1: the trace's path scores are the true acceptance probabilities.
     assert 0.7 < float(calibration_scale(harness.calibration)[0]) < 1.4
+    assert 0.6 < float(harness.gamma[0]) < 1.6
 
 
 def test_harness_decodes_plainly_where_speculation_loses():
@@ -182,6 +184,24 @@ def test_calibration_tracks_observed_acceptance():
     expected = [(weight * 1 + 2) / (weight * 2 + 2), (weight * 2 + 2) / (weight * 1 + 2)]  # the prior: 2 rounds at 1
     assert calibration_scale(calibration).tolist() == pytest.approx(expected, rel=1e-9)
     assert expected[0] < 0.55 and expected[1] > 1.8  # the evidence outweighs the prior
+
+
+def test_sharpness_recalibrates_a_flat_drafter():
+    """A drafter right every time at p = 0.01 per edge: gamma falls until the predicted acceptance of its chain of 4
+    meets the observed 4 drafts, and a whole path's score is the product of its sharpened edges."""
+    gamma, calibration = torch.ones(1, dtype=torch.float64), torch.zeros(1, 2, dtype=torch.float64)
+    path = torch.tensor([[0.01, 0.01**2, 0.01**3, 0.01**4]], dtype=torch.float64)
+    for _ in range(60):
+        predicted = torch.clamp(calibration_scale(calibration) * sharpen(path, gamma), max=1.0).sum(1)
+        update_calibration(calibration, predicted, torch.tensor([4]))
+        update_sharpness(gamma, calibration)
+    assert float(gamma[0]) < 0.1
+    predicted = float(torch.clamp(calibration_scale(calibration) * sharpen(path, gamma), max=1.0).sum())
+    assert predicted > 3.0
+    edges = sharpen(torch.tensor([[0.01]], dtype=torch.float64), gamma)
+    assert torch.allclose(sharpen(path, gamma), edges ** torch.arange(1, 5))
+    padding = torch.tensor([[-torch.inf, 0.0, -1.0]], dtype=torch.float64)
+    assert torch.equal(sharpen(padding, gamma), padding)
 
 
 def test_cost_table_round_trip_and_errors(tmp_path):

@@ -8,7 +8,11 @@ for n nodes (root included, from the cost table row of the batch-size bucket and
 * **Expected acceptance.** E = sum over the verified drafted nodes of min(1, c * p), p the path score (product of the
   draft probabilities along the path), c a per-request calibration scale fitted online: ``calibration[b] =
   (observed, predicted)`` are decayed sums of the accepted drafts and of the predicted E of the verified trees, and
-  c = clamp((observed + 2) / (predicted + 2), 1/8, 4) (:func:`update_calibration`).
+  c = clamp((observed + 2) / (predicted + 2), 1/8, 4) (:func:`update_calibration`). Before that, path scores are
+  raised to a per-request exponent gamma (:func:`sharpen`), which recalibrates every edge probability of a path at
+  once (p^gamma of a product is the product of the edges' p^gamma); gamma follows the same sums, slowly
+  (:func:`update_sharpness`), so a drafter whose probabilities are far too flat (right 90% of the time at p = 0.01)
+  or too sharp still gets depths and budgets that match its real acceptance; c then corrects what remains.
 * **Depth by depth (autoregressive drafters).** At each depth the candidates are the children of the frontier; the
   ``harness_decide`` op adds the best w of them for the w of the cost table's widths that maximises the ratio after
   paying that depth's drafter forward t_d(w) and the larger verify, and stops a request when no w raises its ratio;
@@ -49,10 +53,28 @@ __all__ = [
     "predicted_acceptance",
     "select_budget",
     "select_candidates",
+    "sharpen",
     "update_calibration",
+    "update_sharpness",
 ]
 
 CALIBRATION_DECAY = 0.9  # weight of the past in the observed / predicted sums (about the last 10 rounds)
+SHARPNESS_RANGE = (0.02, 1.5)  # bounds of the exponent gamma of the path scores
+
+
+def sharpen(scores: Tensor, gamma: Tensor) -> Tensor:
+    """Path scores p -> p^gamma per request (gamma [B]); padding (p <= 0) is kept. A path score is a product of edge
+    probabilities and so is p^gamma (of the edges' p^gamma): the exponent recalibrates every edge at once, which a
+    scale of the path cannot do for a drafter whose probabilities are far too flat or too sharp."""
+    positive = scores > 0
+    return torch.where(positive, scores.double().clamp(min=1e-300).pow(gamma[:, None]), scores.double())
+
+
+def update_sharpness(gamma: Tensor, calibration: Tensor) -> None:
+    """Moves gamma toward agreement of predicted and observed acceptance (in place): down (flatter, larger scores)
+    while the observed sum exceeds the predicted one, by at most sqrt(2) per round."""
+    ratio = ((calibration[:, 1] + 2.0) / (calibration[:, 0] + 2.0)).clamp(0.5, 2.0).sqrt()
+    gamma.mul_(ratio).clamp_(*SHARPNESS_RANGE)
 
 
 def harness_budget(scores: Tensor, calibration: Tensor, draft_time: Tensor | float, verify_cost: Tensor) -> Tensor:
@@ -262,6 +284,7 @@ class PassHarness:
         self.budget = torch.full((batch,), max(first, 2), dtype=torch.long, device=device)
         self.next_depth = torch.full((batch,), max_depth, dtype=torch.long, device=device)
         self.predicted = torch.zeros(batch, dtype=torch.float64, device=device)
+        self.gamma = torch.ones(batch, dtype=torch.float64, device=device)
 
     @property
     def speculate(self) -> bool:
@@ -278,6 +301,7 @@ class PassHarness:
 
     def select(self, rows: Tensor, spec: TreeSpec, depth: int, sampled: bool) -> TreeSpec:
         calibration = self.calibration[rows]
+        spec = spec._replace(scores=sharpen(spec.scores, self.gamma[rows]))
         budget, next_depth = pass_budget(spec, calibration, self.pass_time, depth, self.verify_cost)
         use = self.budget[rows] if sampled else budget
         tree = select_budget(spec, use, self.max_nodes)
@@ -291,6 +315,9 @@ class PassHarness:
         calibration = self.calibration[rows]
         update_calibration(calibration, self.predicted[rows], num_accepted)
         self.calibration[rows] = calibration
+        gamma = self.gamma[rows]
+        update_sharpness(gamma, calibration)
+        self.gamma[rows] = gamma
 
 
 class DepthStepper:
@@ -341,6 +368,7 @@ class DepthHarness:
         self.verify_cost = self.plan.verify_cost.to(self.device)
         self.calibration = torch.zeros(batch, 2, dtype=torch.float64, device=self.device)
         self.predicted = torch.zeros(batch, dtype=torch.float64, device=self.device)
+        self.gamma = torch.ones(batch, dtype=torch.float64, device=self.device)
         self.acceptance = [0.0, 0.0]  # accepted drafts, drafts verified (sampled chains)
         self.rows = torch.zeros(0, dtype=torch.long, device=self.device)
         self.state = HarnessState.start(0, self.device)
@@ -367,7 +395,7 @@ class DepthHarness:
     def decide(self, candidate_scores: Tensor, depth: int) -> None:
         cost = self.draft_cost[min(depth, len(self.draft_cost)) - 1]
         harness_decide(
-            candidate_scores.double().contiguous(),
+            sharpen(candidate_scores, self.gamma[self.rows]).contiguous(),
             self.calibration[self.rows].contiguous(),
             self.widths,
             cost,
@@ -377,6 +405,7 @@ class DepthHarness:
 
     def finalize(self, tokens: Tensor, parent: Tensor, scores: Tensor, chosen: Tensor) -> TreeSpec:
         calibration = self.calibration[self.rows]
+        scores = sharpen(scores, self.gamma[self.rows])
         drafted = torch.where(chosen, scores, -1.0)[:, 1:]
         budget = harness_budget(drafted, calibration, self.state.draft_time, self.verify_cost)
         tree = select_candidates(tokens, parent, scores, chosen, budget, self.max_nodes)
@@ -387,6 +416,9 @@ class DepthHarness:
         calibration = self.calibration[rows]
         update_calibration(calibration, self.predicted[rows], num_accepted)
         self.calibration[rows] = calibration
+        gamma = self.gamma[rows]
+        update_sharpness(gamma, calibration)
+        self.gamma[rows] = gamma
         # Per-position acceptance of chains: accepted drafts over (accepted drafts + rejections).
         self.acceptance[0] += float(num_accepted.sum())
         self.acceptance[1] += float(num_accepted.sum() + (num_accepted < num_nodes - 1).sum())
