@@ -92,11 +92,6 @@ def harness_budget(scores: Tensor, calibration: Tensor, draft_time: Tensor | flo
     return _budget_ratios(scores, calibration, draft_time, verify_cost).argmax(1) + 1
 
 
-def _budget_ratio(scores: Tensor, calibration: Tensor, draft_time: float, verify_cost: Tensor) -> Tensor:
-    """The best ratio of :func:`harness_budget` per request, [B] float64."""
-    return _budget_ratios(scores, calibration, draft_time, verify_cost).amax(1)
-
-
 def _budget_ratios(scores: Tensor, calibration: Tensor, draft_time: Tensor | float, verify_cost: Tensor) -> Tensor:
     """Ratios (1 + S_k) / (T_draft + V[k + 1]) for k = 0 .. drafts, [B, k] (-inf past the valid candidates)."""
     batch = scores.shape[0]
@@ -123,19 +118,23 @@ def pass_budget(
     would have given had the pass drafted K' depths (deeper nodes dropped, cost ``pass_time[K' - 1]``); the best K' is
     the next depth, or ``depth + 1`` (up to ``len(pass_time)``) when the best is ``depth`` and the budget reaches it:
     the tree cannot show what a deeper pass would gain, so the harness tries it. Returns (budget, next depth), [B]
-    int64 each.
+    int64 each. All K' are scored in one batched evaluation (this runs every round).
     """
-    nodes = spec.scores.shape[1]
-    index = torch.arange(nodes, device=spec.scores.device)
+    batch, nodes = spec.scores.shape
+    device = spec.scores.device
+    index = torch.arange(nodes, device=device)
     drafted = (index > 0) & (index < spec.num_nodes[:, None])
     scores = torch.where(drafted, spec.scores, -1.0)[:, 1:]
-    budget = harness_budget(scores, calibration, pass_time[depth - 1], verify_cost)
-    ratios = []
-    for k in range(1, min(depth, len(pass_time)) + 1):
-        shallow = torch.where(spec.depth[:, 1:] <= k, scores, -1.0)
-        ratios.append(_budget_ratio(shallow, calibration, pass_time[k - 1], verify_cost))
-    best = torch.stack(ratios, 1).argmax(1) + 1
-    kept = select_depths(spec, budget)
+    ks = torch.arange(1, depth + 1, device=device)
+    shallow = torch.where(spec.depth[:, None, 1:] <= ks[None, :, None], scores[:, None, :], -1.0)
+    seconds = torch.tensor(pass_time[:depth], dtype=torch.float64, device=device).repeat(batch)
+    ratios = _budget_ratios(
+        shallow.reshape(batch * depth, -1), calibration.repeat_interleave(depth, 0), seconds, verify_cost
+    ).view(batch, depth, -1)
+    budget = ratios[:, depth - 1].argmax(1) + 1
+    best = ratios.amax(2).argmax(1) + 1
+    valid = index[None, :] < spec.num_nodes[:, None]
+    kept = torch.where(_kept(spec.scores, valid, budget), spec.depth, 0).amax(1)
     grow = (kept >= depth) & (best == depth) & (depth < len(pass_time))
     return budget, torch.where(grow, best + 1, best)
 
@@ -148,12 +147,6 @@ def _kept(scores: Tensor, valid: Tensor, budget: Tensor) -> Tensor:
     order = torch.sort(key, dim=1, descending=True, stable=True).indices
     rank = torch.empty_like(order).scatter_(1, order, index)
     return (rank < budget[:, None]) & valid
-
-
-def select_depths(spec: TreeSpec, budget: Tensor) -> Tensor:
-    """The deepest depth among the best ``budget[b]`` nodes of each request's tree, [B] int64."""
-    valid = torch.arange(spec.scores.shape[1], device=spec.scores.device)[None, :] < spec.num_nodes[:, None]
-    return torch.where(_kept(spec.scores, valid, budget), spec.depth, 0).amax(1)
 
 
 def select_budget(spec: TreeSpec, budget: Tensor, max_nodes: int) -> TreeSpec:
