@@ -397,6 +397,8 @@ class _Generation:
         while active:
             active = self._round(active, roots, step)
             step += 1
+        if self.harness is not None:
+            self.harness.finish()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return self._output(time.perf_counter() - start)

@@ -222,6 +222,20 @@ class HarnessPolicy:
             raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
         self.table, self.max_nodes = table, max_nodes
         self.tree_topk, self.tree_growth, self.acceptance = tree_topk, tree_growth, acceptance
+        # What earlier generate calls learnt about the drafter (mean exponent and calibration sums): a new call's
+        # requests start from it instead of from scratch.
+        self.learnt_gamma, self.learnt_calibration = 1.0, (0.0, 0.0)
+
+    def start_state(self, batch: int, device) -> tuple[Tensor, Tensor]:
+        """(gamma [B], calibration [B, 2]) for the requests of a new generate call."""
+        gamma = torch.full((batch,), self.learnt_gamma, dtype=torch.float64, device=device)
+        calibration = torch.tensor(self.learnt_calibration, dtype=torch.float64, device=device).repeat(batch, 1)
+        return gamma, calibration
+
+    def learn(self, gamma: Tensor, calibration: Tensor) -> None:
+        """Keeps the mean state of a finished generate call for the next one."""
+        self.learnt_gamma = float(gamma.mean())
+        self.learnt_calibration = tuple(calibration.mean(0).tolist())
 
     def chain_length(self, batch: int, context: int, acceptance: float | None = None) -> int:
         """The chain length L (drafts; 0 = plain decoding) maximising (1 + a + .. + a^L) / (pass(L) + V[L + 1])."""
@@ -272,12 +286,12 @@ class PassHarness:
         self.max_nodes = policy.max_nodes
         self.pass_time = [table.pass_time(batch, k) for k in range(1, max_depth + 1)]
         self.verify_cost = self.plan.verify_cost.to(device)
-        self.calibration = torch.zeros(batch, 2, dtype=torch.float64, device=device)
+        self.policy = policy
+        self.gamma, self.calibration = policy.start_state(batch, device)
         first = min(policy.chain_length(batch, context) + 1, self.max_nodes)
         self.budget = torch.full((batch,), max(first, 2), dtype=torch.long, device=device)
         self.next_depth = torch.full((batch,), max_depth, dtype=torch.long, device=device)
         self.predicted = torch.zeros(batch, dtype=torch.float64, device=device)
-        self.gamma = torch.ones(batch, dtype=torch.float64, device=device)
 
     @property
     def speculate(self) -> bool:
@@ -311,6 +325,10 @@ class PassHarness:
         gamma = self.gamma[rows]
         update_sharpness(gamma, calibration)
         self.gamma[rows] = gamma
+
+    def finish(self) -> None:
+        """Hands what this call learnt to the policy (the next call starts from it)."""
+        self.policy.learn(self.gamma, self.calibration)
 
 
 class DepthStepper:
@@ -359,9 +377,8 @@ class DepthHarness:
         self.draft_cost = [table.draft_row(batch, d)[columns].to(self.device) for d in range(1, max_depth + 1)]
         self.root_cost = float(table.draft_row(batch, 1)[0])
         self.verify_cost = self.plan.verify_cost.to(self.device)
-        self.calibration = torch.zeros(batch, 2, dtype=torch.float64, device=self.device)
+        self.gamma, self.calibration = policy.start_state(batch, self.device)
         self.predicted = torch.zeros(batch, dtype=torch.float64, device=self.device)
-        self.gamma = torch.ones(batch, dtype=torch.float64, device=self.device)
         self.acceptance = [0.0, 0.0]  # accepted drafts, drafts verified (sampled chains)
         self.rows = torch.zeros(0, dtype=torch.long, device=self.device)
         self.state = HarnessState.start(0, self.device)
@@ -415,3 +432,7 @@ class DepthHarness:
         # Per-position acceptance of chains: accepted drafts over (accepted drafts + rejections).
         self.acceptance[0] += float(num_accepted.sum())
         self.acceptance[1] += float(num_accepted.sum() + (num_accepted < num_nodes - 1).sum())
+
+    def finish(self) -> None:
+        """Hands what this call learnt to the policy (the next call starts from it)."""
+        self.policy.learn(self.gamma, self.calibration)
