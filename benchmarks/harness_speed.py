@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
@@ -66,7 +67,9 @@ def main() -> None:
     else:
         nodes = [1, 2, 4, 8, 16, 32]
         table = profile_costs(target, drafter, batch_sizes=batches, contexts=[args.prompt_len], verify_nodes=nodes)
-        table.save("harness-costs.json")
+        results = Path(__file__).parent / "results"
+        results.mkdir(exist_ok=True)
+        print(f"cost table written: {table.save(results / 'harness-costs.json')}")
     depth, vocab = drafter.config.num_depths, drafter.config.draft_vocab_size
     configs = {f"chain {k}": dict(mode="chain", depth=k) for k in range(1, depth + 1)}
     for budget in (int(b) for b in args.budgets.split(",")):
