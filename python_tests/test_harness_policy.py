@@ -204,6 +204,24 @@ def test_sharpness_recalibrates_a_flat_drafter():
     assert torch.equal(sharpen(padding, gamma), padding)
 
 
+def test_a_new_call_starts_from_what_earlier_calls_learnt():
+    probs, truth = recorded_trace(4, rounds=40)
+    policy = HarnessPolicy(FLAT, MAX_NODES)
+    fresh = PassHarness(policy, 2, DEPTH, 0, VOCAB, "cpu")
+    assert fresh.gamma.tolist() == [1.0, 1.0] and fresh.calibration.tolist() == [[0.0, 0.0]] * 2
+    rows = torch.tensor([0])
+    first = PassHarness(policy, 1, DEPTH, 0, VOCAB, "cpu")
+    for r in range(len(truth)):
+        depth = first.depth(rows)
+        tree = first.select(rows, tree_build_parallel(probs[r : r + 1, :depth], first.topk(depth), MAX_NODES), depth,
+                            sampled=False)  # fmt: skip
+        first.observe(rows, accepted_drafts(tree, truth[r : r + 1]))
+    first.finish()
+    later = PassHarness(policy, 3, DEPTH, 0, VOCAB, "cpu")
+    assert later.gamma.tolist() == [float(first.gamma[0])] * 3
+    assert torch.equal(later.calibration, first.calibration.expand(3, 2))
+
+
 def test_cost_table_round_trip_and_errors(tmp_path):
     path = FLAT.save(tmp_path / "costs.json")
     assert CostTable.load(path) == FLAT
