@@ -222,6 +222,21 @@ def test_a_new_call_starts_from_what_earlier_calls_learnt():
     assert torch.equal(later.calibration, first.calibration.expand(3, 2))
 
 
+def test_tree_plan_drafts_chains_while_acceptance_stays_on_the_top1_chain():
+    harness = PassHarness(HarnessPolicy(FLAT, MAX_NODES), 1, DEPTH, 0, VOCAB, "cpu")
+    assert harness.plan.kind == "tree" and harness.topk(3) == [4, 2, 2]
+    parent = torch.tensor([[-1, 0, 0, 1, 2]])  # nodes 1 and 2 are siblings (1 first), 3 under 1, 4 under 2
+    rows = torch.tensor([0])
+    for _ in range(20):  # the accepted path 0 -> 1 -> 3 stays on the first children
+        harness.observe(rows, torch.tensor([2]), None, parent, torch.tensor([[0, 1, 3, -1, -1]]))
+    assert harness.off_chain == [0.0, 40.0]
+    shapes = [harness.topk(3) for _ in range(16)]
+    assert shapes.count([1, 1, 1]) == 14 and shapes.count([4, 2, 2]) == 2  # every 8th round explores the tree
+    for _ in range(20):  # now through the second child
+        harness.observe(rows, torch.tensor([2]), None, parent, torch.tensor([[0, 2, 4, -1, -1]]))
+    assert harness.off_chain == [20.0, 80.0] and harness.topk(3) == [4, 2, 2]
+
+
 def test_cost_table_round_trip_and_errors(tmp_path):
     path = FLAT.save(tmp_path / "costs.json")
     assert CostTable.load(path) == FLAT

@@ -474,7 +474,7 @@ class _Generation:
         )
         host_accepted = accepted[:, 0].tolist()
         if self.harness is not None:
-            self.harness.observe(rows, result.num_accepted, tree.num_nodes)
+            self.harness.observe(rows, result.num_accepted, tree.num_nodes, tree.parent, result.accepted_path)
         runner.commit(rows, active, result.accepted_path, result.num_accepted, result.last_node, host_accepted)
         width = max(host_accepted) + 1
         rows_index = torch.arange(len(active), device=self.device)

@@ -58,6 +58,8 @@ __all__ = [
     "update_sharpness",
 ]
 
+OFF_CHAIN_RATE = 0.05  # below this share of accepted drafts off the top-1 chain, a tree plan drafts chains
+EXPLORE_EVERY = 8  # ... except every 8th round
 CALIBRATION_DECAY = 0.9  # weight of the past in the observed / predicted sums (about the last 10 rounds)
 SHARPNESS_RANGE = (0.02, 1.5)  # bounds of the exponent gamma of the path scores
 
@@ -225,6 +227,7 @@ class HarnessPolicy:
         # What earlier generate calls learnt about the drafter (mean exponent and calibration sums): a new call's
         # requests start from it instead of from scratch.
         self.learnt_gamma, self.learnt_calibration = 1.0, (0.0, 0.0)
+        self.learnt_off_chain = (0.0, 0.0)
 
     def start_state(self, batch: int, device) -> tuple[Tensor, Tensor]:
         """(gamma [B], calibration [B, 2]) for the requests of a new generate call."""
@@ -292,6 +295,8 @@ class PassHarness:
         self.budget = torch.full((batch,), max(first, 2), dtype=torch.long, device=device)
         self.next_depth = torch.full((batch,), max_depth, dtype=torch.long, device=device)
         self.predicted = torch.zeros(batch, dtype=torch.float64, device=device)
+        self.off_chain = list(policy.learnt_off_chain)  # accepted drafts off the top-1 chain, accepted drafts
+        self.rounds = 0
 
     @property
     def speculate(self) -> bool:
@@ -302,9 +307,17 @@ class PassHarness:
         return int(self.next_depth[rows].max())
 
     def topk(self, depth: int) -> list[int]:
-        """Children per candidate node: the plan's top-k at the root, then 2 (a tree) or 1 (a chain) per depth."""
-        deeper = min(2, self.plan.topk)
-        return [min(k, self.draft_vocab) for k in [self.plan.topk] + [deeper] * (depth - 1)]
+        """Children per candidate node: the plan's top-k at the root, then 2 (a tree) or 1 (a chain) per depth.
+
+        A tree plan drafts chains while the accepted paths almost never leave the drafter's top-1 chain (fewer than
+        OFF_CHAIN_RATE of the accepted drafts, with a prior of 1 in 10): siblings would only cost verify time. Every
+        EXPLORE_EVERY-th round still drafts the tree, so a change is noticed."""
+        self.rounds += 1
+        off, accepted = self.off_chain
+        chain = (off + 1.0) / (accepted + 10.0) < OFF_CHAIN_RATE and self.rounds % EXPLORE_EVERY != 0
+        top = 1 if chain else self.plan.topk
+        deeper = min(2, top)
+        return [min(k, self.draft_vocab) for k in [top] + [deeper] * (depth - 1)]
 
     def select(self, rows: Tensor, spec: TreeSpec, depth: int, sampled: bool) -> TreeSpec:
         calibration = self.calibration[rows]
@@ -317,8 +330,25 @@ class PassHarness:
         self.predicted[rows] = predicted_acceptance(tree, calibration)
         return tree
 
-    def observe(self, rows: Tensor, num_accepted: Tensor, num_nodes: Tensor | None = None) -> None:
-        """Folds the verified acceptance of ``rows`` into their calibration (``num_nodes``: unused here)."""
+    def observe(
+        self,
+        rows: Tensor,
+        num_accepted: Tensor,
+        num_nodes: Tensor | None = None,
+        parent: Tensor | None = None,
+        accepted_path: Tensor | None = None,
+    ) -> None:
+        """Folds the verified acceptance of ``rows`` into their calibration; with the verified trees' ``parent`` and
+        the ``accepted_path``, counts the accepted drafts that were not their parent's first child."""
+        if parent is not None and accepted_path is not None:
+            nodes = parent.shape[1]
+            index = torch.arange(nodes, device=parent.device)
+            earlier = (parent[:, :, None] == parent[:, None, :]) & (index[None, None, :] < index[None, :, None])
+            rank = earlier.sum(-1)  # sibling rank (siblings are laid out best first)
+            path = accepted_path[:, 1:nodes]
+            off = (rank.gather(1, path.clamp(min=0)) > 0) & (path >= 0)
+            self.off_chain[0] += float(off.sum())
+            self.off_chain[1] += float(num_accepted.sum())
         calibration = self.calibration[rows]
         update_calibration(calibration, self.predicted[rows], num_accepted)
         self.calibration[rows] = calibration
@@ -329,6 +359,7 @@ class PassHarness:
     def finish(self) -> None:
         """Hands what this call learnt to the policy (the next call starts from it)."""
         self.policy.learn(self.gamma, self.calibration)
+        self.policy.learnt_off_chain = tuple(self.off_chain)
 
 
 class DepthStepper:
@@ -422,7 +453,8 @@ class DepthHarness:
         self.predicted[self.rows] = predicted_acceptance(tree, calibration)
         return tree
 
-    def observe(self, rows: Tensor, num_accepted: Tensor, num_nodes: Tensor) -> None:
+    def observe(self, rows: Tensor, num_accepted: Tensor, num_nodes: Tensor, parent=None, accepted_path=None) -> None:
+        """Folds the verified acceptance of ``rows`` into their calibration and the chain acceptance rate."""
         calibration = self.calibration[rows]
         update_calibration(calibration, self.predicted[rows], num_accepted)
         self.calibration[rows] = calibration
