@@ -323,6 +323,9 @@ class PassHarness:
         calibration = self.calibration[rows]
         spec = spec._replace(scores=sharpen(spec.scores, self.gamma[rows]))
         budget, next_depth = pass_budget(spec, calibration, self.pass_time, depth, self.verify_cost)
+        # At least one draft: a round that verifies none teaches the calibration nothing (it would never recover from
+        # a drafter whose scores start far too low).
+        budget = torch.maximum(budget, torch.clamp(spec.num_nodes, max=2))
         use = self.budget[rows] if sampled else budget
         tree = select_budget(spec, use, self.max_nodes)
         self.budget[rows] = budget
