@@ -20,8 +20,10 @@ for n nodes (root included, from the cost table row of the batch-size bucket and
 * **Verify budget.** :func:`harness_budget`: the best n nodes by path score (parent-closed: scores never grow along a
   path and ties go to the smaller index) with n maximising (1 + S_(n-1)) / (T_draft + V[n]).
 * **P-EAGLE.** One pass drafts K depths at cost pass(K); the budget is chosen over the parallel candidate tree as
-  above, and the next round's K is one more than the deepest verified depth this round (capped at the drafter's K), so
-  a round that wanted every depth tries one more and a shallow one stops paying for depths it does not use.
+  above (at least one draft, so that the calibration keeps learning), and the next round's K is the K' whose ratio on
+  this round's tree (nodes deeper than K' dropped, cost pass(K')) is best, one more when that is the drafted depth and
+  the budget used it (:func:`pass_budget`): a shallow round stops paying for depths it does not use. A tree plan drafts
+  chains while the accepted drafts almost never leave the drafter's top-1 chain (observed; every 8th round explores).
 * **Batch size.** :meth:`HarnessPolicy.plan`: at batch sizes whose verify cost grows slowly with the node count the
   candidates form a dynamic tree (top-k children per depth); where it grows fast, a chain (one child per depth) whose
   length the budget still chooses per request; :meth:`HarnessPolicy.chain_widths` is the per-bucket table of the best
