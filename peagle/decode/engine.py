@@ -115,8 +115,10 @@ class SpeculativeDecoder:
             qwen3_next.
         drafter: a drafter checkpoint directory, a :class:`~peagle.model.PEagleDrafter`, or None (target-only
             decoding: one token per target forward).
-        mode: "chain", "tree" or "harness" (cost-aware: per round, the P-EAGLE pass depth and the verified nodes
-            that maximise expected tokens per second under ``cost_table``; see :mod:`peagle.decode.harness`).
+        mode: "chain", "tree" or "harness" (cost-aware: per round, what maximises expected tokens per second under
+            ``cost_table``: P-EAGLE's pass depth and verified nodes, EAGLE-3's width at each depth and verified nodes;
+            see :mod:`peagle.decode.harness`). Its decisions learn from earlier rounds and generate calls, so a
+            sampled request's tokens depend on its seed and on what ran before (their distribution does not).
         method: "peagle" (parallel drafting: depth <= the drafter's K) or "eagle3" (autoregressive); default "peagle"
             for drafters with K > 1, "eagle3" for K = 1.
         depth: drafts per chain / tree depth (P-EAGLE: default K; EAGLE-3: default 4).
