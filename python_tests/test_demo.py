@@ -38,11 +38,13 @@ def _check_acceptance_row(row: dict, k: int) -> None:
 
 
 def _check_engine_rows(report: dict, accepted: bool = True) -> None:
-    """The engine rows: target alone, P-EAGLE chain, the fastest P-EAGLE tree, EAGLE-3 chain and tree, all lossless
-    (output == the engine's target-alone output) and (``accepted``) with drafts accepted."""
+    """The engine rows: target alone, P-EAGLE chain, the fastest P-EAGLE tree, EAGLE-3 chain, the cost-aware harness
+    and the EAGLE-3 tree, all lossless (output == the engine's target-alone output) and (``accepted``) with drafts
+    accepted."""
     rows = {r["config"]: r for r in report["engine"]}
     names = [n.split(" ")[0] + " " + n.split(" ")[1] for n in rows]
-    assert names == ["target alone", "P-EAGLE chain", "P-EAGLE tree", "EAGLE-3 chain", "EAGLE-3 tree"]
+    expected = ["target alone", "P-EAGLE chain", "P-EAGLE tree", "EAGLE-3 chain", "P-EAGLE harness", "EAGLE-3 tree"]
+    assert names == expected
     for name, row in rows.items():
         assert row["lossless"] is True, name
         assert row["tokens_per_second"] > 0 and row["generated_tokens"] > 0, name
@@ -94,6 +96,7 @@ def test_demo_quick_end_to_end(tmp_path):
     md = (report_dir / "report.md").read_text()
     assert "| P-EAGLE | vLLM |" in md and "Pos 1" in md and f"Pos {k}" in md
     assert "## peagle decoding engine (greedy)" in md and "| P-EAGLE chain |" in md
+    assert "| P-EAGLE harness (cost-aware) |" in md and "Harness tokens/s over the best fixed" in md
 
     # A rerun takes every stage from the cache and writes the same measurements.
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
