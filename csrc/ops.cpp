@@ -86,6 +86,14 @@ TORCH_LIBRARY(peagle, m) {
   m.def(
       "efficient_lm_head(Tensor hidden, Tensor down, Tensor up, Tensor weight, int num_candidates) -> "
       "(Tensor candidate_ids, Tensor candidate_logits)");
+  // Harness decision of one draft depth (math: csrc/include/peagle/harness.h). Reads the candidates' path scores
+  // [B, F] (-inf padding), calibration sums [B, 2], the cost-table row (widths [W], draft_cost [W], verify_cost
+  // [M + 1]); updates the running state (expected, draft_time, num_nodes) and writes the chosen width [B], stop [B]
+  // (requests already stopped stay stopped) and go [1] in place: no outputs, so CUDA graphs can capture it.
+  m.def(
+      "harness_decide(Tensor frontier_scores, Tensor calibration, Tensor widths, Tensor draft_cost, "
+      "Tensor verify_cost, Tensor(a!) expected, Tensor(b!) draft_time, Tensor(c!) num_nodes, Tensor(d!) width, "
+      "Tensor(e!) stop, Tensor(f!) go) -> ()");
 
   // Returns the CPU output blocks kept for reuse (see csrc/cpu/large_buffers.h) to the OS; bytes released. Takes no
   // tensor, so its one kernel is composite (registered in csrc/cpu/large_buffers.cpp).

@@ -329,6 +329,45 @@ def add_bench_parser(commands) -> None:
     dec.set_defaults(func=cmd_bench_decode)
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Profile the target's verify time and the drafter's time per depth and width on this machine (a cost table
+    for `SpeculativeDecoder(mode="harness", cost_table=...)`)."""
+    from peagle.decode.harness.profile import profile_costs
+
+    table = profile_costs(
+        args.target,
+        args.drafter,
+        batch_sizes=_ints(args.batch_sizes, "--batch-sizes"),
+        contexts=_ints(args.contexts, "--contexts"),
+        verify_nodes=_ints(args.nodes, "--nodes"),
+        draft_widths=_ints(args.widths, "--widths"),
+        depths=args.depths,
+        repeats=args.repeats,
+        device=args.device,
+        progress=not args.quiet,
+    )
+    path = table.save(args.out)
+    print(f"cost table (version {table.version}) written: {path}")
+    return 0
+
+
+def add_profile_parser(commands) -> None:
+    """`peagle profile`: the harness's cost table."""
+    prof = commands.add_parser("profile", help=cmd_profile.__doc__, description=cmd_profile.__doc__)
+    prof.add_argument("--target", required=True, help="the target model directory (Hugging Face format)")
+    prof.add_argument("--drafter", required=True, help="the drafter checkpoint directory")
+    prof.add_argument("--out", default="peagle-costs.json", help="the cost table to write (default peagle-costs.json)")
+    prof.add_argument("--batch-sizes", default="1,4,16", help="batch-size buckets (default 1,4,16)")
+    prof.add_argument("--contexts", default="64", help="context interval starts in tokens (default 64)")
+    prof.add_argument("--nodes", default="1,2,4,8,16,32", help="verified nodes per request (default 1,2,4,8,16,32)")
+    prof.add_argument("--widths", default="1,2,4", help="drafted nodes per depth (default 1,2,4)")
+    prof.add_argument("--depths", type=int, default=6, help="autoregressive draft depths to time (default 6)")
+    prof.add_argument("--repeats", type=int, default=5, help="timed calls per point; the fastest counts (default 5)")
+    prof.add_argument("--device", default=None, help="torch device (default: the target's)")
+    prof.add_argument("--quiet", action="store_true", help="no progress bar")
+    prof.set_defaults(func=cmd_profile)
+
+
 def add_example_parser(commands) -> None:
     """`peagle example`: COD + gather on a random packed row."""
     example = commands.add_parser("example", help=cmd_example.__doc__, description=cmd_example.__doc__)
@@ -489,6 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_serve_parser,
         add_demo_parser,
         add_bench_parser,
+        add_profile_parser,
     ):
         add(commands)
     return parser

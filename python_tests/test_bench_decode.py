@@ -39,7 +39,8 @@ def test_bench_decode_end_to_end(models, capsys):
     names = list(rows)
     assert names[:2] == ["target alone", "P-EAGLE chain"]
     assert [n.split(" (")[0] for n in names[2:4]] == ["P-EAGLE tree 6 nodes", "P-EAGLE tree 12 nodes"]
-    assert names[4] == "EAGLE-3 chain" and names[5].startswith("EAGLE-3 tree ") and len(names) == 6
+    assert names[4] == "EAGLE-3 chain" and names[5] == "P-EAGLE harness (cost-aware)" and (out / "costs.json").exists()
+    assert names[6].startswith("EAGLE-3 tree ") and len(names) == 7
     # The target alone is the target's own greedy text (Hugging Face generate), and every row reproduces it.
     expected = [greedy_reference(model, p, 40) for p in prompts[:3]]
     assert report["lossless"] is True
@@ -60,6 +61,8 @@ def test_bench_decode_end_to_end(models, capsys):
         max(rows[n]["acceptance_length"] for n in names[2:4]) / rows["P-EAGLE chain"]["acceptance_length"]
     )
     assert ratios["vllm_target_tps_over_engine_target_tps"] is None
+    fixed = max(rows[n]["tokens_per_second"] for n in names[1:4])
+    assert ratios["harness_tps_over_best_fixed_tps"] == pytest.approx(rows[names[5]]["tokens_per_second"] / fixed)
     assert report["settings"]["prompts"] == 3 and report["settings"]["depth"] == 3
     assert (out / "decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -38,11 +38,13 @@ def _check_acceptance_row(row: dict, k: int) -> None:
 
 
 def _check_engine_rows(report: dict, accepted: bool = True) -> None:
-    """The engine rows: target alone, P-EAGLE chain, the fastest P-EAGLE tree, EAGLE-3 chain and tree, all lossless
-    (output == the engine's target-alone output) and (``accepted``) with drafts accepted."""
+    """The engine rows: target alone, P-EAGLE chain, the fastest P-EAGLE tree, EAGLE-3 chain, the cost-aware harness
+    and the EAGLE-3 tree, all lossless (output == the engine's target-alone output) and (``accepted``) with drafts
+    accepted."""
     rows = {r["config"]: r for r in report["engine"]}
     names = [n.split(" ")[0] + " " + n.split(" ")[1] for n in rows]
-    assert names == ["target alone", "P-EAGLE chain", "P-EAGLE tree", "EAGLE-3 chain", "EAGLE-3 tree"]
+    expected = ["target alone", "P-EAGLE chain", "P-EAGLE tree", "EAGLE-3 chain", "P-EAGLE harness", "EAGLE-3 tree"]
+    assert names == expected
     for name, row in rows.items():
         assert row["lossless"] is True, name
         assert row["tokens_per_second"] > 0 and row["generated_tokens"] > 0, name
@@ -101,6 +103,7 @@ def test_demo_quick_end_to_end(tmp_path):
         assert budgets["EAGLE-3"][key] == budgets["P-EAGLE"][key], key
     assert all(b["elements"] > b["rows"] and b["seconds"] > 0 for b in budgets.values())
     assert f"| EAGLE-3 | {budgets['EAGLE-3']['layers']} | 1 | {k} |" in md
+    assert "| P-EAGLE harness (cost-aware) |" in md and "Harness tokens/s over the best fixed" in md
 
     # A rerun takes every stage from the cache and writes the same measurements.
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)

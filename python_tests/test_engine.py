@@ -20,6 +20,7 @@ from peagle.ops.gdn import tree_path
 from peagle.train.evaluate import chain_drafts
 from testkit import (
     TINY_FAMILIES,
+    flat_cost_table,
     fresh_seed,
     greedy_reference,
     random_tree,
@@ -37,6 +38,8 @@ OPTIONS = {
     ("peagle", "tree"): dict(topk=[3, 2, 2, 1], num_nodes=12),
     ("eagle3", "chain"): dict(depth=4),
     ("eagle3", "tree"): dict(depth=4, topk=3, num_nodes=12),
+    ("peagle", "harness"): dict(cost_table=flat_cost_table(), num_nodes=12),
+    ("eagle3", "harness"): dict(depth=4, cost_table=flat_cost_table(), num_nodes=12),
 }
 
 
@@ -105,6 +108,8 @@ def test_greedy_output_is_the_targets_greedy_output(request, kind, method, mode,
     emitted = sum(r.emitted for r in out.requests)
     assert metrics.acceptance_length == pytest.approx(emitted / metrics.request_rounds)
     assert len(metrics.conditional_acceptance) == (4 if method == "peagle" else OPTIONS[(method, mode)]["depth"])
+    if mode == "harness":  # the harness verified trees of more than one shape
+        assert len({a for r in out.requests for a in r.accepted}) > 1
     assert metrics.total_s >= metrics.draft_s + metrics.verify_s + metrics.other_s
 
 
@@ -420,7 +425,10 @@ def test_seeds_reproduce_and_batching_does_not_change_a_request(flat, method, mo
 def test_bad_arguments_get_clear_errors(dense, hybrid):
     model, drafter = dense.model, dense.peagle
     cases = [
-        (dict(mode="bush"), ValueError, "mode must be 'chain' or 'tree', got 'bush'"),
+        (dict(mode="bush"), ValueError, "mode must be 'chain', 'tree' or 'harness', got 'bush'"),
+        (dict(mode="harness"), ValueError, "mode 'harness' needs cost_table: a CostTable or the JSON file"),
+        (dict(mode="tree", cost_table=flat_cost_table()), ValueError, "cost_table is for mode 'harness'"),
+        (dict(mode="harness", cost_table=flat_cost_table(), num_nodes=1), ValueError, "num_nodes must be an int >= 2"),
         (dict(draft_sampling="beam"), ValueError, "draft_sampling must be 'gumbel' or 'topk'"),
         (dict(method="medusa"), ValueError, "method must be 'peagle' or 'eagle3', got 'medusa'"),
         (dict(depth=5), ValueError, r"depth must be an int in \[1, 4\] \(the drafter's K\), got 5"),
@@ -436,6 +444,8 @@ def test_bad_arguments_get_clear_errors(dense, hybrid):
         SpeculativeDecoder(model, 3)
     with pytest.raises(ValueError, match="need a drafter"):
         SpeculativeDecoder(model, None, topk=2)
+    with pytest.raises(ValueError, match="mode 'harness' needs a drafter"):
+        SpeculativeDecoder(model, None, "harness", cost_table=flat_cost_table())
     with pytest.raises(ValueError, match=r"drafter \(hidden_size 64, vocab_size 64\) does not fit the target"):
         SpeculativeDecoder(tiny_target("llama", vocab_size=80), drafter)
     with pytest.raises(ValueError, match="a hybrid target verifies at most 64 nodes per tree"):

@@ -1,7 +1,8 @@
 """Sampled speculative decoding is lossless: on a target with a 12-token vocabulary, the first 3 tokens the engine
 emits follow the exact joint distribution computed by enumeration (with Hugging Face's temperature / top-k / top-p
 warpers), for P-EAGLE chains and trees and EAGLE-3 trees, with Gumbel-sampled and deterministic top-k drafts
-(chi-square over 10^5 samples). A deliberately biased verifier fails the same test."""
+(chi-square over 10^5 samples), and under the cost-aware harness (P-EAGLE and EAGLE-3). A deliberately biased
+verifier fails the same test."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 import peagle.decode.engine as engine
 from peagle.decode import SpeculativeDecoder
-from testkit import self_distilled_rows, tiny_target, train_tiny_drafter
+from testkit import flat_cost_table, self_distilled_rows, tiny_target, train_tiny_drafter
 
 stats = pytest.importorskip("scipy.stats")
 
@@ -30,11 +31,17 @@ CASES = {
     "peagle-tree-topk": ("peagle", "tree", "topk", 1.0, 8, 0.95),
     "eagle3-tree-gumbel": ("eagle3", "tree", "gumbel", 1.0, 0, 1.0),
     "eagle3-tree-topk": ("eagle3", "tree", "topk", 0.9, 0, 0.8),
+    "peagle-harness-gumbel": ("peagle", "harness", "gumbel", 1.0, 0, 0.9),
+    "peagle-harness-topk": ("peagle", "harness", "topk", 0.9, 6, 1.0),
+    "eagle3-harness-gumbel": ("eagle3", "harness", "gumbel", 1.0, 0, 1.0),
+    "eagle3-harness-topk": ("eagle3", "harness", "topk", 1.0, 0, 0.9),
 }
 OPTIONS = {
     ("peagle", "chain"): {},
     ("peagle", "tree"): dict(topk=[3, 2, 2], num_nodes=10),
     ("eagle3", "tree"): dict(depth=3, topk=3, num_nodes=10),
+    ("peagle", "harness"): dict(cost_table=flat_cost_table(), num_nodes=10),
+    ("eagle3", "harness"): dict(depth=3, cost_table=flat_cost_table(), num_nodes=10),
 }
 
 

@@ -461,3 +461,21 @@ def train_tiny_drafter(
                   moe_balance_weight=0.01)  # fmt: skip
         optimizer.step()
     return drafter.eval()
+
+
+def flat_cost_table(depths: int = 8):
+    """A harness cost table of a target whose verify time barely grows with the verified nodes (batch sizes 1, 4, 16;
+    drafting a tenth of a verify): the harness then drafts trees and long chains, so engine tests exercise them."""
+    from peagle.decode.harness import CostTable
+
+    nodes = [1, 2, 4, 8, 16, 32, 64]
+    batches = [1, 4, 16]
+    return CostTable(
+        batch_sizes=batches,
+        contexts=[0],
+        verify_nodes=nodes,
+        verify_s=[[[10e-3 + 0.05e-3 * b * (n - 1) for n in nodes]] for b in batches],
+        draft_widths=[1, 2, 4],
+        draft_s=[[[0.5e-3, 0.6e-3, 0.8e-3]] * depths] * len(batches),
+        pass_s=[[1e-3 + 0.1e-3 * k for k in range(depths)]] * len(batches),
+    )

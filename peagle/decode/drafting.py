@@ -30,16 +30,17 @@ probabilities. A draft vocabulary (d2t) maps drafted ids to target ids.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
+from peagle.decode.harness.policy import DepthStepper
 from peagle.decode.kv_cache import PagedKVCache
 from peagle.decode.sampling import draft_distribution, gumbel_order
 from peagle.model import PEagleDrafter
 from peagle.model.drafter import window_visible
-from peagle.ops import TreeSpec, ancestor_mask, tree_build_parallel, tree_expand_topk, tree_select
+from peagle.ops import HarnessState, TreeSpec, ancestor_mask, tree_build_parallel, tree_expand_topk, tree_select
 
 __all__ = ["DraftTree", "Eagle3Drafting", "PEagleDrafting", "eagle2_dynamic_tree", "root_tree"]
 
@@ -56,6 +57,33 @@ class DraftTree(NamedTuple):
     num_nodes: Tensor  # [b] int64
     mask: Tensor  # [b, n, n] bool, node j is node i or an ancestor of it
     draft_probs: Tensor | None  # [b, n, V] the distribution node i's children were drawn from; None: deterministic
+
+
+class PassPlanner(Protocol):
+    """What P-EAGLE drafting asks a harness (:class:`peagle.decode.harness.PassHarness` implements it)."""
+
+    def depth(self, rows: Tensor) -> int: ...
+
+    def topk(self, depth: int) -> list[int]: ...
+
+    def select(self, rows: Tensor, spec: TreeSpec, depth: int, sampled: bool) -> TreeSpec: ...
+
+
+class DepthPlanner(Protocol):
+    """What autoregressive drafting asks a harness (:class:`peagle.decode.harness.DepthHarness` implements it)."""
+
+    max_width: int
+    state: HarnessState
+
+    def start(self, rows: Tensor) -> None: ...
+
+    def chain_depth(self, rows: Tensor) -> int: ...
+
+    def frontier_width(self, cap: int) -> int: ...
+
+    def decide(self, candidate_scores: Tensor, depth: int) -> None: ...
+
+    def finalize(self, tokens: Tensor, parent: Tensor, scores: Tensor, chosen: Tensor) -> TreeSpec: ...
 
 
 class Sampling(NamedTuple):
@@ -328,11 +356,20 @@ class PEagleDrafting(_CachedDrafter):
     """P-EAGLE: ``depth`` per-depth distributions from one pass; chain (one token per depth) or parallel tree."""
 
     @torch.no_grad()
-    def draft(self, rows: Tensor, host_rows: list[int], roots: Tensor, sampling: Sampling) -> DraftTree:
-        logits, _ = self._pass(rows, host_rows, self.depth - 1, self.depth)
+    def draft(
+        self, rows: Tensor, host_rows: list[int], roots: Tensor, sampling: Sampling, harness: PassPlanner | None = None
+    ) -> DraftTree:
+        """The round's tree; with a ``harness`` (:class:`peagle.decode.harness.PassHarness`) the pass depth, the
+        candidate tree's top-k and the verified nodes are its decisions."""
+        depths = self.depth if harness is None else harness.depth(rows)
+        logits, _ = self._pass(rows, host_rows, depths - 1, depths)
         probs = draft_distribution(logits, sampling.temperature)  # [b, depth, Vd]
-        topk = [1] * self.depth if self.mode == "chain" else self.topk
-        spec = tree_build_parallel(probs, topk, self.max_nodes)
+        if harness is None:
+            topk = [1] * depths if self.mode == "chain" else self.topk
+            spec = tree_build_parallel(probs, topk, self.max_nodes)
+        else:
+            topk = harness.topk(depths)
+            spec = harness.select(rows, tree_build_parallel(probs, topk, self.max_nodes), depths, sampling.gumbel)
         if not sampling.gumbel:
             return self._from_spec(roots, spec)
         # Shape from the unperturbed distributions; node of sibling rank r at depth d = the r-th draw of depth d.
@@ -343,7 +380,7 @@ class PEagleDrafting(_CachedDrafter):
         tree = self._from_spec(roots, spec, tokens)
         # Node i's children were drawn from depth depth[i]'s distribution (leaves at the last depth have none).
         node_probs = self._full_vocab(probs).gather(
-            1, tree.depth.clamp(max=self.depth - 1)[..., None].expand(-1, -1, self.target_vocab)
+            1, tree.depth.clamp(max=depths - 1)[..., None].expand(-1, -1, self.target_vocab)
         )
         return tree._replace(draft_probs=node_probs)
 
@@ -352,10 +389,20 @@ class Eagle3Drafting(_CachedDrafter):
     """EAGLE-3: autoregressive drafting of a K = 1 drafter; chain of ``depth`` drafts or EAGLE-2 dynamic tree."""
 
     @torch.no_grad()
-    def draft(self, rows: Tensor, host_rows: list[int], roots: Tensor, sampling: Sampling) -> DraftTree:
+    def draft(
+        self, rows: Tensor, host_rows: list[int], roots: Tensor, sampling: Sampling, harness: DepthPlanner | None = None
+    ) -> DraftTree:
+        """The round's tree; with a ``harness`` (:class:`peagle.decode.harness.DepthHarness`) greedy rounds draft
+        depth by depth under its decisions, and sampled rounds draft the chain length it fixed last round."""
         logits, hidden = self._pass(rows, host_rows, 0, 1)
         root_probs = draft_distribution(logits[:, 0], sampling.temperature)
         steps = _Steps(self, rows, host_rows, hidden[:, 0])
+        if harness is not None:
+            harness.start(rows)
+            if sampling.gumbel:
+                length = harness.chain_depth(rows)
+                return steps.grow(roots, root_probs, 1, length + 1, sampling, max_depth=length)
+            return self._from_spec(roots, steps.harness_stepper(root_probs, harness, sampling.temperature).run())
         if self.mode == "tree" and not sampling.gumbel:
             step = steps.eagle2_step(root_probs, self.topk, sampling.temperature)
             spec = eagle2_dynamic_tree(root_probs, step, self.depth, self.topk, self.num_nodes)
@@ -399,6 +446,68 @@ class _Steps:
         ]
         return logits, hidden
 
+    def harness_stepper(self, root_probs: Tensor, harness: DepthPlanner, temperature: float) -> DepthStepper:
+        """The harness's depth-by-depth drafting as a :class:`~peagle.decode.harness.DepthStepper`.
+
+        Step d runs the drafter on the nodes depth d chose (step 0: the root's distribution is known), expands their
+        top children by path score (:func:`tree_expand_topk`; children of slots a request did not choose score 0 and
+        are padding), and lets ``harness.decide`` choose how many of the best candidates become depth d + 1's nodes.
+        The finalize step keeps the verify budget of the chosen nodes."""
+        batch, device = root_probs.shape[0], root_probs.device
+        cap = min(harness.max_width, root_probs.shape[1])
+        levels: list[dict[str, Tensor]] = []
+        state = {"count": 1}
+
+        def step(depth: int) -> None:
+            if depth == 0:
+                probs, scores = root_probs[:, None], torch.ones(batch, 1, dtype=torch.float64, device=device)
+                hidden, sees = self.root_hidden[:, None], torch.zeros(batch, 1, 0, dtype=torch.bool, device=device)
+                index = torch.zeros(batch, 1, dtype=torch.long, device=device)
+            else:
+                level = levels[-1]
+                width = harness.frontier_width(cap)
+                tokens, feats, sees = level["tokens"][:, :width], level["feats"][:, :width], level["sees"][:, :width]
+                scores = torch.where(level["chosen"][:, :width], level["scores"][:, :width], 0.0)
+                logits, hidden = self.run(tokens, feats, depth, sees)
+                probs = draft_distribution(logits, temperature)
+                own = torch.eye(width, dtype=torch.bool, device=device).expand(batch, -1, -1)
+                sees = torch.cat([sees, own], dim=2)
+                index = level["index"][:, :width]
+            tokens, slot, cand = tree_expand_topk(scores, probs, cap)
+            tokens, slot, cand = tokens[:, :cap], slot[:, :cap], cand[:, :cap]
+            harness.decide(torch.where(cand > 0, cand, -torch.inf), depth + 1)
+            chosen = torch.arange(cand.shape[1], device=device)[None, :] < harness.state.width[:, None]
+            width = cand.shape[1]
+            levels.append(
+                {
+                    "tokens": tokens,
+                    "parent": index.gather(1, slot),
+                    "scores": cand,
+                    "chosen": chosen,
+                    "index": state["count"] + torch.arange(width, device=device).expand(batch, width),
+                    "feats": hidden.gather(1, slot[..., None].expand(-1, -1, hidden.shape[2])),
+                    "sees": sees.gather(1, slot[..., None].expand(-1, -1, sees.shape[2])),
+                }
+            )
+            state["count"] += width
+
+        def finalize() -> TreeSpec:
+            root = torch.ones(batch, 1, dtype=torch.bool, device=device)
+            tokens = torch.cat(
+                [torch.full((batch, 1), -1, dtype=torch.long, device=device)] + [lv["tokens"] for lv in levels], 1
+            )
+            parent = torch.cat(
+                [torch.full((batch, 1), -1, dtype=torch.long, device=device)] + [lv["parent"] for lv in levels], 1
+            )
+            scores = torch.cat(
+                [torch.ones(batch, 1, dtype=torch.float64, device=device)] + [lv["scores"] for lv in levels], 1
+            )
+            chosen = torch.cat([root] + [lv["chosen"] for lv in levels], 1)
+            return harness.finalize(tokens, parent, torch.where(chosen, scores, 0.0), chosen)
+
+        steps = [lambda d=d: step(d) for d in range(self.owner.depth)]
+        return DepthStepper(steps, finalize, harness.state.go)
+
     def eagle2_step(self, root_probs: Tensor, topk: int, temperature: float):
         """The ``draft_step`` of :func:`eagle2_dynamic_tree`. It is told the new frontier's tokens only, so
         it repeats the expansion (deterministic) to learn each frontier node's parent."""
@@ -426,7 +535,15 @@ class _Steps:
 
         return draft_step
 
-    def grow(self, roots: Tensor, root_probs: Tensor, topk: int, budget: int, sampling: Sampling) -> DraftTree:
+    def grow(
+        self,
+        roots: Tensor,
+        root_probs: Tensor,
+        topk: int,
+        budget: int,
+        sampling: Sampling,
+        max_depth: int | None = None,
+    ) -> DraftTree:
         """A tree grown depth by depth: the best ``topk`` nodes of a depth (by path probability) each get up to
         ``topk`` children (top-k, or draws when sampling) while the budget lasts; no node is pruned afterwards."""
         owner = self.owner
@@ -447,7 +564,7 @@ class _Steps:
         level_hidden = self.root_hidden[:, None].expand(-1, first, -1)  # features of the level's nodes (parent's)
         level_sees = torch.zeros(batch, first, 0, dtype=torch.bool, device=device)
         start, total = 1, 1 + first
-        for depth in range(1, self.owner.depth):
+        for depth in range(1, self.owner.depth if max_depth is None else max_depth):
             counts = [min(topk, budget - total - j * topk) for j in range(min(topk, tokens[-1].shape[1]))]
             counts = [c for c in counts if c > 0]
             if not counts:

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from peagle.decode.drafting import DraftTree, Eagle3Drafting, PEagleDrafting, Sampling, root_tree
+from peagle.decode.harness import CostTable, DepthHarness, HarnessPolicy, PassHarness
 from peagle.decode.sampling import DRAFT_STREAM, STREAMS, VERIFY_STREAM, target_probs, uniforms
 from peagle.decode.target import TargetRunner
 from peagle.model import PEagleDrafter, from_pretrained
@@ -41,7 +42,7 @@ from peagle.ops import TreeVerifyOutput, tree_rejection_sample, tree_verify_gree
 
 __all__ = ["GenerateMetrics", "GenerateOutput", "RequestStats", "SpeculativeDecoder"]
 
-Mode = Literal["chain", "tree"]
+Mode = Literal["chain", "tree", "harness"]
 Method = Literal["peagle", "eagle3"]
 DraftSampling = Literal["gumbel", "topk"]
 
@@ -114,7 +115,10 @@ class SpeculativeDecoder:
             qwen3_next.
         drafter: a drafter checkpoint directory, a :class:`~peagle.model.PEagleDrafter`, or None (target-only
             decoding: one token per target forward).
-        mode: "chain" or "tree".
+        mode: "chain", "tree" or "harness" (cost-aware: per round, what maximises expected tokens per second under
+            ``cost_table``: P-EAGLE's pass depth and verified nodes, EAGLE-3's width at each depth and verified nodes;
+            see :mod:`peagle.decode.harness`). Its decisions learn from earlier rounds and generate calls, so a
+            sampled request's tokens depend on its seed and on what ran before (their distribution does not).
         method: "peagle" (parallel drafting: depth <= the drafter's K) or "eagle3" (autoregressive); default "peagle"
             for drafters with K > 1, "eagle3" for K = 1.
         depth: drafts per chain / tree depth (P-EAGLE: default K; EAGLE-3: default 4).
@@ -126,6 +130,8 @@ class SpeculativeDecoder:
         block_size: paged KV cache block size; prefill_chunk: prompt tokens per prefill forward.
         dtype, device: of the target (a directory loads in float32 on the CPU by default; a module given with them
             is moved). The drafter follows the target's device and keeps its own dtype.
+        cost_table: mode "harness" only: a :class:`~peagle.decode.harness.CostTable` or the JSON file ``peagle
+            profile`` wrote for this target and drafter. ``num_nodes`` then caps the verified nodes (default 32).
         num_threads: torch's intra-op CPU threads while ``generate`` runs (restored afterwards); None leaves torch's
             setting. A small target on the CPU is bound by per-op overhead, where 1 thread is usually fastest.
     """
@@ -146,9 +152,11 @@ class SpeculativeDecoder:
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
         num_threads: int | None = None,
+        cost_table: CostTable | str | os.PathLike | None = None,
     ) -> None:
-        if mode not in ("chain", "tree"):
-            raise ValueError(f"mode must be 'chain' or 'tree', got {mode!r}")
+        if mode not in ("chain", "tree", "harness"):
+            raise ValueError(f"mode must be 'chain', 'tree' or 'harness', got {mode!r}")
+        self.policy = _harness_policy(mode, cost_table, drafter, num_nodes)
         if draft_sampling not in ("gumbel", "topk"):
             raise ValueError(f"draft_sampling must be 'gumbel' or 'topk', got {draft_sampling!r}")
         if num_threads is not None and (
@@ -164,7 +172,10 @@ class SpeculativeDecoder:
         self.mode, self.draft_sampling, self.block_size = mode, draft_sampling, block_size
         self.drafting: PEagleDrafting | Eagle3Drafting | None = None
         if drafter is not None:
-            self.drafting = self._drafting(drafter.to(self.runner.device), mode, method, depth, topk, num_nodes)
+            if mode == "harness":
+                topk, num_nodes = min(4, drafter.config.draft_vocab_size), self.policy.max_nodes
+            draft_mode = "tree" if mode == "harness" else mode
+            self.drafting = self._drafting(drafter.to(self.runner.device), draft_mode, method, depth, topk, num_nodes)
             limit = self.runner.max_nodes
             if limit is not None and self.drafting.max_nodes > limit:
                 raise ValueError(
@@ -248,6 +259,25 @@ class SpeculativeDecoder:
             return _Generation(self, prompt_list, max_new_tokens, eos, float(temperature), top_p, top_k, seeds).run()
         finally:
             torch.set_num_threads(threads)
+
+
+def _harness_policy(mode: str, cost_table, drafter, num_nodes: int | None) -> HarnessPolicy | None:
+    if mode != "harness":
+        if cost_table is not None:
+            raise ValueError(f"cost_table is for mode 'harness', got mode {mode!r}")
+        return None
+    if drafter is None:
+        raise ValueError("mode 'harness' needs a drafter")
+    if isinstance(cost_table, (str, os.PathLike)):
+        cost_table = CostTable.load(cost_table)
+    if not isinstance(cost_table, CostTable):
+        raise ValueError(
+            "mode 'harness' needs cost_table: a CostTable or the JSON file `peagle profile` wrote, "
+            f"got {type(cost_table).__name__}"
+        )
+    if num_nodes is not None and (isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 2):
+        raise ValueError(f"num_nodes must be an int >= 2 (the root and at least one draft), got {num_nodes!r}")
+    return HarnessPolicy(cost_table, 32 if num_nodes is None else num_nodes)
 
 
 def _budget(num_nodes: int | None, full: int) -> int:
@@ -350,6 +380,14 @@ class _Generation:
         self.accepted: list[list[int]] = [[] for _ in range(batch)]
         self.clock = _Clock(self.device)
         self.batched_rounds = 0
+        self.harness: PassHarness | DepthHarness | None = None
+        if decoder.policy is not None:
+            longest = max(len(p) for p in prompts)
+            kind = PassHarness if isinstance(self.drafting, PEagleDrafting) else DepthHarness
+            vocab = self.drafting.config.draft_vocab_size
+            self.harness = kind(decoder.policy, batch, self.drafting.depth, longest, vocab, self.device)
+            if not self.harness.speculate:  # the cost table says speculation loses at this batch size
+                self.drafting, self.harness = None, None
 
     def run(self) -> GenerateOutput:
         start = time.perf_counter()
@@ -361,6 +399,8 @@ class _Generation:
         while active:
             active = self._round(active, roots, step)
             step += 1
+        if self.harness is not None:
+            self.harness.finish()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return self._output(time.perf_counter() - start)
@@ -423,7 +463,7 @@ class _Generation:
         else:
             offset = step * STREAMS + DRAFT_STREAM
             sampling = Sampling(self.temperature, self.gumbel, [self.seeds[r] for r in active], offset)
-            tree = drafting.draft(rows, active, roots[rows], sampling)
+            tree = drafting.draft(rows, active, roots[rows], sampling, self.harness)
         t1 = clock.mark()
         final, aux = runner.forward(rows, active, tree.tokens, tree.depth, tree.mask, tree.parent, tree.num_nodes)
         result = self._verify(tree, runner.logits(final), active, step)
@@ -435,6 +475,8 @@ class _Generation:
             .split([result.emitted_tokens.shape[1], 1], 1)
         )
         host_accepted = accepted[:, 0].tolist()
+        if self.harness is not None:
+            self.harness.observe(rows, result.num_accepted, tree.num_nodes, tree.parent, result.accepted_path)
         runner.commit(rows, active, result.accepted_path, result.num_accepted, result.last_node, host_accepted)
         width = max(host_accepted) + 1
         rows_index = torch.arange(len(active), device=self.device)

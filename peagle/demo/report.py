@@ -218,7 +218,8 @@ def write_report(
 
 
 def engine_rows(engine: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """The engine rows of the report: target alone, P-EAGLE chain, the fastest P-EAGLE tree, EAGLE-3 chain and tree."""
+    """The engine rows of the report: target alone, P-EAGLE chain, the fastest P-EAGLE tree, the cost-aware harness,
+    EAGLE-3 chain and tree."""
     if engine is None:
         return []
     best_tree = engine["ratios"]["best_tree"]
@@ -262,7 +263,9 @@ def _engine_lines(engine: dict[str, Any] | None, rows: list[dict[str, Any]]) -> 
         f"`peagle.decode.SpeculativeDecoder` on the first {s['prompts']} served prompts, {s['max_new_tokens']} tokens "
         f"each, {s['batch_size']} request(s) at a time, {s['threads']} torch thread(s). P-EAGLE trees at node budgets "
         f"{', '.join(map(str, s['budgets']))} (the fastest shown: {ratios['best_tree']}); the EAGLE-3 dynamic tree at "
-        "the fastest tree's budget. Speedup over the engine's target alone; lossless: the output equals the target "
+        'the fastest tree\'s budget; the cost-aware harness (`mode="harness"`: pass depth and verified nodes chosen '
+        "per round from a cost table profiled in the same run). Speedup over the engine's target alone; lossless: the "
+        "output equals the target "
         "alone's for every prompt. Draft / verify / other: shares of the wall time (other: prefill, KV compaction, "
         "bookkeeping).",
         "",
@@ -270,8 +273,13 @@ def _engine_lines(engine: dict[str, Any] | None, rows: list[dict[str, Any]]) -> 
         "",
         f"Best tree AL / chain AL {ratios['tree_al_over_chain_al']:.2f}x, tokens/s "
         f"{ratios['best_tree_tps_over_chain_tps']:.2f}x; best P-EAGLE tokens/s over the target alone "
-        f"{ratios['best_peagle_tps_over_target_tps']:.2f}x.",
+        f"{ratios['best_peagle_tps_over_target_tps']:.2f}x." + _harness_ratio(ratios),
     ]
+
+
+def _harness_ratio(ratios: dict[str, Any]) -> str:
+    value = ratios.get("harness_tps_over_best_fixed_tps")  # absent from reports cached before the harness
+    return "" if value is None else f" Harness tokens/s over the best fixed P-EAGLE configuration {value:.2f}x."
 
 
 def _setup_lines(

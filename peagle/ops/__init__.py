@@ -19,6 +19,12 @@ from peagle.ops.gdn import (
     gdn_tree_verify,
     gdn_tree_verify_reference,
 )
+from peagle.ops.harness import (
+    HarnessState,
+    calibration_scale,
+    harness_decide,
+    harness_decide_reference,
+)
 from peagle.ops.kv import kv_compact, kv_compact_reference
 from peagle.ops.lm_head import (
     efficient_lm_head,
@@ -67,6 +73,7 @@ __all__ = [
     "BlockMaskBuilder",
     "CodInputs",
     "GdnVerifyOutput",
+    "HarnessState",
     "MaskBlocks",
     "MaskSlicer",
     "TreeSpec",
@@ -76,6 +83,7 @@ __all__ = [
     "block_kinds_from_dense",
     "block_kinds_from_predicate",
     "build_block_mask",
+    "calibration_scale",
     "causal_conv1d_commit",
     "causal_conv1d_commit_reference",
     "causal_conv1d_tree",
@@ -92,6 +100,8 @@ __all__ = [
     "gdn_recurrence_reference",
     "gdn_tree_verify",
     "gdn_tree_verify_reference",
+    "harness_decide",
+    "harness_decide_reference",
     "kv_compact",
     "kv_compact_reference",
     "make_mask_mod",

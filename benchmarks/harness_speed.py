@@ -1,0 +1,99 @@
+"""The harness against the best fixed configurations, in the engine on this CPU: tokens/s and acceptance length of
+``mode="harness"`` (a cost table profiled first, in the same run) against every P-EAGLE chain length and P-EAGLE trees
+at several node budgets, at batch sizes 1, 4 and 16, as ratios to the best fixed chain and the best fixed tree.
+
+Goal (issue 14): >= 1.1x the best fixed configuration at batch 1, never below 0.97x at any batch size.
+
+    PYTHONPATH=. python benchmarks/harness_speed.py --target DIR --drafter DIR [--prompts 8 --new-tokens 96]
+        [--batch-sizes 1,4,16] [--budgets 8,16,32] [--costs costs.json]
+
+With no --target / --drafter: the demo-sized random models of ``engine_speed.py`` (acceptance near zero).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from peagle.decode import SpeculativeDecoder
+from peagle.decode.harness import CostTable
+from peagle.decode.harness.profile import profile_costs
+from peagle.demo.bench_decode import tree_topk
+from peagle.model import from_pretrained
+
+
+def run(decoder: SpeculativeDecoder, prompts: list[list[int]], batch: int, new_tokens: int) -> tuple[float, float]:
+    """(tokens/s, acceptance length) of decoding the prompts ``batch`` at a time (best of two passes)."""
+    decoder.generate(prompts[:batch], 8)  # warm-up
+    best, accept = 0.0, 0.0
+    for _ in range(2):
+        tokens, seconds, emitted, rounds = 0, 0.0, 0, 0
+        for start in range(0, len(prompts), batch):
+            begin = time.perf_counter()
+            out = decoder.generate(prompts[start : start + batch], new_tokens)
+            seconds += time.perf_counter() - begin
+            tokens += out.metrics.new_tokens
+            emitted += sum(r.emitted for r in out.requests)
+            rounds += out.metrics.request_rounds
+        if tokens / seconds > best:
+            best, accept = tokens / seconds, emitted / max(rounds, 1)
+    return best, accept
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=None)
+    parser.add_argument("--drafter", default=None)
+    parser.add_argument("--costs", default=None, help="a cost table to use instead of profiling one")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--batch-sizes", default="1,4,16")
+    parser.add_argument("--budgets", default="8,16,32")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.target:
+        target, drafter = args.target, from_pretrained(args.drafter)
+    else:
+        from engine_speed import random_models
+
+        target, drafter = random_models()
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    if args.costs:
+        table = CostTable.load(args.costs)
+    else:
+        nodes = [1, 2, 4, 8, 16, 32]
+        table = profile_costs(target, drafter, batch_sizes=batches, contexts=[args.prompt_len], verify_nodes=nodes)
+        results = Path(__file__).parent / "results"
+        results.mkdir(exist_ok=True)
+        print(f"cost table written: {table.save(results / 'harness-costs.json')}")
+    depth, vocab = drafter.config.num_depths, drafter.config.draft_vocab_size
+    configs = {f"chain {k}": dict(mode="chain", depth=k) for k in range(1, depth + 1)}
+    for budget in (int(b) for b in args.budgets.split(",")):
+        configs[f"tree {budget}"] = dict(mode="tree", topk=tree_topk(depth, vocab, budget), num_nodes=budget)
+    configs["harness"] = dict(mode="harness", cost_table=table)
+    decoders = {name: SpeculativeDecoder(target, drafter, num_threads=1, **o) for name, o in configs.items()}
+    runner = decoders["harness"].runner
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, runner.vocab_size, (args.prompt_len,), generator=gen).tolist() for _ in range(16)]
+    prompts = prompts[: args.prompts]
+    print(f"{'batch':>5} {'config':<10} {'tok/s':>8} {'AL':>6}")
+    for batch in batches:
+        results = {name: run(dec, prompts, batch, args.new_tokens) for name, dec in decoders.items()}
+        for name, (speed, accept) in results.items():
+            print(f"{batch:>5} {name:<10} {speed:8.1f} {accept:6.2f}")
+        ours = results["harness"]
+        for kind in ("chain", "tree"):
+            name = max((n for n in results if n.startswith(kind)), key=lambda n: results[n][0])
+            speed, accept = results[name]
+            print(
+                f"{batch:>5} harness / best {kind} ({name}): tokens/s {ours[0] / speed:.2f}x, "
+                f"acceptance length {ours[1] / accept:.2f}x"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+// Argument checks of harness_decide, shared by the CPU and CUDA launchers (same messages on both). The value checks
+// (check_harness_values) need the data on the host: the CPU backend runs them, the CUDA backend skips them (no host
+// synchronisation inside a round; the kernel treats bad entries as padding / a stopped request).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+
+#include "checks/common.h"
+
+namespace peagle {
+
+struct HarnessDims {
+  int64_t batch, frontier, num_widths, max_nodes;
+};
+
+inline void check_harness_tensor(const char* name, const at::Tensor& t, at::ScalarType dtype, at::IntArrayRef shape,
+                                 const char* layout, const at::Tensor& ref) {
+  const char* op = "harness_decide";
+  TORCH_CHECK(t.dim() == static_cast<int64_t>(shape.size()), "peagle.", op, ": ", name, " must be ", shape.size(),
+              "-D ", layout, ", got shape ", shape_str(t));
+  for (size_t i = 0; i < shape.size(); ++i) {
+    TORCH_CHECK(shape[i] < 0 || t.size(static_cast<int64_t>(i)) == shape[i], "peagle.", op, ": ", name,
+                " must have shape ", layout, ", got shape ", shape_str(t), " (dimension ", i, " must be ", shape[i],
+                ")");
+  }
+  TORCH_CHECK(t.scalar_type() == dtype, "peagle.", op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), "peagle.", op, ": ", name, " must be contiguous");
+  check_same_device(op, name, t, ref, "frontier_scores");
+}
+
+inline HarnessDims check_harness_decide_args(const at::Tensor& frontier_scores, const at::Tensor& calibration,
+                                             const at::Tensor& widths, const at::Tensor& draft_cost,
+                                             const at::Tensor& verify_cost, const at::Tensor& expected,
+                                             const at::Tensor& draft_time, const at::Tensor& num_nodes,
+                                             const at::Tensor& width, const at::Tensor& stop, const at::Tensor& go) {
+  const auto& f = frontier_scores;
+  check_harness_tensor("frontier_scores", f, at::kDouble, {-1, -1}, "[B, F]", f);
+  const int64_t batch = f.size(0);
+  check_harness_tensor("calibration", calibration, at::kDouble, {batch, 2}, "[B, 2] (observed, predicted)", f);
+  check_harness_tensor("widths", widths, at::kLong, {-1}, "[W]", f);
+  const int64_t num_widths = widths.size(0);
+  TORCH_CHECK(num_widths >= 1, "peagle.harness_decide: widths must hold at least one width, got none");
+  check_harness_tensor("draft_cost", draft_cost, at::kDouble, {num_widths}, "[W] (one per width)", f);
+  check_harness_tensor("verify_cost", verify_cost, at::kDouble, {-1}, "[M + 1] (index = nodes)", f);
+  TORCH_CHECK(verify_cost.size(0) >= 2, "peagle.harness_decide: verify_cost must cover at least 1 node (size >= 2), ",
+              "got shape ", shape_str(verify_cost));
+  check_harness_tensor("expected", expected, at::kDouble, {batch}, "[B]", f);
+  check_harness_tensor("draft_time", draft_time, at::kDouble, {batch}, "[B]", f);
+  check_harness_tensor("num_nodes", num_nodes, at::kLong, {batch}, "[B]", f);
+  check_harness_tensor("width", width, at::kInt, {batch}, "[B]", f);
+  check_harness_tensor("stop", stop, at::kInt, {batch}, "[B]", f);
+  check_harness_tensor("go", go, at::kInt, {1}, "[1]", f);
+  return HarnessDims{batch, f.size(1), num_widths, verify_cost.size(0) - 1};
+}
+
+// Values (CPU tensors): path scores -inf or in [0, 1]; calibration sums finite and >= 0; widths ascending and >= 1;
+// costs finite and >= 0; running node counts in [1, M].
+inline void check_harness_values(const HarnessDims& d, const double* scores, const double* calibration,
+                                 const int64_t* widths, const double* draft_cost, const double* verify_cost,
+                                 const int64_t* num_nodes) {
+  const char* op = "peagle.harness_decide: ";
+  for (int64_t i = 0; i < d.batch * d.frontier; ++i) {
+    const double p = scores[i];
+    TORCH_CHECK(p == -INFINITY || (p >= 0.0 && p <= 1.0), op, "frontier_scores must be -inf (padding) or in [0, 1], ",
+                "got ", p, " at [", i / d.frontier, ", ", i % d.frontier, "]");
+  }
+  for (int64_t i = 0; i < 2 * d.batch; ++i) {
+    TORCH_CHECK(std::isfinite(calibration[i]) && calibration[i] >= 0.0, op, "calibration must be finite and >= 0, got ",
+                calibration[i], " at [", i / 2, ", ", i % 2, "]");
+  }
+  for (int64_t j = 0; j < d.num_widths; ++j) {
+    TORCH_CHECK(widths[j] >= 1 && (j == 0 || widths[j] > widths[j - 1]), op,
+                "widths must be >= 1 and strictly ascending, got ", widths[j], " at ", j);
+    TORCH_CHECK(std::isfinite(draft_cost[j]) && draft_cost[j] >= 0.0, op, "draft_cost must be finite and >= 0, got ",
+                draft_cost[j], " at ", j);
+  }
+  for (int64_t n = 0; n <= d.max_nodes; ++n) {
+    TORCH_CHECK(std::isfinite(verify_cost[n]) && verify_cost[n] >= 0.0, op, "verify_cost must be finite and >= 0, got ",
+                verify_cost[n], " at ", n);
+  }
+  for (int64_t b = 0; b < d.batch; ++b) {
+    TORCH_CHECK(num_nodes[b] >= 1 && num_nodes[b] <= d.max_nodes, op, "num_nodes must be in [1, M] = [1, ", d.max_nodes,
+                "], got ", num_nodes[b], " at ", b);
+  }
+}
+
+}  // namespace peagle

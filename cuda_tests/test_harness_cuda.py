@@ -1,0 +1,67 @@
+"""harness_decide on CUDA equals the CPU op bit for bit (random inputs, padding, stopped requests, ties, batches
+wider than one block), writes only into its arguments (no host synchronisation: it runs inside a captured CUDA
+graph), and rejects tensors on two devices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import peagle  # noqa: F401
+from peagle.ops import HarnessState, harness_decide
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def random_case(generator: torch.Generator, batch: int, frontier: int, max_nodes: int):
+    scores = torch.rand(batch, frontier, generator=generator, dtype=torch.float64) ** 2
+    scores[torch.rand(batch, frontier, generator=generator) < 0.2] = -torch.inf
+    scores[:, 1] = scores[:, 0]  # ties
+    calibration = torch.rand(batch, 2, generator=generator, dtype=torch.float64) * 10
+    widths = torch.tensor([1, 2, 3, 5, 8])
+    draft_cost = torch.rand(5, generator=generator, dtype=torch.float64).sort().values * 0.01
+    verify_cost = 0.02 + torch.rand(max_nodes + 1, generator=generator, dtype=torch.float64).cumsum(0) * 0.002
+    state = HarnessState.start(batch, "cpu")
+    state.expected.copy_(torch.rand(batch, generator=generator, dtype=torch.float64) * 3)
+    state.draft_time.copy_(torch.rand(batch, generator=generator, dtype=torch.float64) * 0.01)
+    state.num_nodes.copy_(torch.randint(1, max_nodes + 1, (batch,), generator=generator))
+    state.stop.copy_((torch.rand(batch, generator=generator) < 0.2).int())
+    return (scores, calibration, widths, draft_cost, verify_cost), state
+
+
+@pytest.mark.parametrize("batch,frontier", [(1, 4), (37, 16), (1000, 24)])
+def test_harness_decide_on_cuda_equals_cpu(generator, batch, frontier):
+    for _ in range(5):
+        inputs, state = random_case(generator, batch, frontier, 40)
+        cuda_state = HarnessState(*(t.cuda() for t in state))
+        harness_decide(*inputs, state)
+        harness_decide(*(t.cuda() for t in inputs), cuda_state)
+        for name, a, e in zip(HarnessState._fields, cuda_state, state, strict=True):
+            assert a.is_cuda and torch.equal(a.cpu(), e), name
+
+
+def test_harness_decide_is_graph_capturable(generator):
+    inputs, state = random_case(generator, 8, 6, 20)
+    inputs = tuple(t.cuda() for t in inputs)
+    live = HarnessState(*(t.cuda() for t in state))
+    start = HarnessState(*(t.clone() for t in live))
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        harness_decide(*inputs, HarnessState(*(t.clone() for t in start)))  # warm-up
+        with torch.cuda.graph(graph, stream=stream):
+            harness_decide(*inputs, live)
+    for t, s in zip(live, start, strict=True):
+        t.copy_(s)
+    graph.replay()
+    torch.cuda.synchronize()
+    harness_decide(*(t.cpu() for t in inputs), state)
+    for name, a, e in zip(HarnessState._fields, live, state, strict=True):
+        assert torch.equal(a.cpu(), e), name
+
+
+def test_harness_decide_device_mismatch(generator):
+    inputs, state = random_case(generator, 2, 3, 6)
+    cuda_state = HarnessState(*(t.cuda() for t in state))
+    with pytest.raises(RuntimeError, match="calibration must be on the same device as frontier_scores"):
+        harness_decide(inputs[0].cuda(), *inputs[1:], cuda_state)

@@ -1,0 +1,475 @@
+"""The harness policy: how deep and how wide to draft, and how many nodes to verify, so that a round emits the most
+tokens per second (derivation: ``csrc/include/peagle/harness.h``).
+
+With E the expected accepted drafts of the verified tree, T_draft the drafting time and V[n] the target's verify time
+for n nodes (root included, from the cost table row of the batch-size bucket and context interval), a round emits
+(1 + E) tokens in T_draft + V[n] seconds. Every decision maximises that ratio:
+
+* **Expected acceptance.** E = sum over the verified drafted nodes of min(1, c * p), p the path score (product of the
+  draft probabilities along the path), c a per-request calibration scale fitted online: ``calibration[b] =
+  (observed, predicted)`` are decayed sums of the accepted drafts and of the predicted E of the verified trees, and
+  c = clamp((observed + 2) / (predicted + 2), 1/8, 4) (:func:`update_calibration`). Before that, path scores are
+  raised to a per-request exponent gamma (:func:`sharpen`), which recalibrates every edge probability of a path at
+  once (p^gamma of a product is the product of the edges' p^gamma); gamma follows the same sums, slowly
+  (:func:`update_sharpness`), so a drafter whose probabilities are far too flat (right 90% of the time at p = 0.01)
+  or too sharp still gets depths and budgets that match its real acceptance; c then corrects what remains.
+* **Depth by depth (autoregressive drafters).** At each depth the candidates are the children of the frontier; the
+  ``harness_decide`` op adds the best w of them for the w of the cost table's widths that maximises the ratio after
+  paying that depth's drafter forward t_d(w) and the larger verify, and stops a request when no w raises its ratio;
+  go = some request continues. :class:`DepthStepper` is that loop as per-depth step functions.
+* **Verify budget.** :func:`harness_budget`: the best n nodes by path score (parent-closed: scores never grow along a
+  path and ties go to the smaller index) with n maximising (1 + S_(n-1)) / (T_draft + V[n]).
+* **P-EAGLE.** One pass drafts K depths at cost pass(K); the budget is chosen over the parallel candidate tree as
+  above (at least one draft, so that the calibration keeps learning), and the next round's K is the K' whose ratio on
+  this round's tree (nodes deeper than K' dropped, cost pass(K')) is best, one more when that is the drafted depth and
+  the budget used it (:func:`pass_budget`): a shallow round stops paying for depths it does not use. A tree plan drafts
+  chains while the accepted drafts almost never leave the drafter's top-1 chain (observed; every 8th round explores).
+* **Batch size.** :meth:`HarnessPolicy.plan`: at batch sizes whose verify cost grows slowly with the node count the
+  candidates form a dynamic tree (top-k children per depth); where it grows fast, a chain (one child per depth) whose
+  length the budget still chooses per request; :meth:`HarnessPolicy.chain_widths` is the per-bucket table of the best
+  chain length at a given acceptance rate, and a bucket whose best length is 0 decodes without speculation.
+* **Temperature > 0.** A sampled round's depth and budget are the ones decided in the previous round (from that
+  round's drafter distributions), fixed before this round's draws, so verification stays lossless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from peagle.decode.harness.cost import CostTable
+from peagle.ops import HarnessState, TreeSpec, calibration_scale, harness_decide, tree_select
+
+__all__ = [
+    "CALIBRATION_DECAY",
+    "DepthHarness",
+    "DepthStepper",
+    "HarnessPolicy",
+    "PassHarness",
+    "Plan",
+    "harness_budget",
+    "pass_budget",
+    "predicted_acceptance",
+    "select_budget",
+    "select_candidates",
+    "sharpen",
+    "update_calibration",
+    "update_sharpness",
+]
+
+OFF_CHAIN_RATE = 0.05  # below this share of accepted drafts off the top-1 chain, a tree plan drafts chains
+EXPLORE_EVERY = 8  # ... except every 8th round
+CALIBRATION_DECAY = 0.9  # weight of the past in the observed / predicted sums (about the last 10 rounds)
+SHARPNESS_RANGE = (0.02, 1.5)  # bounds of the exponent gamma of the path scores
+
+
+def sharpen(scores: Tensor, gamma: Tensor) -> Tensor:
+    """Path scores p -> p^gamma per request (gamma [B]); padding (p <= 0) is kept. A path score is a product of edge
+    probabilities and so is p^gamma (of the edges' p^gamma): the exponent recalibrates every edge at once, which a
+    scale of the path cannot do for a drafter whose probabilities are far too flat or too sharp."""
+    positive = scores > 0
+    return torch.where(positive, scores.double().clamp(min=1e-300).pow(gamma[:, None]), scores.double())
+
+
+def update_sharpness(gamma: Tensor, calibration: Tensor) -> None:
+    """Moves gamma toward agreement of predicted and observed acceptance (in place): down (flatter, larger scores)
+    while the observed sum exceeds the predicted one, by at most sqrt(2) per round."""
+    ratio = ((calibration[:, 1] + 2.0) / (calibration[:, 0] + 2.0)).clamp(0.5, 2.0).sqrt()
+    gamma.mul_(ratio).clamp_(*SHARPNESS_RANGE)
+
+
+def harness_budget(scores: Tensor, calibration: Tensor, draft_time: Tensor | float, verify_cost: Tensor) -> Tensor:
+    """Verify budget per request: n nodes (root included) maximising (1 + S_(n-1)) / (T_draft + V[n]).
+
+    Args:
+        scores: [B, M] float64 path scores of the drafted candidates (root excluded), < 0 = padding, any order.
+        calibration: [B, 2] float64 (observed, predicted) sums.
+        draft_time: seconds spent drafting ([B] or one float).
+        verify_cost: [Nmax + 1] float64, V[n] for n nodes.
+
+    Returns:
+        [B] int64 budgets in [1, min(Nmax, 1 + valid candidates)]; ties go to the smaller budget.
+    """
+    return _budget_ratios(scores, calibration, draft_time, verify_cost).argmax(1) + 1
+
+
+def _budget_ratios(scores: Tensor, calibration: Tensor, draft_time: Tensor | float, verify_cost: Tensor) -> Tensor:
+    """Ratios (1 + S_k) / (T_draft + V[k + 1]) for k = 0 .. drafts, [B, k] (-inf past the valid candidates)."""
+    batch = scores.shape[0]
+    max_nodes = verify_cost.shape[0] - 1
+    scale = calibration_scale(calibration.double())
+    ordered = torch.sort(torch.where(scores >= 0, scores.double(), -1.0), dim=1, descending=True, stable=True).values
+    ordered = ordered[:, : max_nodes - 1]
+    gain = torch.where(ordered >= 0, torch.clamp(scale[:, None] * ordered, max=1.0), 0.0)
+    sums = torch.cat([gain.new_zeros(batch, 1), torch.cumsum(gain, 1)], 1)  # S_k for k = 0 .. drafts
+    nodes = torch.arange(1, sums.shape[1] + 1, device=scores.device)
+    draft_time = torch.as_tensor(draft_time, dtype=torch.float64, device=scores.device).reshape(-1, 1)
+    ratio = (1.0 + sums) / (draft_time + verify_cost[nodes][None, :])
+    ratio = torch.where(torch.cat([torch.ones_like(ordered[:, :1]), ordered], 1) >= 0, ratio, -torch.inf)
+    return ratio
+
+
+def pass_budget(
+    spec: TreeSpec, calibration: Tensor, pass_time: list[float], depth: int, verify_cost: Tensor
+) -> tuple[Tensor, Tensor]:
+    """P-EAGLE: the verify budget of this round's candidate tree and the pass depth K for the next round.
+
+    ``spec`` is the candidate tree of a pass that drafted ``depth`` depths at ``pass_time[depth - 1]`` seconds; the
+    budget is :func:`harness_budget` over its nodes. Each K' in 1 .. ``depth`` is scored by the best ratio this tree
+    would have given had the pass drafted K' depths (deeper nodes dropped, cost ``pass_time[K' - 1]``); the best K' is
+    the next depth, or ``depth + 1`` (up to ``len(pass_time)``) when the best is ``depth`` and the budget reaches it:
+    the tree cannot show what a deeper pass would gain, so the harness tries it. Returns (budget, next depth), [B]
+    int64 each. All K' are scored in one batched evaluation (this runs every round).
+    """
+    batch, nodes = spec.scores.shape
+    device = spec.scores.device
+    index = torch.arange(nodes, device=device)
+    drafted = (index > 0) & (index < spec.num_nodes[:, None])
+    scores = torch.where(drafted, spec.scores, -1.0)[:, 1:]
+    ks = torch.arange(1, depth + 1, device=device)
+    shallow = torch.where(spec.depth[:, None, 1:] <= ks[None, :, None], scores[:, None, :], -1.0)
+    seconds = torch.tensor(pass_time[:depth], dtype=torch.float64, device=device).repeat(batch)
+    ratios = _budget_ratios(
+        shallow.reshape(batch * depth, -1), calibration.repeat_interleave(depth, 0), seconds, verify_cost
+    ).view(batch, depth, -1)
+    budget = ratios[:, depth - 1].argmax(1) + 1
+    best = ratios.amax(2).argmax(1) + 1
+    valid = index[None, :] < spec.num_nodes[:, None]
+    kept = torch.where(_kept(spec.scores, valid, budget), spec.depth, 0).amax(1)
+    grow = (kept >= depth) & (best == depth) & (depth < len(pass_time))
+    return budget, torch.where(grow, best + 1, best)
+
+
+def _kept(scores: Tensor, valid: Tensor, budget: Tensor) -> Tensor:
+    """[B, N] bool: the best ``budget[b]`` valid candidates by score (root first, ties to the smaller index)."""
+    batch, nodes = scores.shape
+    index = torch.arange(nodes, device=scores.device).expand(batch, nodes)
+    key = torch.where(index == 0, 2.0, torch.where(valid, scores.double(), -1.0))
+    order = torch.sort(key, dim=1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(1, order, index)
+    return (rank < budget[:, None]) & valid
+
+
+def select_budget(spec: TreeSpec, budget: Tensor, max_nodes: int) -> TreeSpec:
+    """Keeps the best ``budget[b]`` nodes of request b's tree (root included, at most ``max_nodes``), as a tree."""
+    index = torch.arange(spec.tokens.shape[1], device=spec.tokens.device)
+    valid = index[None, :] < spec.num_nodes[:, None]
+    return select_candidates(spec.tokens, spec.parent, spec.scores, valid, budget, max_nodes)
+
+
+def select_candidates(
+    tokens: Tensor, parent: Tensor, scores: Tensor, valid: Tensor, budget: Tensor, max_nodes: int
+) -> TreeSpec:
+    """The best ``budget[b]`` of the valid candidates (candidate 0 = the root, parents before children, scores never
+    growing along a path) as a tree: they move to the front in their order, so parents still come first, and
+    :func:`tree_select` lays them out."""
+    batch, nodes = tokens.shape
+    index = torch.arange(nodes, device=tokens.device).expand(batch, nodes)
+    keep = _kept(scores, valid, budget)
+    perm = torch.sort((~keep).long(), dim=1, stable=True).indices
+    inverse = torch.empty_like(perm).scatter_(1, perm, index)
+    parent = parent.gather(1, perm)
+    parent = torch.where(parent >= 0, inverse.gather(1, parent.clamp(min=0)), -1)
+    count = keep.sum(1).clamp(min=1)
+    return tree_select(tokens.gather(1, perm), parent, scores.gather(1, perm).double(), count, max_nodes)
+
+
+def update_calibration(calibration: Tensor, predicted: Tensor, accepted: Tensor) -> None:
+    """Folds one round into the (observed, predicted) sums in place: both decay, then add this round's figures."""
+    calibration.mul_(CALIBRATION_DECAY)
+    calibration[:, 0] += accepted.double()
+    calibration[:, 1] += predicted.double()
+
+
+def predicted_acceptance(spec: TreeSpec, calibration: Tensor) -> Tensor:
+    """E of built trees: sum over their drafted nodes of min(1, c * p), [B] float64."""
+    scale = calibration_scale(calibration.double())
+    index = torch.arange(spec.scores.shape[1], device=spec.scores.device)
+    drafted = (index > 0) & (index < spec.num_nodes[:, None])
+    return torch.where(drafted, torch.clamp(scale[:, None] * spec.scores, max=1.0), 0.0).sum(1)
+
+
+@dataclass
+class Plan:
+    """How one round drafts: a dynamic tree or a chain (top-k children per depth), or plain decoding."""
+
+    kind: Literal["tree", "chain", "plain"]
+    topk: int  # children per candidate node at each depth (1 for a chain)
+    verify_cost: Tensor  # [max_nodes + 1] V[n] of the batch-size bucket and context interval
+    max_nodes: int
+
+
+class HarnessPolicy:
+    """The round plan from the cost table: tree or chain by batch size, and the per-bucket chain widths.
+
+    Args:
+        table: the profiled cost table.
+        max_nodes: the most nodes (root included) a round may verify.
+        tree_topk: children per candidate node of a dynamic tree.
+        tree_growth: a bucket drafts trees while V[2 L + 1] <= tree_growth * V[L + 1] for its best chain length L,
+            i.e. while doubling the verified nodes costs little; chains otherwise.
+        acceptance: the per-position acceptance rate the chain-width table assumes before calibration.
+    """
+
+    def __init__(
+        self,
+        table: CostTable,
+        max_nodes: int,
+        tree_topk: int = 4,
+        tree_growth: float = 1.25,
+        acceptance: float = 0.7,
+    ) -> None:
+        if max_nodes < 1:
+            raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
+        self.table, self.max_nodes = table, max_nodes
+        self.tree_topk, self.tree_growth, self.acceptance = tree_topk, tree_growth, acceptance
+        # What earlier generate calls learnt about the drafter (mean exponent and calibration sums): a new call's
+        # requests start from it instead of from scratch.
+        self.learnt_gamma, self.learnt_calibration = 1.0, (0.0, 0.0)
+        self.learnt_off_chain = (0.0, 0.0)
+
+    def start_state(self, batch: int, device) -> tuple[Tensor, Tensor]:
+        """(gamma [B], calibration [B, 2]) for the requests of a new generate call."""
+        gamma = torch.full((batch,), self.learnt_gamma, dtype=torch.float64, device=device)
+        calibration = torch.tensor(self.learnt_calibration, dtype=torch.float64, device=device).repeat(batch, 1)
+        return gamma, calibration
+
+    def learn(self, gamma: Tensor, calibration: Tensor) -> None:
+        """Keeps the mean state of a finished generate call for the next one."""
+        self.learnt_gamma = float(gamma.mean())
+        self.learnt_calibration = tuple(calibration.mean(0).tolist())
+
+    def chain_length(self, batch: int, context: int, acceptance: float | None = None) -> int:
+        """The chain length L (drafts; 0 = plain decoding) maximising (1 + a + .. + a^L) / (pass(L) + V[L + 1])."""
+        a = self.acceptance if acceptance is None else acceptance
+        verify = self.table.verify_row(batch, context, self.max_nodes)
+        best, length = 1.0 / float(verify[1]), 0
+        for n in range(1, self.max_nodes):
+            gain = sum(a**d for d in range(1, n + 1))
+            cost = self._chain_draft_time(batch, n) + float(verify[n + 1])
+            if cost > 0 and (1 + gain) / cost > best:
+                best, length = (1 + gain) / cost, n
+        return length
+
+    def _chain_draft_time(self, batch: int, length: int) -> float:
+        if self.table.pass_s:
+            return self.table.pass_time(batch, length)
+        return sum(float(self.table.draft_row(batch, d)[0]) for d in range(1, length + 1))
+
+    def chain_widths(self, acceptance: float | None = None, context: int = 0) -> dict[int, int]:
+        """{bucket batch size: best chain length} for every profiled batch size (0 = plain decoding)."""
+        return {b: self.chain_length(b, context, acceptance) for b in self.table.batch_sizes}
+
+    def plan(self, batch: int, context: int, acceptance: float | None = None) -> Plan:
+        verify = self.table.verify_row(batch, context, self.max_nodes)
+        length = self.chain_length(batch, context, acceptance)
+        if length == 0:
+            return Plan("plain", 1, verify, self.max_nodes)
+        wide = min(2 * length + 1, self.max_nodes)
+        kind = "tree" if float(verify[wide]) <= self.tree_growth * float(verify[length + 1]) else "chain"
+        return Plan(kind, self.tree_topk if kind == "tree" else 1, verify, self.max_nodes)
+
+
+class PassHarness:
+    """The P-EAGLE harness over one generate call: per-request calibration, the next pass's depth K and the budgets.
+
+    Per round: :meth:`select` turns the pass's candidate tree (``topk`` children per node at every depth, at most
+    ``max_nodes`` kept by score) into the verified tree, and :meth:`observe` folds the verified acceptance into the
+    calibration. Greedy rounds use this round's budget; sampled rounds the budget decided last round (fixed before
+    this round's draws), while this round's decision is kept for the next one.
+    """
+
+    def __init__(
+        self, policy: HarnessPolicy, batch: int, max_depth: int, context: int, draft_vocab: int, device
+    ) -> None:
+        table = policy.table
+        self.draft_vocab = draft_vocab
+        self.plan = policy.plan(batch, context)
+        self.max_nodes = policy.max_nodes
+        self.pass_time = [table.pass_time(batch, k) for k in range(1, max_depth + 1)]
+        self.verify_cost = self.plan.verify_cost.to(device)
+        self.policy = policy
+        self.gamma, self.calibration = policy.start_state(batch, device)
+        first = min(policy.chain_length(batch, context) + 1, self.max_nodes)
+        self.budget = torch.full((batch,), max(first, 2), dtype=torch.long, device=device)
+        self.next_depth = torch.full((batch,), max_depth, dtype=torch.long, device=device)
+        self.predicted = torch.zeros(batch, dtype=torch.float64, device=device)
+        self.off_chain = list(policy.learnt_off_chain)  # accepted drafts off the top-1 chain, accepted drafts
+        self.rounds = 0
+
+    @property
+    def speculate(self) -> bool:
+        return self.plan.kind != "plain"
+
+    def depth(self, rows: Tensor) -> int:
+        """The pass depth K of a round of ``rows`` (the deepest any of them wants; one host read)."""
+        return int(self.next_depth[rows].max())
+
+    def topk(self, depth: int) -> list[int]:
+        """Children per candidate node: the plan's top-k at the root, then 2 (a tree) or 1 (a chain) per depth.
+
+        A tree plan drafts chains while the accepted paths almost never leave the drafter's top-1 chain (fewer than
+        OFF_CHAIN_RATE of the accepted drafts, with a prior of 1 in 10): siblings would only cost verify time. Every
+        EXPLORE_EVERY-th round still drafts the tree, so a change is noticed."""
+        self.rounds += 1
+        off, accepted = self.off_chain
+        chain = (off + 1.0) / (accepted + 10.0) < OFF_CHAIN_RATE and self.rounds % EXPLORE_EVERY != 0
+        top = 1 if chain else self.plan.topk
+        deeper = min(2, top)
+        return [min(k, self.draft_vocab) for k in [top] + [deeper] * (depth - 1)]
+
+    def select(self, rows: Tensor, spec: TreeSpec, depth: int, sampled: bool) -> TreeSpec:
+        calibration = self.calibration[rows]
+        spec = spec._replace(scores=sharpen(spec.scores, self.gamma[rows]))
+        budget, next_depth = pass_budget(spec, calibration, self.pass_time, depth, self.verify_cost)
+        # At least one draft: a round that verifies none teaches the calibration nothing (it would never recover from
+        # a drafter whose scores start far too low).
+        budget = torch.maximum(budget, torch.clamp(spec.num_nodes, max=2))
+        use = self.budget[rows] if sampled else budget
+        tree = select_budget(spec, use, self.max_nodes)
+        self.budget[rows] = budget
+        self.next_depth[rows] = next_depth
+        self.predicted[rows] = predicted_acceptance(tree, calibration)
+        return tree
+
+    def observe(
+        self,
+        rows: Tensor,
+        num_accepted: Tensor,
+        num_nodes: Tensor | None = None,
+        parent: Tensor | None = None,
+        accepted_path: Tensor | None = None,
+    ) -> None:
+        """Folds the verified acceptance of ``rows`` into their calibration; with the verified trees' ``parent`` and
+        the ``accepted_path``, counts the accepted drafts that were not their parent's first child."""
+        if parent is not None and accepted_path is not None:
+            nodes = parent.shape[1]
+            index = torch.arange(nodes, device=parent.device)
+            earlier = (parent[:, :, None] == parent[:, None, :]) & (index[None, None, :] < index[None, :, None])
+            rank = earlier.sum(-1)  # sibling rank (siblings are laid out best first)
+            path = accepted_path[:, 1:nodes]
+            off = (rank.gather(1, path.clamp(min=0)) > 0) & (path >= 0)
+            self.off_chain[0] += float(off.sum())
+            self.off_chain[1] += float(num_accepted.sum())
+        calibration = self.calibration[rows]
+        update_calibration(calibration, self.predicted[rows], num_accepted)
+        self.calibration[rows] = calibration
+        gamma = self.gamma[rows]
+        update_sharpness(gamma, calibration)
+        self.gamma[rows] = gamma
+
+    def finish(self) -> None:
+        """Hands what this call learnt to the policy (the next call starts from it)."""
+        self.policy.learn(self.gamma, self.calibration)
+        self.policy.learnt_off_chain = tuple(self.off_chain)
+
+
+class DepthStepper:
+    """Depth-by-depth drafting under :func:`harness_decide`: the seam a CUDA graph runner plugs into.
+
+    ``steps[d]`` (d = 0 .. depth - 1) runs the drafter for depth d (on the nodes depth d - 1 chose; depth 0 runs the
+    pending elements and gives the root's distribution), expands the candidates and calls :func:`harness_decide`,
+    which writes ``state.width`` / ``state.stop`` / ``state.go`` on the device. ``finalize`` chooses the budget and
+    builds the tree. :meth:`run` is the host loop (reads ``go`` after each depth); a graph runner instead captures each
+    step and tail-launches the next one or ``finalize`` from ``go`` on the device, with the same callables.
+    """
+
+    def __init__(self, steps: list, finalize, go: Tensor) -> None:
+        self.steps, self.finalize, self.go = steps, finalize, go
+
+    def run(self):
+        for step in self.steps:
+            step()
+            if not int(self.go[0]):
+                break
+        return self.finalize()
+
+
+class DepthHarness:
+    """The harness of autoregressive drafting over one generate call (the planner :class:`DepthStepper` steps ask).
+
+    Per round: :meth:`start` resets the running state (the root pass already spent), each depth calls :meth:`decide`
+    (the ``harness_decide`` op with this depth's drafter costs), :meth:`finalize` keeps the verify budget of the
+    chosen nodes and :meth:`observe` folds the verified acceptance into the calibration. Sampled rounds draft a chain
+    whose length was fixed after the previous round (:meth:`chain_depth`).
+    """
+
+    def __init__(
+        self, policy: HarnessPolicy, batch: int, max_depth: int, context: int, draft_vocab: int, device
+    ) -> None:
+        table = policy.table
+        self.table, self.policy, self.batch, self.context = table, policy, batch, context
+        self.plan = policy.plan(batch, context)
+        self.max_nodes = policy.max_nodes
+        self.device = torch.device(device)
+        widths = [w for w in table.draft_widths if w <= min(draft_vocab, self.max_nodes - 1)] or [1]
+        self.max_width = widths[-1] if self.plan.kind == "tree" else 1
+        widths = [w for w in widths if w <= self.max_width]
+        self.widths = torch.tensor(widths, dtype=torch.long, device=self.device)
+        columns = [table.draft_widths.index(w) for w in widths]
+        self.draft_cost = [table.draft_row(batch, d)[columns].to(self.device) for d in range(1, max_depth + 1)]
+        self.root_cost = float(table.draft_row(batch, 1)[0])
+        self.verify_cost = self.plan.verify_cost.to(self.device)
+        self.gamma, self.calibration = policy.start_state(batch, self.device)
+        self.predicted = torch.zeros(batch, dtype=torch.float64, device=self.device)
+        self.acceptance = [0.0, 0.0]  # accepted drafts, drafts verified (sampled chains)
+        self.rows = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.state = HarnessState.start(0, self.device)
+
+    @property
+    def speculate(self) -> bool:
+        return self.plan.kind != "plain"
+
+    def start(self, rows: Tensor) -> None:
+        self.rows = rows
+        self.state = HarnessState.start(rows.numel(), self.device, self.root_cost)
+
+    def chain_depth(self, rows: Tensor) -> int:
+        """Sampled rounds: the chain length of the table at the acceptance rate observed so far (prior 0.7)."""
+        accepted, trials = self.acceptance
+        rate = (accepted + 1.4) / (trials + 2.0)
+        return max(1, self.policy.chain_length(self.batch, self.context, rate))
+
+    def frontier_width(self, cap: int) -> int:
+        """Nodes the next drafter forward runs: the widest request's width on the CPU (one host read); the full cap
+        on a GPU, where the step must not synchronise (requests' unused slots are padding)."""
+        return int(self.state.width.max()) if self.device.type == "cpu" else cap
+
+    def decide(self, candidate_scores: Tensor, depth: int) -> None:
+        cost = self.draft_cost[min(depth, len(self.draft_cost)) - 1]
+        harness_decide(
+            sharpen(candidate_scores, self.gamma[self.rows]).contiguous(),
+            self.calibration[self.rows].contiguous(),
+            self.widths,
+            cost,
+            self.verify_cost,
+            self.state,
+        )
+
+    def finalize(self, tokens: Tensor, parent: Tensor, scores: Tensor, chosen: Tensor) -> TreeSpec:
+        calibration = self.calibration[self.rows]
+        scores = sharpen(scores, self.gamma[self.rows])
+        drafted = torch.where(chosen, scores, -1.0)[:, 1:]
+        budget = harness_budget(drafted, calibration, self.state.draft_time, self.verify_cost)
+        tree = select_candidates(tokens, parent, scores, chosen, budget, self.max_nodes)
+        self.predicted[self.rows] = predicted_acceptance(tree, calibration)
+        return tree
+
+    def observe(self, rows: Tensor, num_accepted: Tensor, num_nodes: Tensor, parent=None, accepted_path=None) -> None:
+        """Folds the verified acceptance of ``rows`` into their calibration and the chain acceptance rate."""
+        calibration = self.calibration[rows]
+        update_calibration(calibration, self.predicted[rows], num_accepted)
+        self.calibration[rows] = calibration
+        gamma = self.gamma[rows]
+        update_sharpness(gamma, calibration)
+        self.gamma[rows] = gamma
+        # Per-position acceptance of chains: accepted drafts over (accepted drafts + rejections).
+        self.acceptance[0] += float(num_accepted.sum())
+        self.acceptance[1] += float(num_accepted.sum() + (num_accepted < num_nodes - 1).sum())
+
+    def finish(self) -> None:
+        """Hands what this call learnt to the policy (the next call starts from it)."""
+        self.policy.learn(self.gamma, self.calibration)

@@ -1,0 +1,208 @@
+"""``peagle profile``: measures a cost table (:class:`~peagle.decode.harness.cost.CostTable`) for a target and drafter
+on this machine, with the engine's own components.
+
+* verify: :meth:`TargetRunner.forward` over a chain of n nodes per request (plus the LM head and greedy verification)
+  after a prefill of the context interval's length, for every batch-size bucket, context and node count;
+* drafting: the autoregressive drafter forward of w nodes per request at each depth d (after d - 1 earlier forwards of
+  w nodes, as a round drafts them) and the P-EAGLE pass drafting K depths, for every batch-size bucket.
+
+Each point is the fastest of ``repeats`` timed calls after one warm-up call (other processes only ever add time, so
+the minimum is the steadiest estimate on a shared machine); CUDA timings synchronise around each call. Costs cannot
+fall as the work grows, so each row is made non-decreasing along its node / width / depth-count axis (a point above a
+later one is lowered to it: a late spike of interference must not make fewer nodes look dearer).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from peagle.decode.drafting import Eagle3Drafting, PEagleDrafting, Sampling, _Steps
+from peagle.decode.harness.cost import CostTable, machine_identity
+from peagle.decode.target import TargetRunner
+from peagle.model import PEagleDrafter, from_pretrained
+from peagle.ops import ancestor_mask, tree_verify_greedy
+
+__all__ = ["profile_costs"]
+
+
+def _monotone(row: list[float]) -> list[float]:
+    """The row made non-decreasing by lowering each point to the smallest point at or after it."""
+    out, low = [], float("inf")
+    for value in reversed(row):
+        low = min(low, value)
+        out.append(low)
+    return out[::-1]
+
+
+def _timer(device: torch.device, repeats: int) -> Callable[[Callable[[], object]], float]:
+    def measure(fn: Callable[[], object]) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return measure
+
+
+def _identity(source) -> dict[str, object]:
+    if isinstance(source, (str, os.PathLike)):
+        return {"path": str(Path(source).resolve())}
+    config = getattr(source, "config", None)
+    return {"class": type(source).__name__, "config": config.to_dict() if hasattr(config, "to_dict") else repr(config)}
+
+
+@torch.no_grad()
+def profile_costs(
+    target: str | os.PathLike | nn.Module,
+    drafter: str | os.PathLike | PEagleDrafter,
+    *,
+    batch_sizes: Sequence[int] = (1, 4, 16),
+    contexts: Sequence[int] = (64,),
+    verify_nodes: Sequence[int] = (1, 2, 4, 8, 16, 32),
+    draft_widths: Sequence[int] = (1, 2, 4),
+    depths: int = 6,
+    repeats: int = 5,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+) -> CostTable:
+    """Times the target and drafter on this machine; see the module docstring for what each entry means."""
+    from tqdm.auto import tqdm
+
+    if repeats < 1 or depths < 1:
+        raise ValueError(f"repeats and depths must be >= 1, got {repeats} and {depths}")
+    model = from_pretrained(drafter) if isinstance(drafter, (str, os.PathLike)) else drafter
+    runner = TargetRunner(target, model.config.aux_layer_ids, device=device)
+    model = model.to(runner.device).eval()
+    measure = _timer(runner.device, repeats)
+    table_axes = dict(
+        batch_sizes=sorted(set(batch_sizes)),
+        contexts=sorted(set(contexts)),
+        verify_nodes=sorted(set(verify_nodes)),
+        draft_widths=sorted(set(draft_widths)),
+    )
+    passes = model.config.num_depths
+    total = len(table_axes["batch_sizes"]) * (
+        len(table_axes["contexts"]) * len(table_axes["verify_nodes"])
+        + depths * len(table_axes["draft_widths"])
+        + passes
+    )
+    bar = tqdm(total=total, desc="profile", disable=not progress)
+    verify_s, draft_s, pass_s = [], [], []
+    for batch in table_axes["batch_sizes"]:
+        rows = []
+        for context in table_axes["contexts"]:
+            rows.append(_verify_times(runner, batch, max(context, 2), table_axes["verify_nodes"], measure, bar))
+        verify_s.append(rows)
+        draft_s.append(_draft_times(runner, model, batch, table_axes["draft_widths"], depths, measure, bar))
+        pass_s.append(_pass_times(runner, model, batch, passes, measure, bar))
+    bar.close()
+    return CostTable(
+        **table_axes,
+        verify_s=[[_monotone(row) for row in rows] for rows in verify_s],
+        draft_s=[[_monotone(row) for row in rows] for rows in draft_s],
+        pass_s=[_monotone(row) for row in pass_s],
+        machine=machine_identity(runner.device),
+        target=_identity(target),
+        drafter=_identity(drafter),
+    )
+
+
+def _verify_times(runner: TargetRunner, batch: int, context: int, nodes: list[int], measure, bar) -> list[float]:
+    gen = torch.Generator().manual_seed(0)
+    vocab, device = runner.vocab_size, runner.device
+    runner.allocate(batch, context + max(nodes) + 1)
+    runner.prefill(torch.randint(0, vocab, (batch, context), generator=gen).tolist())
+    rows, host_rows = torch.arange(batch, device=device), list(range(batch))
+    out = []
+    for n in nodes:
+        index = torch.arange(n, device=device)
+        tokens = torch.randint(0, vocab, (batch, n), generator=gen).to(device)
+        parent = (index - 1).expand(batch, n)
+        depth = index.expand(batch, n)
+        mask = ancestor_mask(parent)
+        count = torch.full((batch,), n, dtype=torch.long, device=device)
+
+        verify = functools.partial(_verify_step, runner, rows, host_rows, tokens, depth, mask, parent, count)
+        out.append(measure(verify))
+        bar.update()
+    return out
+
+
+def _verify_step(runner: TargetRunner, rows, host_rows, tokens, depth, mask, parent, count) -> Tensor:
+    final, _ = runner.forward(rows, host_rows, tokens, depth, mask, parent, count)
+    return tree_verify_greedy(parent, tokens, count, runner.logits(final).float().softmax(-1))
+
+
+def _drafting(cls, runner: TargetRunner, model: PEagleDrafter, batch: int, depth: int, num_nodes: int):
+    """A drafting object whose cache holds a short committed context, with one pending element per request."""
+    drafting = cls(model, runner.vocab_size, "tree", depth, 1 if cls is Eagle3Drafting else [1] * depth, num_nodes)
+    context = 32
+    drafting.allocate(batch, context + 512, context, runner.block_size)
+    rows = torch.arange(batch, device=runner.device)
+    aux = torch.zeros(batch, context, len(model.config.aux_layer_ids) * model.config.hidden_size, device=runner.device)
+    tokens = torch.zeros(batch, context, dtype=torch.long, device=runner.device)
+    drafting.set_pending(rows, list(range(batch)), tokens, aux, [context] * batch)
+    drafting._pass(rows, list(range(batch)), 0, 1)
+    drafting.set_pending(rows, list(range(batch)), tokens[:, :1], aux[:, :1], [1] * batch)
+    return drafting, rows
+
+
+def _draft_times(runner, model, batch: int, widths: list[int], depths: int, measure, bar) -> list[list[float]]:
+    """[depth][width] seconds of one autoregressive drafter forward of w nodes per request at that depth."""
+    drafting, rows = _drafting(Eagle3Drafting, runner, model, batch, 1, 2)
+    host_rows = list(range(batch))
+    root_hidden = torch.zeros(batch, model.config.hidden_size, dtype=drafting.dtype, device=runner.device)
+    table = [[0.0] * len(widths) for _ in range(depths)]
+    for j, w in enumerate(widths):
+        tokens = torch.zeros(batch, w, dtype=torch.long, device=runner.device)
+        feats = torch.zeros(batch, w, model.config.hidden_size, dtype=drafting.dtype, device=runner.device)
+        for d in range(1, depths + 1):
+            steps = _Steps(drafting, rows, host_rows, root_hidden)
+            for earlier in range(1, d):  # the temporary entries of the earlier depths
+                hidden = torch.zeros(batch, w, (earlier - 1) * w, dtype=torch.bool, device=runner.device)
+                steps.run(tokens, feats, earlier, hidden)
+            sees = torch.zeros(batch, w, (d - 1) * w, dtype=torch.bool, device=runner.device)
+            forward = functools.partial(_draft_step, steps, steps.temp, tokens, feats, d, sees)
+            table[d - 1][j] = measure(forward)
+            bar.update()
+    return table
+
+
+def _draft_step(steps: _Steps, temp, tokens: Tensor, feats: Tensor, depth: int, sees: Tensor) -> None:
+    steps.temp = temp  # the same earlier depths every call
+    steps.run(tokens, feats, depth, sees)
+
+
+def _pass_step(drafting: PEagleDrafting, rows: Tensor, host_rows: list[int], roots: Tensor, sampling) -> None:
+    drafting.draft(rows, host_rows, roots, sampling)
+    # Undo the pending element's commit: every call sees the same cache.
+    drafting.cache.advance(rows, host_rows, -torch.ones_like(rows), [-1] * len(host_rows))
+
+
+def _pass_times(runner, model, batch: int, passes: int, measure, bar) -> list[float]:
+    """[K - 1] seconds of one P-EAGLE pass (one pending element, K - 1 mask elements) and its chain."""
+    out = []
+    for k in range(1, passes + 1):
+        drafting, rows = _drafting(PEagleDrafting, runner, model, batch, k, k + 1)
+        host_rows = list(range(batch))
+        roots = torch.zeros(batch, dtype=torch.long, device=runner.device)
+        sampling = Sampling(0.0, False, [0] * batch, 0)
+
+        draft = functools.partial(_pass_step, drafting, rows, host_rows, roots, sampling)
+        out.append(measure(draft))
+        bar.update()
+    return out

@@ -1,0 +1,254 @@
+"""The harness policy in a deterministic simulation: recorded acceptance traces (per round, a P-EAGLE pass's per-depth
+draft distributions and the target's tokens, drawn from those distributions so that path scores are the true
+acceptance probabilities; easy and hard stretches of text alternate) replayed against cost tables. Goodput = emitted
+tokens / (pass + verify seconds) over the trace. Where verification is nearly flat in the node count the harness beats
+every fixed chain length and every fixed tree; where every node costs a full forward it decodes without speculation.
+Also: budgets are parent-closed, calibration follows observed acceptance, the cost table's file format."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from peagle.decode.harness import (
+    CostTable,
+    HarnessPolicy,
+    PassHarness,
+    harness_budget,
+    select_budget,
+    update_calibration,
+)
+from peagle.decode.harness.policy import sharpen, update_sharpness
+from peagle.ops import calibration_scale, tree_build_parallel
+
+DEPTH, VOCAB, MAX_NODES = 6, 8, 32
+
+
+def recorded_trace(seed: int, rounds: int = 300) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs [R, DEPTH, VOCAB] float32, truth [R, DEPTH] target tokens), easy/hard stretches (stay p = 0.95)."""
+    g = torch.Generator().manual_seed(seed)
+    easy = (torch.rand(rounds, generator=g) < 0.05).long().cumsum(0) % 2 == 0
+    sharp = torch.where(easy, 5.0, 0.8)[:, None, None]
+    logits = torch.randn(rounds, DEPTH, VOCAB, generator=g) * sharp
+    probs = torch.softmax(logits, -1)
+    truth = torch.multinomial(probs.reshape(-1, VOCAB).double(), 1, generator=g).reshape(rounds, DEPTH)
+    return probs, truth
+
+
+def accepted_drafts(spec, truth: torch.Tensor) -> torch.Tensor:
+    """Accepted drafts per round: the deepest node whose path spells the target's tokens."""
+    batch, nodes = spec.tokens.shape
+    match = torch.zeros(batch, nodes, dtype=torch.bool)
+    match[:, 0] = True
+    for i in range(1, nodes):
+        valid = i < spec.num_nodes
+        parent = spec.parent[:, i].clamp(min=0)
+        depth = spec.depth[:, i].clamp(min=1)
+        token_ok = spec.tokens[:, i] == truth.gather(1, (depth - 1)[:, None])[:, 0]
+        match[:, i] = valid & match.gather(1, parent[:, None])[:, 0] & token_ok
+    return torch.where(match, spec.depth, 0).amax(1)
+
+
+def cost_table(verify: list[float], passes: list[float], batch: int = 1) -> CostTable:
+    nodes = [1, 2, 4, 8, 16, 32]
+    return CostTable(
+        batch_sizes=[batch],
+        contexts=[0],
+        verify_nodes=nodes,
+        verify_s=[[verify]],
+        draft_widths=[1, 2, 4],
+        draft_s=[[[passes[0]] * 3] * DEPTH],
+        pass_s=[passes],
+    )
+
+
+# Verification nearly flat in the node count (a memory-bound target at batch 1), and one where each node costs a
+# target forward (compute-bound, large batches).
+FLAT = cost_table([10e-3, 10.2e-3, 10.6e-3, 11.4e-3, 13e-3, 16e-3], [1e-3 + 0.2e-3 * k for k in range(DEPTH)])
+STEEP = cost_table([10e-3, 20e-3, 40e-3, 80e-3, 160e-3, 320e-3], [1e-3 + 0.2e-3 * k for k in range(DEPTH)])
+
+
+def fixed_goodput(table: CostTable, probs, truth, topk: list[int], nodes: int) -> float:
+    depth = len(topk)
+    spec = tree_build_parallel(probs[:, :depth], topk, nodes)
+    accepted = accepted_drafts(spec, truth)
+    verify = table.verify_row(1, 0, MAX_NODES)
+    seconds = len(truth) * (table.pass_time(1, depth) + float(verify[nodes]))
+    return float((accepted + 1).sum()) / seconds
+
+
+def plain_goodput(table: CostTable, truth) -> float:
+    return len(truth) / (len(truth) * float(table.verify_row(1, 0, MAX_NODES)[1]))
+
+
+def harness_goodput(table: CostTable, probs, truth) -> tuple[float, PassHarness]:
+    harness = PassHarness(HarnessPolicy(table, MAX_NODES), 1, DEPTH, 0, VOCAB, "cpu")
+    if not harness.speculate:
+        return plain_goodput(table, truth), harness
+    rows = torch.tensor([0])
+    emitted, seconds = 0, 0.0
+    for r in range(len(truth)):
+        depth = harness.depth(rows)
+        spec = tree_build_parallel(probs[r : r + 1, :depth], harness.topk(depth), MAX_NODES)
+        tree = harness.select(rows, spec, depth, sampled=False)
+        accepted = accepted_drafts(tree, truth[r : r + 1])
+        harness.observe(rows, accepted)
+        emitted += int(accepted) + 1
+        seconds += harness.pass_time[depth - 1] + float(harness.verify_cost[int(tree.num_nodes)])
+    return emitted / seconds, harness
+
+
+def fixed_configs() -> list[tuple[list[int], int]]:
+    chains = [([1] * n, n + 1) for n in range(1, DEPTH + 1)]
+    trees = [
+        (topk, nodes)
+        for topk in ([2] * DEPTH, [3, 2, 2, 1, 1, 1], [4, 2, 1, 1, 1, 1], [4] * DEPTH)
+        for nodes in (4, 8, 12, 16, 24, 32)
+    ]
+    return chains + trees
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_harness_beats_every_fixed_chain_and_tree(seed):
+    probs, truth = recorded_trace(seed)
+    ours, harness = harness_goodput(FLAT, probs, truth)
+    assert harness.plan.kind == "tree"
+    best = max(
+        [plain_goodput(FLAT, truth)] + [fixed_goodput(FLAT, probs, truth, topk, n) for topk, n in fixed_configs()]
+    )
+    assert ours > best, f"harness {ours:.1f} tokens/s vs best fixed configuration {best:.1f}"
+    # Calibration stays near 1: the trace's path scores are the true acceptance probabilities.
+    assert 0.7 < float(calibration_scale(harness.calibration)[0]) < 1.4
+    assert 0.6 < float(harness.gamma[0]) < 1.6
+
+
+def test_harness_decodes_plainly_where_speculation_loses():
+    probs, truth = recorded_trace(3)
+    ours, harness = harness_goodput(STEEP, probs, truth)
+    assert harness.plan.kind == "plain" and not harness.speculate
+    assert HarnessPolicy(STEEP, MAX_NODES).chain_widths() == {1: 0}
+    for topk, nodes in fixed_configs():
+        assert ours > fixed_goodput(STEEP, probs, truth, topk, nodes)
+
+
+def test_chain_width_table_per_batch_bucket():
+    """Verify cost per node rising with the batch: long chains at batch 1, shorter at 16, none at 64."""
+    per_node = {1: 0.02e-3, 16: 2e-3, 64: 20e-3}
+    nodes = [1, 2, 4, 8, 16, 32]
+    table = CostTable(
+        batch_sizes=[1, 16, 64],
+        contexts=[0],
+        verify_nodes=nodes,
+        verify_s=[[[10e-3 + per_node[b] * (n - 1) for n in nodes]] for b in (1, 16, 64)],
+        draft_widths=[1],
+        draft_s=[[[1e-3]] * DEPTH] * 3,
+        pass_s=[[1e-3 + 0.2e-3 * k for k in range(DEPTH)]] * 3,
+    )
+    widths = HarnessPolicy(table, MAX_NODES).chain_widths(acceptance=0.7)
+    assert widths[1] > widths[16] > widths[64] == 0
+    assert HarnessPolicy(table, MAX_NODES).plan(1, 0).kind == "tree"
+    assert HarnessPolicy(table, MAX_NODES).plan(16, 0).kind == "chain"
+
+
+def test_budget_is_the_best_ratio_and_parent_closed(generator):
+    probs = torch.softmax(torch.randn(5, 4, 10, generator=generator) * 2, -1)
+    spec = tree_build_parallel(probs, [3, 2, 2, 1], 24)
+    calibration = torch.rand(5, 2, generator=generator, dtype=torch.float64) * 4
+    verify = FLAT.verify_row(1, 0, 24)
+    scores = torch.where(torch.arange(24) < spec.num_nodes[:, None], spec.scores, -1.0)[:, 1:]
+    budget = harness_budget(scores, calibration, 1e-3, verify)
+    scale = calibration_scale(calibration)
+    for b in range(5):  # brute force over n
+        ranked = sorted(scores[b][scores[b] >= 0].tolist(), reverse=True)
+        ratios = [
+            (1 + sum(min(1.0, float(scale[b]) * p) for p in ranked[: n - 1])) / (1e-3 + float(verify[n]))
+            for n in range(1, min(len(ranked) + 1, 24) + 1)
+        ]
+        assert int(budget[b]) == 1 + max(range(len(ratios)), key=lambda i: (ratios[i], -i))
+    tree = select_budget(spec, budget, 24)
+    assert torch.equal(tree.num_nodes, budget)
+    for b in range(5):
+        n = int(budget[b])
+        kept = sorted(tree.scores[b, :n].tolist(), reverse=True)
+        assert kept == sorted(spec.scores[b, : spec.num_nodes[b]].tolist(), reverse=True)[:n]
+        assert all(0 <= int(tree.parent[b, i]) < i for i in range(1, n))
+
+
+def test_calibration_tracks_observed_acceptance():
+    calibration = torch.zeros(2, 2, dtype=torch.float64)
+    for _ in range(40):  # request 0 accepts half of what was predicted, request 1 twice as much
+        update_calibration(calibration, torch.tensor([2.0, 1.0]), torch.tensor([1, 2]))
+    weight = (1 - 0.9**40) / (1 - 0.9)  # the decayed number of rounds
+    expected = [(weight * 1 + 2) / (weight * 2 + 2), (weight * 2 + 2) / (weight * 1 + 2)]  # the prior: 2 rounds at 1
+    assert calibration_scale(calibration).tolist() == pytest.approx(expected, rel=1e-9)
+    assert expected[0] < 0.55 and expected[1] > 1.8  # the evidence outweighs the prior
+
+
+def test_sharpness_recalibrates_a_flat_drafter():
+    """A drafter right every time at p = 0.01 per edge: gamma falls until the predicted acceptance of its chain of 4
+    meets the observed 4 drafts, and a whole path's score is the product of its sharpened edges."""
+    gamma, calibration = torch.ones(1, dtype=torch.float64), torch.zeros(1, 2, dtype=torch.float64)
+    path = torch.tensor([[0.01, 0.01**2, 0.01**3, 0.01**4]], dtype=torch.float64)
+    for _ in range(60):
+        predicted = torch.clamp(calibration_scale(calibration) * sharpen(path, gamma), max=1.0).sum(1)
+        update_calibration(calibration, predicted, torch.tensor([4]))
+        update_sharpness(gamma, calibration)
+    assert float(gamma[0]) < 0.1
+    predicted = float(torch.clamp(calibration_scale(calibration) * sharpen(path, gamma), max=1.0).sum())
+    assert predicted > 3.0
+    edges = sharpen(torch.tensor([[0.01]], dtype=torch.float64), gamma)
+    assert torch.allclose(sharpen(path, gamma), edges ** torch.arange(1, 5))
+    padding = torch.tensor([[-torch.inf, 0.0, -1.0]], dtype=torch.float64)
+    assert torch.equal(sharpen(padding, gamma), padding)
+
+
+def test_a_new_call_starts_from_what_earlier_calls_learnt():
+    probs, truth = recorded_trace(4, rounds=40)
+    policy = HarnessPolicy(FLAT, MAX_NODES)
+    fresh = PassHarness(policy, 2, DEPTH, 0, VOCAB, "cpu")
+    assert fresh.gamma.tolist() == [1.0, 1.0] and fresh.calibration.tolist() == [[0.0, 0.0]] * 2
+    rows = torch.tensor([0])
+    first = PassHarness(policy, 1, DEPTH, 0, VOCAB, "cpu")
+    for r in range(len(truth)):
+        depth = first.depth(rows)
+        tree = first.select(rows, tree_build_parallel(probs[r : r + 1, :depth], first.topk(depth), MAX_NODES), depth,
+                            sampled=False)  # fmt: skip
+        first.observe(rows, accepted_drafts(tree, truth[r : r + 1]))
+    first.finish()
+    later = PassHarness(policy, 3, DEPTH, 0, VOCAB, "cpu")
+    assert later.gamma.tolist() == [float(first.gamma[0])] * 3
+    assert torch.equal(later.calibration, first.calibration.expand(3, 2))
+
+
+def test_tree_plan_drafts_chains_while_acceptance_stays_on_the_top1_chain():
+    harness = PassHarness(HarnessPolicy(FLAT, MAX_NODES), 1, DEPTH, 0, VOCAB, "cpu")
+    assert harness.plan.kind == "tree" and harness.topk(3) == [4, 2, 2]
+    parent = torch.tensor([[-1, 0, 0, 1, 2]])  # nodes 1 and 2 are siblings (1 first), 3 under 1, 4 under 2
+    rows = torch.tensor([0])
+    for _ in range(20):  # the accepted path 0 -> 1 -> 3 stays on the first children
+        harness.observe(rows, torch.tensor([2]), None, parent, torch.tensor([[0, 1, 3, -1, -1]]))
+    assert harness.off_chain == [0.0, 40.0]
+    shapes = [harness.topk(3) for _ in range(16)]
+    assert shapes.count([1, 1, 1]) == 14 and shapes.count([4, 2, 2]) == 2  # every 8th round explores the tree
+    for _ in range(20):  # now through the second child
+        harness.observe(rows, torch.tensor([2]), None, parent, torch.tensor([[0, 2, 4, -1, -1]]))
+    assert harness.off_chain == [20.0, 80.0] and harness.topk(3) == [4, 2, 2]
+
+
+def test_cost_table_round_trip_and_errors(tmp_path):
+    path = FLAT.save(tmp_path / "costs.json")
+    assert CostTable.load(path) == FLAT
+    data = json.loads(path.read_text())
+    data["version"] = 99
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="version 99 is not supported"):
+        CostTable.load(tmp_path / "old.json")
+    with pytest.raises(ValueError, match="verify_s must be a grid"):
+        CostTable([1], [0], [1, 2], [[[1.0]]], [1], [[[1.0]]])
+    with pytest.raises(ValueError, match="verify_nodes must start at 1"):
+        CostTable([1], [0], [2, 3], [[[1.0, 2.0]]], [1], [[[1.0]]])
+    assert FLAT.bucket(3) == 0
+    expected = torch.tensor([10e-3, 10e-3, 10.2e-3, 10.4e-3], dtype=torch.float64)
+    assert torch.allclose(FLAT.verify_row(1, 0, 3), expected)

@@ -1,0 +1,47 @@
+"""`peagle profile` on the CPU: a versioned cost table with the machine and model identity and a positive time at
+every point of its axes (how the times compare is the benchmarks' business: a tiny target on a loaded CPU is noise);
+the engine decodes with it in mode "harness" (greedy output equal
+to the target's own)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from peagle.cli import main
+from peagle.decode import SpeculativeDecoder
+from peagle.decode.harness import COST_TABLE_VERSION, CostTable
+from peagle.model import save_pretrained
+from testkit import greedy_reference, self_distilled_rows, tiny_target, train_tiny_drafter
+
+
+def test_profile_command_writes_a_cost_table_the_engine_uses(tmp_path, capsys):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = tiny_target("llama", seed=5)
+        model.save_pretrained(tmp_path / "target")
+        drafter = train_tiny_drafter(model, 3, self_distilled_rows(model, sequences=6, length=48, seed=5), steps=20)
+        save_pretrained(drafter, tmp_path / "drafter")
+        out = tmp_path / "costs.json"
+        argv = ["profile", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter")]
+        options = ["--batch-sizes", "1,2", "--contexts", "8,24", "--nodes", "1,4,16", "--widths", "1,2"]
+        assert main([*argv, *options, "--depths", "2", "--repeats", "2", "--out", str(out), "--quiet"]) == 0
+        assert f"cost table (version {COST_TABLE_VERSION}) written: {out}" in capsys.readouterr().out
+        data = json.loads(out.read_text())
+        assert data["version"] == COST_TABLE_VERSION
+        assert data["machine"]["torch"] == torch.__version__ and data["machine"]["device"] == "cpu"
+        assert data["target"]["path"].endswith("target") and data["drafter"]["path"].endswith("drafter")
+        table = CostTable.load(out)
+        assert table.batch_sizes == [1, 2] and table.contexts == [8, 24] and table.verify_nodes == [1, 4, 16]
+        verify = torch.tensor(table.verify_s)
+        assert list(verify.shape) == [2, 2, 3] and bool((verify > 0).all())
+        assert list(torch.tensor(table.draft_s).shape) == [2, 2, 2] and bool((torch.tensor(table.draft_s) > 0).all())
+        assert list(torch.tensor(table.pass_s).shape) == [2, 3]
+
+        prompt = [3, 9, 1, 4]
+        decoder = SpeculativeDecoder(model, drafter, "harness", cost_table=out)
+        assert decoder.generate([prompt], 24).tokens[0] == greedy_reference(model, prompt, 24)
+    finally:
+        torch.set_num_threads(threads)
