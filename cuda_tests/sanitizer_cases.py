@@ -122,6 +122,21 @@ def lm_head(generator):
         OPS.efficient_lm_head(hidden, down, up, weight, 16)
 
 
+@case("harness_decide")
+def harness(generator):
+    from peagle.ops import HarnessState, harness_decide
+
+    f64 = dict(dtype=torch.float64, device=DEVICE)
+    scores = torch.rand(3, 6, generator=generator, dtype=torch.float64).to(DEVICE)
+    scores[1, 4:] = -torch.inf
+    calibration = torch.tensor([[1.0, 2.0], [0.0, 0.0], [3.0, 1.0]], **f64)
+    widths = torch.tensor([1, 2, 4], device=DEVICE)
+    state = HarnessState.start(3, DEVICE, 1e-3)
+    for _ in range(2):
+        harness_decide(scores, calibration, widths, torch.tensor([1e-3, 2e-3, 3e-3], **f64),
+                       torch.linspace(1e-3, 1e-2, 17, **f64), state)  # fmt: skip
+
+
 def graph_chain(generator):
     """The graph chain's tail kernel (a catch-all op, so not in the coverage list): a few rounds of a toy drafter."""
     from peagle.decode.harness.graphs import DepthGraphChain
