@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import glob
 import os
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from common import best_time
 
 import peagle  # noqa: F401  (registers the ops)
 from peagle.decode.drafting import PEagleDrafting
@@ -65,15 +65,6 @@ def one_pass(drafting: PEagleDrafting, context: int) -> None:
     cache.host_len[0] = context
     drafting.set_pending(rows, [0], torch.ones(1, 1, dtype=torch.long), torch.ones(1, 1, 3 * HIDDEN), [1])
     drafting._pass(rows, [0], DEPTHS - 1, DEPTHS)
-
-
-def best_time(fn, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 @pytest.mark.parametrize("context", CONTEXTS)

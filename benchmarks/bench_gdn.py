@@ -14,11 +14,10 @@ side with FLA's fused recurrent kernel when ``fla`` is installed.
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
-from common import copy_bandwidth
+from common import best_time, copy_bandwidth, cuda_time
 
 import peagle  # noqa: F401  (registers the ops)
 from peagle.ops import (
@@ -35,15 +34,6 @@ SMOKE = os.environ.get("PEAGLE_BENCH_SMOKE", "0") not in ("", "0")
 # batch, nodes, H, HV, K, V
 SHAPE = (1, 6, 2, 4, 16, 16) if SMOKE else (1, 32, 16, 32, 128, 128)
 KINDS = ["chain", "random"]
-
-
-def best_time(fn, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def verify_case(kind: str):
@@ -129,18 +119,6 @@ def test_cpu_vs_per_path_reference(benchmark, name, kind):
         impl="peagle", case=f"{name} {kind} {SHAPE}", baselines={"per-path recurrence": baseline}
     )
     print(f"{name} [{kind}] reference {baseline * 1e3:.2f} ms, op {ours * 1e3:.3f} ms: {baseline / ours:.1f}x")
-
-
-def cuda_time(fn, repeat: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeat):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / repeat
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

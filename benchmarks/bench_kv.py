@@ -15,11 +15,10 @@ row) against the card's device-to-device copy bandwidth.
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
-from common import copy_bandwidth
+from common import best_time, copy_bandwidth, cuda_time
 
 import peagle  # noqa: F401  (registers the ops)
 from peagle.ops import kv_compact, kv_compact_reference
@@ -70,15 +69,6 @@ def runners(args):
     return op, baseline
 
 
-def best_time(fn, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 @pytest.mark.parametrize("batch", BATCHES)
 def test_cpu_vs_pytorch_compaction(benchmark, batch):
     args, _ = make_case(batch)
@@ -93,17 +83,6 @@ def test_cpu_vs_pytorch_compaction(benchmark, batch):
     print(
         f"B={batch}: index_select/index_copy_ {ref_s * 1e6:.1f} us, kv_compact {ours * 1e6:.1f} us: {ref_s / ours:.1f}x"
     )
-
-
-def cuda_time(fn, repeat: int = 50) -> float:
-    """Wall time per call, synchronised (the op's error read and the baseline's boolean masks both synchronise)."""
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / repeat
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -22,12 +22,10 @@ allocated memory each call adds.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 import torch.nn.functional as F
-from common import SMOKE, peak_extra_bytes, sizes
+from common import SMOKE, best_time, cuda_time, peak_extra_bytes, sizes
 
 import peagle  # noqa: F401  (registers the ops)
 from peagle.ops import efficient_lm_head
@@ -49,15 +47,6 @@ def heads():
 def full_head(hidden, weight):
     logits = F.linear(hidden, weight)  # [N, V]
     return torch.topk(logits, CANDIDATES, dim=1)
-
-
-def best_time(fn, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 @pytest.mark.parametrize("rows", ROWS)
@@ -90,16 +79,6 @@ def test_cpu_efficient_vs_full_head(benchmark, heads, rows):
         f"{ours_s * 1e3 / rows:.3f} vs {theirs_s * 1e3 / rows:.3f} ms, "
         f"{ours_bytes / 1024 / rows:.0f} vs {theirs_bytes / 1024 / rows:.0f} KiB"
     )
-
-
-def cuda_time(fn, repeat: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / repeat
 
 
 def cuda_peak_extra_bytes(fn) -> int:

@@ -31,6 +31,7 @@ import warnings
 
 import pytest
 import torch
+from common import best_time
 from torch.nn.attention.flex_attention import create_block_mask
 
 SMOKE = os.environ.get("PEAGLE_BENCH_SMOKE", "0") not in ("", "0")
@@ -234,16 +235,6 @@ def test_partitioned_step(benchmark, length, num_segments):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _time(fn, rounds: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def main(parts: str = "all") -> None:
     import peagle  # noqa: F401
 
@@ -267,7 +258,9 @@ def construction_table() -> None:
             warnings.simplefilter("ignore")
             for name in names:
                 skip = name in MATERIALISING and n * n > MAX_BASELINE_PAIRS
-                times[name] = float("nan") if skip else _time(impls[name], 30 if name in FAST_IMPLS else 2) * 1e3
+                times[name] = (
+                    float("nan") if skip else best_time(impls[name], 30 if name in FAST_IMPLS else 2, warmup=True) * 1e3
+                )
         nb = -(-n // BLOCK)
         baseline = min(t for name, t in times.items() if name.startswith("create_block_mask") and t == t)
         cells = " | ".join(f"{times[name]:.2f}" for name in names)

@@ -12,11 +12,11 @@ The table is also written to benchmarks/results/tree_ratios.md.
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from common import best_time
 
 import peagle  # noqa: F401
 from peagle.ops import (
@@ -50,15 +50,6 @@ def inputs(batch: int, n_max: int, vocab: int):
         draft = random_tree_probs(generator, tree, vocab)
         _cache[key] = (tree, target, draft)
     return _cache[key]
-
-
-def best_time(fn, rounds: int) -> float:
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 @pytest.fixture(scope="module", autouse=True)

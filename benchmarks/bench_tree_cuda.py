@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from common import cuda_time
 
 import peagle  # noqa: F401
 from peagle.ops import tree_rejection_sample, tree_rejection_sample_reference, tree_verify_greedy
@@ -21,18 +22,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 LONG = os.environ.get("PEAGLE_GPU_TIMINGS", "0") not in ("", "0")
 SHAPES = [(1, 8, 32000), (8, 32, 32000)] + ([(64, 64, 151936)] if LONG else [])
 CHAINS = [(8, 4, 32000)] + ([(64, 7, 151936)] if LONG else [])
-
-
-def cuda_time(fn, rounds: int = 20) -> float:
-    """Mean seconds per call, timed with CUDA events after one warm-up call."""
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(rounds):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / rounds
 
 
 def tree_inputs(batch: int, n_max: int, vocab: int, chain: bool = False):
@@ -54,7 +43,7 @@ def test_cuda_tree_verify(benchmark, mode, shape):
     baselines = {}
     if LONG:
         baselines["pytorch reference (GPU)"] = cuda_time(
-            lambda: tree_rejection_sample_reference(*args, None if mode == "greedy" else draft, seed=1), rounds=2
+            lambda: tree_rejection_sample_reference(*args, None if mode == "greedy" else draft, seed=1), repeat=2
         )
     benchmark.extra_info.update(impl="peagle", case=f"cuda tree {mode} B,n,V={shape}", baselines=baselines)
     benchmark.pedantic(lambda: (op(), torch.cuda.synchronize()), rounds=10, warmup_rounds=1)

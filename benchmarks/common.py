@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import os
+import time
 from collections.abc import Callable
 from types import ModuleType
 
@@ -74,3 +75,27 @@ def copy_bandwidth() -> float:
     end.record()
     torch.cuda.synchronize()
     return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3)  # read + write bytes per second
+
+
+def best_time(fn: Callable[[], object], repeat: int, warmup: bool = False) -> float:
+    """The fastest wall time (seconds) of ``repeat`` calls, after one untimed call when ``warmup``."""
+    if warmup:
+        fn()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def cuda_time(fn: Callable[[], object], repeat: int = 20) -> float:
+    """Mean wall time (seconds) per call on a CUDA device after one warm-up call, synchronised before and after, so
+    host synchronisations inside the op count too."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeat
