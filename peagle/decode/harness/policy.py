@@ -184,6 +184,16 @@ def update_calibration(calibration: Tensor, predicted: Tensor, accepted: Tensor)
     calibration[:, 1] += predicted.double()
 
 
+def recalibrate(calibration: Tensor, gamma: Tensor, predicted: Tensor, rows: Tensor, accepted: Tensor) -> None:
+    """Folds the verified acceptance of ``rows`` into their calibration sums and sharpness exponents, in place."""
+    row_calibration = calibration[rows]
+    update_calibration(row_calibration, predicted[rows], accepted)
+    calibration[rows] = row_calibration
+    row_gamma = gamma[rows]
+    update_sharpness(row_gamma, row_calibration)
+    gamma[rows] = row_gamma
+
+
 def predicted_acceptance(spec: TreeSpec, calibration: Tensor) -> Tensor:
     """E of built trees: sum over their drafted nodes of min(1, c * p), [B] float64."""
     scale = calibration_scale(calibration.double())
@@ -354,12 +364,7 @@ class PassHarness:
             off = (rank.gather(1, path.clamp(min=0)) > 0) & (path >= 0)
             self.off_chain[0] += float(off.sum())
             self.off_chain[1] += float(num_accepted.sum())
-        calibration = self.calibration[rows]
-        update_calibration(calibration, self.predicted[rows], num_accepted)
-        self.calibration[rows] = calibration
-        gamma = self.gamma[rows]
-        update_sharpness(gamma, calibration)
-        self.gamma[rows] = gamma
+        recalibrate(self.calibration, self.gamma, self.predicted, rows, num_accepted)
 
     def finish(self) -> None:
         """Hands what this call learnt to the policy (the next call starts from it)."""
@@ -460,12 +465,7 @@ class DepthHarness:
 
     def observe(self, rows: Tensor, num_accepted: Tensor, num_nodes: Tensor, parent=None, accepted_path=None) -> None:
         """Folds the verified acceptance of ``rows`` into their calibration and the chain acceptance rate."""
-        calibration = self.calibration[rows]
-        update_calibration(calibration, self.predicted[rows], num_accepted)
-        self.calibration[rows] = calibration
-        gamma = self.gamma[rows]
-        update_sharpness(gamma, calibration)
-        self.gamma[rows] = gamma
+        recalibrate(self.calibration, self.gamma, self.predicted, rows, num_accepted)
         # Per-position acceptance of chains: accepted drafts over (accepted drafts + rejections).
         self.acceptance[0] += float(num_accepted.sum())
         self.acceptance[1] += float(num_accepted.sum() + (num_accepted < num_nodes - 1).sum())
