@@ -1,9 +1,12 @@
 """EAGLE-4 drafter options: the drafter step with a sliding window against full attention as the context grows, and
 the recall of a trained low-rank (efficient) LM head on the demo target's drafter; ratios measured in one run.
 
-    .venv-cpu/bin/python -m pytest benchmarks/bench_drafter_options.py -q -s    # pytest-benchmark; extra_info
+    OMP_NUM_THREADS=1 .venv-cpu/bin/python -m pytest benchmarks/bench_drafter_options.py -q -s    # extra_info
     PEAGLE_DEMO_RUN=/tmp/demo-full/demo-default-XXXX ...                          # the demo run for the recall row
     PEAGLE_BENCH_SMOKE=1 ...                                                       # tiny sizes (a few seconds)
+
+One thread: on a shared 2-core machine two threads per matmul wait for each other often enough to make these small
+steps' times bimodal (a 7 ms step then takes 300 ms), which hides the trend.
 
 Sliding window: one P-EAGLE drafting pass (``PEagleDrafting._pass``: one new element committed, K - 1 = 3 mask
 elements, logits of the K depths) of one request whose draft cache already holds C committed entries, C in
