@@ -720,3 +720,27 @@ def test_warm_start_trains_a_peagle_drafter_from_an_eagle3_run(work, tmp_path):
     assert "fc.weight" in report["copied"] and report["source_kind"] == "EAGLE-3"
     with pytest.raises(ValueError, match=r"num_layers 1 \(ours 2: --layers\)"):
         Trainer(TrainArgs(out=str(tmp_path / "bad"), init_from=init, **{**common, "num_layers": 2}))
+
+
+@pytest.mark.parametrize(
+    "options", [["--moe-experts", "4", "--moe-top-k", "1"], ["--lm-head-rank", "4", "--lm-head-candidates", "8"]]
+)
+def test_distributed_training_with_drafter_options(work, tmp_path, options):
+    """Options whose parameters a pass may not reach (MoE experts no element routes to, the low-rank head that only
+    its KL loss reaches) train under DDP and FSDP2 as on one process."""
+    common = [sys.executable, "-m", "peagle.cli", "train", "--data", str(work / "ext-train"), "--layers", "1",
+              "--depths", "3", "--batch-size", "4", "--lr", "1e-3", "--quiet", "--steps", "2",
+              "--save-grads-step", "1", *options]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    single = subprocess.run([*common, "--out", str(tmp_path / "one")], env=env, capture_output=True, text=True)
+    assert single.returncode == 0, single.stderr[-3000:]
+    one = torch.load(tmp_path / "one" / "grads-1.pt")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    for mode, extra in {"ddp": [], "fsdp": ["--fsdp"]}.items():
+        out = tmp_path / mode
+        two = subprocess.run([*torchrun, *common[1:], *extra, "--out", str(out)], env=env, capture_output=True,
+                             text=True, timeout=300)  # fmt: skip
+        assert two.returncode == 0, f"{mode}: {two.stderr[-3000:]}"
+        grads = torch.load(out / "grads-1.pt")
+        for name, g in one.items():
+            torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=f"{mode} {name}")

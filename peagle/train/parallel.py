@@ -71,7 +71,13 @@ class ParallelDrafter:
         self.module: nn.Module = self.root
         if mode == "ddp":
             ids = [device.index] if device.type == "cuda" else None
-            self.module = nn.parallel.DistributedDataParallel(self.root, device_ids=ids, broadcast_buffers=False)
+            # MoE experts no element of the sync pass routes to, and the low-rank head that only its KL loss
+            # reaches, take no part in that pass: DDP then reduces their accumulated gradients as unused ones.
+            cfg = drafter.config
+            unreached = cfg.moe_num_experts > 0 or cfg.efficient_lm_head
+            self.module = nn.parallel.DistributedDataParallel(
+                self.root, device_ids=ids, broadcast_buffers=False, find_unused_parameters=unreached
+            )
         elif mode == "fsdp":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
