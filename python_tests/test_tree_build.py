@@ -181,10 +181,13 @@ def test_expand_topk_rejects_non_finite_or_negative_frontier_scores(generator, b
 
 
 @pytest.mark.parametrize("op", ["tree_build_parallel", "tree_expand_topk"])
-def test_construction_rejects_infinite_draft_probabilities(generator, op):
+@pytest.mark.parametrize("bad", [math.inf, 1.0001, 2.0], ids=["inf", "just-above-1", "2"])
+def test_construction_rejects_draft_probabilities_outside_0_1(generator, op, bad):
+    """Above 1 a child would outscore its parent and the best-N selection could drop a kept node's parent (the fuzz
+    suite found a tree whose depth-2 node had no parent)."""
     probs = torch.softmax(torch.randn(2, 3, 10, generator=generator), -1)
-    probs[1, 2, 4] = math.inf
-    with pytest.raises(RuntimeError, match=r"must be finite and non-negative.* in row 2 of request 1 at token 4"):
+    probs[1, 2, 4] = bad
+    with pytest.raises(RuntimeError, match=r"must be in \[0, 1\].* in row 2 of request 1 at token 4"):
         if op == "tree_build_parallel":
             tree_build_parallel(probs, [1, 1, 1], 4)
         else:

@@ -221,8 +221,8 @@ inline void raise_build_error(const char* op, const at::Tensor& errors) {
         TORCH_CHECK(false, "peagle.", op, ": cand_scores[", b, ", ", i,
                     "] must be finite and must not exceed its parent's score");
       case tree::kDraftRow:
-        TORCH_CHECK(false, "peagle.", op, ": draft probabilities must be finite and non-negative, got a bad entry ",
-                    "in row ", i, " of request ", b, " at token ", detail);
+        TORCH_CHECK(false, "peagle.", op, ": draft probabilities must be in [0, 1], got a bad entry ", "in row ", i,
+                    " of request ", b, " at token ", detail);
       case tree::kFrontierScore:
         TORCH_CHECK(false, "peagle.", op, ": frontier_scores[", b, ", ", i,
                     "] must be finite and >= 0 (a product of draft probabilities)");

@@ -379,7 +379,8 @@ TEST(TreeOrders, TiesBreakTowardsTheSmallerIndex) {
 TEST(TreeBuildChecks, NonFiniteScoresAndProbabilitiesAreRejected) {
   const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
   EXPECT_TRUE(tree::draft_entry_ok(0.0f));
-  EXPECT_TRUE(tree::draft_entry_ok(3.0f));  // unnormalised rows only rank
+  EXPECT_TRUE(tree::draft_entry_ok(1.0f));
+  EXPECT_FALSE(tree::draft_entry_ok(1.0f + 1e-7f));  // a child would outscore its parent
   EXPECT_FALSE(tree::draft_entry_ok(inf));
   EXPECT_FALSE(tree::draft_entry_ok(nan));
   EXPECT_FALSE(tree::draft_entry_ok(-1e-30f));

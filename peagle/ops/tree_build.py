@@ -64,6 +64,7 @@ def tree_build_parallel(draft_probs: Tensor, topk: list[int], num_nodes: int) ->
     The top-``topk[d]`` tokens of depth d's distribution (ties to the smaller id) are the children of every depth-d
     node: a Cartesian candidate tree whose path score is the product of the draft probabilities. The best
     ``num_nodes`` nodes are kept. ``topk = [1] * K`` gives the greedy chain. Paths have length L = min(N, K + 1).
+    Entries must be probabilities in [0, 1] (rows need not sum to 1), so that no child outscores its parent.
     """
     return TreeSpec(*torch.ops.peagle.tree_build_parallel(draft_probs, list(topk), num_nodes))
 
@@ -73,7 +74,7 @@ def tree_expand_topk(frontier_scores: Tensor, child_probs: Tensor, topk: int) ->
 
     Args:
         frontier_scores: [B, F] path scores of the frontier nodes (float64 recommended).
-        child_probs: [B, F, V] float32 draft distributions after each frontier node.
+        child_probs: [B, F, V] float32 draft distributions after each frontier node (entries in [0, 1]).
 
     Returns:
         tokens, frontier_slot, scores: [B, F * topk] candidates sorted best first (score, then slot-major order).

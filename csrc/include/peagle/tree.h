@@ -238,12 +238,13 @@ enum BuildError : int32_t {
   kCandidateRoot = 22,    // cand_parent[0] != -1
   kCandidateParent = 23,  // cand_parent[i] outside [0, i)
   kCandidateScore = 24,   // non-finite score, or a child scoring above its parent
-  kDraftRow = 25,         // draft row entry NaN, infinite or negative
+  kDraftRow = 25,         // draft row entry outside [0, 1] (NaN included)
   kFrontierScore = 26,    // frontier score NaN, infinite or negative
 };
 
-// Whether a draft probability may rank a candidate: finite and not negative.
-PEAGLE_HD bool draft_entry_ok(float p) { return p >= 0.0f && p <= kFloatMax; }
+// Whether a draft probability may rank a candidate: in [0, 1]. Above 1 a child could score above its parent, and the
+// best N nodes by score would no longer hold every kept node's parent (NaN fails both comparisons).
+PEAGLE_HD bool draft_entry_ok(float p) { return p >= 0.0f && p <= 1.0f; }
 
 // Whether a path score may be a candidate's score: finite (NaN fails both comparisons).
 PEAGLE_HD bool score_finite(double s) { return s >= -kDoubleMax && s <= kDoubleMax; }
