@@ -1,0 +1,32 @@
+// The device error record of deferred checks (see csrc/checks/deferred.h and peagle/ops/errors.py). Kernels claim it
+// with atomicCAS on kClaimed; the first claim wins and later errors are dropped until check_errors() resets it.
+// Plain C++ (no torch): included by kernels.
+#pragma once
+
+#include <cstdint>
+
+namespace peagle {
+namespace deferred {
+
+// Slots of the int64 record.
+enum Slot : int {
+  kClaimed = 0,  // 0: no error recorded; 1: the slots below hold one
+  kOp = 1,       // which op recorded it (Op below)
+  kCode = 2,     // the op family's error code (e.g. tree::Error)
+  kRow = 3,      // request / batch row
+  kIndex = 4,    // node (or other index) within the row
+  kDetail = 5,   // the offending value (as the immediate check's error table holds it)
+  kExtra = 6,    // a value the message also needs (a parent, or the bits of a float entry)
+  kDim0 = 7,     // shape the message names (tree ops: n_max)
+  kDim1 = 8,     // (tree ops: V)
+  kRecordSize = 16,
+};
+
+enum Op : int64_t {
+  kNone = 0,
+  kTreeVerifyGreedy = 1,
+  kTreeRejectionSample = 2,
+};
+
+}  // namespace deferred
+}  // namespace peagle
