@@ -10,8 +10,20 @@ import pytest
 import torch
 
 import peagle  # noqa: F401
-from peagle.ops import check_errors, deferred_checks, set_deferred_checks, tree_rejection_sample, tree_verify_greedy
-from testkit import random_tree_batch, random_tree_probs
+from peagle.ops import (
+    causal_conv1d_commit,
+    causal_conv1d_tree,
+    check_errors,
+    deferred_checks,
+    gdn_commit,
+    gdn_tree_verify,
+    kv_compact,
+    set_deferred_checks,
+    tree_rejection_sample,
+    tree_verify_greedy,
+)
+from python_tests.test_kv import assert_same, edit, two_requests
+from testkit import random_gdn_inputs, random_tree_batch, random_tree_probs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -60,6 +72,23 @@ def message(error: BaseException) -> str:
     return str(error).splitlines()[0]
 
 
+def assert_deferred_like_immediate(call) -> None:
+    """call() raises at once in immediate mode; in deferred mode it must not synchronise, and check_errors() must raise
+    the same message, then find the record reset."""
+    with pytest.raises(RuntimeError) as immediate:
+        call()
+    with deferred_checks():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            call()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        with pytest.raises(RuntimeError) as deferred:
+            check_errors()
+        check_errors()
+    assert message(deferred.value) == message(immediate.value)
+
+
 @pytest.mark.parametrize("which", ["greedy", "sampling"])
 @pytest.mark.parametrize("mutation", range(len(MUTATIONS)))
 def test_deferred_error_has_the_immediate_message(which, mutation):
@@ -105,3 +134,73 @@ def test_first_error_wins_and_good_results_match():
         check_errors()
     for a, e in zip(deferred, immediate, strict=True):
         assert torch.equal(a, e)
+
+
+def test_kv_compact_deferred_errors_change_nothing(generator):
+    c = two_requests(generator)
+    bad_cases = {
+        "num_accepted": c._replace(num_accepted=edit(c.num_accepted, 1, 4)),
+        "seq_len": c._replace(seq_len=edit(c.seq_len, 0, -3)),
+        "order": c._replace(accepted_path=edit(c.accepted_path, (0, 2), 1)),
+        "block": c._replace(block_table=edit(c.block_table, (0, (int(c.seq_len[0]) + 1) // 4), -1)),
+    }
+    for name, bad in bad_cases.items():
+        cuda = bad.to("cuda")
+        assert_deferred_like_immediate(lambda cuda=cuda: kv_compact(*cuda))
+        assert_same(cuda.to("cpu"), bad), name
+
+
+def gdn_calls(generator, change, device="cuda"):
+    x = random_gdn_inputs(generator, 3, 6, 2, 2, 8, 8)
+    parent, slots = x.parent.clone(), x.slots.clone()
+    last = torch.tensor([5, -1, 3])
+    conv_x, conv_state, weight = torch.randn(3, 6, 16), torch.randn(3, 16, 3), torch.randn(16, 4)
+    parent, slots, last = change(parent, slots, last)
+    d = [t.to(device) for t in (*x[:5], parent, x.state_pool, slots, last, conv_x, conv_state, weight)]
+    q, k, v, g, beta, parent, pool, slots, last, conv_x, conv_state, weight = d
+    u = torch.zeros(3, 6, 2, 8, device=device)
+    return {
+        "verify": lambda: gdn_tree_verify(q, k, v, g, beta, parent, pool, slots),
+        "commit": lambda: gdn_commit(k, g, u, parent, last, pool.clone(), slots),
+        "conv": lambda: causal_conv1d_tree(conv_x, parent, conv_state, weight),
+        "conv_commit": lambda: causal_conv1d_commit(conv_x, parent, last, conv_state.clone()),
+    }
+
+
+def with_parent(p, s, a):
+    p[1, 4] = 4
+    return p, s, a
+
+
+def with_slot(p, s, a):
+    s[2] = 99
+    return p, s, a
+
+
+def with_last(p, s, a):
+    a[1] = 6
+    return p, s, a
+
+
+def with_shared_slot(p, s, a):
+    s[2] = s[0]
+    return p, s, a
+
+
+@pytest.mark.parametrize(
+    "change,ops",
+    [
+        (with_parent, ["verify", "commit", "conv", "conv_commit"]),
+        (with_slot, ["verify", "commit"]),
+        (with_last, ["commit", "conv_commit"]),
+        (with_shared_slot, ["commit"]),
+    ],
+)
+def test_gdn_family_deferred_errors(generator, change, ops):
+    calls = gdn_calls(generator, change)
+    for name in ops:
+        assert_deferred_like_immediate(calls[name]), name
+    with deferred_checks():  # good inputs record nothing
+        for call in gdn_calls(generator, lambda *a: a).values():
+            call()
+        check_errors()

@@ -8,11 +8,43 @@
 #include <atomic>
 #include <mutex>
 
+#include "checks/gdn.h"
+#include "checks/kv.h"
 #include "checks/tree.h"
 #include "peagle/deferred.h"
 
 namespace peagle {
 namespace {
+
+const char* gdn_op_name(int64_t op) {
+  switch (op) {
+    case deferred::kGdnTreeVerify:
+      return "gdn_tree_verify";
+    case deferred::kGdnCommit:
+      return "gdn_commit";
+    case deferred::kCausalConv1dTree:
+      return "causal_conv1d_tree";
+    default:
+      return "causal_conv1d_commit";
+  }
+}
+
+[[noreturn]] void raise_gdn_error(const int64_t* r) {
+  using namespace deferred;
+  const char* op = gdn_op_name(r[kOp]);
+  switch (r[kCode]) {
+    case kGdnParent:
+      raise_parent_value(op, r[kRow], r[kIndex], r[kDetail]);
+    case kGdnSlots:
+      raise_index_value(op, "slots", r[kDim0], r[kDim1], r[kDetail], r[kRow]);
+    case kGdnLastAccepted:
+      raise_index_value(op, "last_accepted", r[kDim0], r[kDim1], r[kDetail], r[kRow]);
+    case kGdnSharedSlot:
+      raise_shared_slot(op, r[kDetail]);
+    default:
+      TORCH_CHECK(false, "peagle.", op, ": internal error code ", r[kCode], " in the device error record");
+  }
+}
 
 std::atomic<bool> g_deferred{false};
 std::mutex g_backend_mutex;
@@ -51,6 +83,18 @@ void raise_deferred_error(const int64_t* r) {
     case kTreeRejectionSample:
       raise_tree_error_at(r[kOp] == kTreeVerifyGreedy ? "tree_verify_greedy" : "tree_rejection_sample", r[kCode],
                           r[kRow], r[kIndex], r[kDetail], r[kExtra], r[kDim0], r[kDim1]);
+    case kKvCompact: {
+      KvDims d{};
+      d.geometry.block_size = r[kDim0];
+      d.geometry.max_blocks = r[kDim1];
+      raise_kv_error(r[kRow], kv::Check{r[kCode], r[kIndex], r[kDetail], r[kExtra]}, d);
+      TORCH_CHECK(false, "peagle.kv_compact: internal error: an error record without an error");
+    }
+    case kGdnTreeVerify:
+    case kGdnCommit:
+    case kCausalConv1dTree:
+    case kCausalConv1dCommit:
+      raise_gdn_error(r);
     default:
       TORCH_CHECK(false, "peagle.check_errors: internal error: unknown op ", r[kOp], " in the device error record");
   }

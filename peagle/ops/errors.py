@@ -7,9 +7,14 @@ record instead (the first error wins; no synchronisation), and :func:`check_erro
 ``RuntimeError`` with the message the immediate check gives (naming the op and the argument) and resets the record.
 The engine calls :func:`check_errors` where it reads the emitted tokens back.
 
-Ops with a deferred mode on CUDA: ``tree_verify_greedy`` and ``tree_rejection_sample``. The other ops keep their
-immediate checks in either mode. Shape, dtype and device checks are always immediate (they need no device data). CPU
-kernels always raise immediately, and :func:`check_errors` is a no-op where no CUDA device ever recorded.
+Ops with a deferred mode on CUDA (:data:`DEFERRED_OPS`): ``tree_verify_greedy``, ``tree_rejection_sample``,
+``kv_compact`` (which, as in immediate mode, changes nothing when a request is bad), and ``gdn_tree_verify``,
+``gdn_commit``, ``causal_conv1d_tree``, ``causal_conv1d_commit`` with ``validate=True`` (their kernels guard themselves
+as with ``validate=False``: bad requests get NaN outputs or are not committed; the check runs on the device by one
+thread, so keep ``validate=False`` where speed matters and the inputs are trusted). The other ops (COD, masks, tree
+construction) keep their immediate checks in either mode. Shape, dtype and device checks are always immediate (they need
+no device data). CPU kernels always raise immediately, and :func:`check_errors` is a no-op where no CUDA device ever
+recorded.
 
 Turning deferred checks on allocates the records of every CUDA device: do it before capturing a graph. The mode is
 process-wide.
@@ -24,7 +29,15 @@ import torch
 
 __all__ = ["DEFERRED_OPS", "check_errors", "deferred_checks", "set_deferred_checks"]
 
-DEFERRED_OPS = ("tree_verify_greedy", "tree_rejection_sample")
+DEFERRED_OPS = (
+    "tree_verify_greedy",
+    "tree_rejection_sample",
+    "kv_compact",
+    "gdn_tree_verify",
+    "gdn_commit",
+    "causal_conv1d_tree",
+    "causal_conv1d_commit",
+)
 
 
 def set_deferred_checks(enabled: bool) -> bool:

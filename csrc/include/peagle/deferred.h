@@ -17,7 +17,7 @@ enum Slot : int {
   kIndex = 4,    // node (or other index) within the row
   kDetail = 5,   // the offending value (as the immediate check's error table holds it)
   kExtra = 6,    // a value the message also needs (a parent, or the bits of a float entry)
-  kDim0 = 7,     // shape the message names (tree ops: n_max)
+  kDim0 = 7,     // sizes the message names (tree ops: n_max)
   kDim1 = 8,     // (tree ops: V)
   kRecordSize = 16,
 };
@@ -26,6 +26,19 @@ enum Op : int64_t {
   kNone = 0,
   kTreeVerifyGreedy = 1,
   kTreeRejectionSample = 2,
+  kKvCompact = 3,  // kIndex, kDetail, kExtra: kv::Check's index, value, bound; kDim0, kDim1: block_size, max_blocks
+  // GDN family (codes: GdnError): kRow, kIndex: where; kDetail: the bad value; kDim0, kDim1: the allowed range.
+  kGdnTreeVerify = 4,
+  kGdnCommit = 5,
+  kCausalConv1dTree = 6,
+  kCausalConv1dCommit = 7,
+};
+
+enum GdnError : int64_t {
+  kGdnParent = 1,        // parent[row, index] outside [-1, index)
+  kGdnSlots = 2,         // slots value outside [0, pool) (row: position among the checked entries)
+  kGdnLastAccepted = 3,  // last_accepted value outside [-1, n)
+  kGdnSharedSlot = 4,    // two active requests commit into slot kDetail
 };
 
 }  // namespace deferred
