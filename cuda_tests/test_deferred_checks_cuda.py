@@ -204,3 +204,15 @@ def test_gdn_family_deferred_errors(generator, change, ops):
         for call in gdn_calls(generator, lambda *a: a).values():
             call()
         check_errors()
+
+
+def test_cod_deferred_errors():
+    ids, hidden, mask_hidden = torch.arange(10).cuda(), torch.randn(10, 8).cuda(), torch.randn(8).cuda()
+    anchors, depths = torch.tensor([0, 3, 8]).cuda(), torch.tensor([0, 1, 2]).cuda()  # 8 + 2 >= T = 10
+    ops = torch.ops.peagle
+    assert_deferred_like_immediate(lambda: ops.cod_gather(ids, hidden, mask_hidden, anchors, depths, 7, None))
+    grad = torch.randn(3, 8).cuda()
+    assert_deferred_like_immediate(lambda: ops.cod_gather_backward(grad, anchors, depths, 10))
+    with deferred_checks():  # in range: nothing recorded
+        ops.cod_gather(ids, hidden, mask_hidden, anchors, depths.clamp(max=1), 7, None)
+        check_errors()

@@ -195,9 +195,8 @@ inline ConvDims check_causal_conv1d_commit_args(const at::Tensor& x, const at::T
   return d;
 }
 
-// Value checks (tensor ops, so both backends give the same message; on CUDA they synchronise once).
-// The value errors' messages, shared by the immediate checks below and the deferred ones
-// (csrc/cpu/deferred_checks.cpp).
+// Value checks (tensor ops, so both backends give the same message; on CUDA they synchronise once). Their messages are
+// shared with the deferred checks (csrc/cpu/deferred_checks.cpp).
 [[noreturn]] inline void raise_parent_value(const char* op, int64_t b, int64_t i, int64_t value) {
   TORCH_CHECK(false, "peagle.", op, ": parent[", b, ", ", i, "] must be in [-1, ", i,
               ") (a parent precedes its child; -1 starts from the committed state), got ", value);

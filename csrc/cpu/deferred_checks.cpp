@@ -8,6 +8,7 @@
 #include <atomic>
 #include <mutex>
 
+#include "checks/cod.h"
 #include "checks/gdn.h"
 #include "checks/kv.h"
 #include "checks/tree.h"
@@ -95,6 +96,10 @@ void raise_deferred_error(const int64_t* r) {
     case kCausalConv1dTree:
     case kCausalConv1dCommit:
       raise_gdn_error(r);
+    case kCodGather:
+    case kCodGatherBackward:
+      check_elements_in_range(r[kOp] == kCodGather ? "cod_gather" : "cod_gather_backward", false, r[kDim0]);
+      TORCH_CHECK(false, "peagle.check_errors: internal error: a COD record without an error");
     default:
       TORCH_CHECK(false, "peagle.check_errors: internal error: unknown op ", r[kOp], " in the device error record");
   }

@@ -11,8 +11,9 @@ Ops with a deferred mode on CUDA (:data:`DEFERRED_OPS`): ``tree_verify_greedy``,
 ``kv_compact`` (which, as in immediate mode, changes nothing when a request is bad), and ``gdn_tree_verify``,
 ``gdn_commit``, ``causal_conv1d_tree``, ``causal_conv1d_commit`` with ``validate=True`` (their kernels guard themselves
 as with ``validate=False``: bad requests get NaN outputs or are not committed; the check runs on the device by one
-thread, so keep ``validate=False`` where speed matters and the inputs are trusted). The other ops (COD, masks, tree
-construction) keep their immediate checks in either mode. Shape, dtype and device checks are always immediate (they need
+thread, so keep ``validate=False`` where speed matters and the inputs are trusted), and ``cod_gather`` /
+``cod_gather_backward`` (the CUDA message, "some element is out of range"). The other ops (masks, tree construction)
+keep their immediate checks in either mode. Shape, dtype and device checks are always immediate (they need
 no device data). CPU kernels always raise immediately, and :func:`check_errors` is a no-op where no CUDA device ever
 recorded.
 
@@ -37,6 +38,8 @@ DEFERRED_OPS = (
     "gdn_commit",
     "causal_conv1d_tree",
     "causal_conv1d_commit",
+    "cod_gather",
+    "cod_gather_backward",
 )
 
 

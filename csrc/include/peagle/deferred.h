@@ -32,6 +32,9 @@ enum Op : int64_t {
   kGdnCommit = 5,
   kCausalConv1dTree = 6,
   kCausalConv1dCommit = 7,
+  // COD (code 1): some element (anchor, depth) is out of range for T = kDim0.
+  kCodGather = 8,
+  kCodGatherBackward = 9,
 };
 
 enum GdnError : int64_t {
