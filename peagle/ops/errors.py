@@ -18,7 +18,7 @@ no device data). CPU kernels always raise immediately, and :func:`check_errors` 
 recorded.
 
 Turning deferred checks on allocates the records of every CUDA device: do it before capturing a graph. The mode is
-process-wide.
+process-wide and read when an op is launched, so a captured graph keeps the mode it was captured in.
 """
 
 from __future__ import annotations
