@@ -178,6 +178,8 @@ def deferred(generator):
             lambda: OPS.cod_gather(torch.arange(6, device=DEVICE), hidden, hidden[0], anchors, depths, 7, None),
             "out of range",
         )
+        docs = torch.zeros(6, dtype=torch.long, device=DEVICE)
+        expect_error(lambda: OPS.mask_block(anchors, depths + 5, docs, 2, None), "is out of range for T")
 
 
 def device_ops() -> list[str]:

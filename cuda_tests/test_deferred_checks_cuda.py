@@ -216,3 +216,52 @@ def test_cod_deferred_errors():
     with deferred_checks():  # in range: nothing recorded
         ops.cod_gather(ids, hidden, mask_hidden, anchors, depths.clamp(max=1), 7, None)
         check_errors()
+
+
+def mask_calls(anchors, depths, docs):
+    from peagle.ops import mask_slice_table
+
+    ops, table = torch.ops.peagle, mask_slice_table(10, 3, 4, device="cuda")  # [K = 3, L = 10]
+    anchors, depths, docs = anchors.cuda(), depths.cuda(), docs.cuda()
+    return {
+        "dense": lambda: ops.mask_dense(anchors, depths, docs, 4),
+        "block": lambda: ops.mask_block(anchors, depths, docs, 2, None),
+        "slice_dense": lambda: ops.mask_slice_dense(table, anchors, depths, docs),
+        "slice_block": lambda: ops.mask_slice_block(table, anchors, depths, docs, 2),
+    }
+
+
+@pytest.mark.parametrize(
+    "anchors,depths,docs,ops",
+    [
+        ([0, 3, 12], [0, 1, 2], None, "all"),  # anchor outside [0, T)
+        ([0, 3, 5], [0, -1, 2], None, "all"),  # negative depth
+        ([0, 3, 5], [0, 12, 2], None, "all"),  # depth >= T
+        ([0, 3, 5], [0, 1, 2], -2, "all"),  # document id < -1
+        ([0, 3, 11], [0, 1, 2], None, "slice"),  # anchor >= the table's max_length
+        ([0, 3, 5], [0, 1, 3], None, "slice"),  # depth >= the table's num_depths
+    ],
+)
+def test_mask_deferred_errors(anchors, depths, docs, ops):
+    document_ids = torch.zeros(12, dtype=torch.long)
+    if docs is not None:
+        document_ids[4] = docs
+    calls = mask_calls(torch.tensor(anchors), torch.tensor(depths), document_ids)
+    for name, call in calls.items():
+        if ops == "all" or name.startswith(ops):
+            assert_deferred_like_immediate(call)
+
+
+def test_mask_deferred_results_equal_immediate():
+    calls = mask_calls(torch.tensor([0, 3, 5, 9, 2]), torch.tensor([0, 1, 2, 2, 0]), torch.tensor([0] * 6 + [1] * 6))
+    for name, call in calls.items():
+        immediate = call()
+        with deferred_checks():
+            deferred = call()
+            check_errors()
+        for a, e in zip(
+            deferred if isinstance(deferred, tuple) else [deferred],
+            immediate if isinstance(immediate, tuple) else [immediate],
+            strict=True,
+        ):
+            assert torch.equal(a, e), name

@@ -11,6 +11,7 @@
 #include "checks/cod.h"
 #include "checks/gdn.h"
 #include "checks/kv.h"
+#include "checks/mask.h"
 #include "checks/tree.h"
 #include "peagle/deferred.h"
 
@@ -42,6 +43,28 @@ const char* gdn_op_name(int64_t op) {
       raise_index_value(op, "last_accepted", r[kDim0], r[kDim1], r[kDetail], r[kRow]);
     case kGdnSharedSlot:
       raise_shared_slot(op, r[kDetail]);
+    default:
+      TORCH_CHECK(false, "peagle.", op, ": internal error code ", r[kCode], " in the device error record");
+  }
+}
+
+[[noreturn]] void raise_mask_error(const int64_t* r) {
+  using namespace deferred;
+  static const char* const names[] = {"mask_dense", "mask_block", "mask_slice_dense", "mask_slice_block"};
+  const char* op = names[r[kOp] - kMaskDense];
+  switch (r[kCode]) {
+    case kMaskAnchors:
+      raise_mask_anchors(op, r[kDim0], r[kDetail], r[kExtra]);
+    case kMaskNegativeDepth:
+      raise_mask_negative_depth(op, r[kDetail]);
+    case kMaskDepthOutsideRow:
+      raise_mask_depth_outside_row(op, r[kIndex], r[kDetail], r[kDim0]);
+    case kMaskDocumentIds:
+      raise_document_ids(op, r[kDetail]);
+    case kMaskSliceAnchors:
+      raise_slice_anchors(op, r[kDim0], r[kDetail]);
+    case kMaskSliceDepths:
+      raise_slice_depths(op, r[kDim0], r[kDetail]);
     default:
       TORCH_CHECK(false, "peagle.", op, ": internal error code ", r[kCode], " in the device error record");
   }
@@ -100,6 +123,11 @@ void raise_deferred_error(const int64_t* r) {
     case kCodGatherBackward:
       check_elements_in_range(r[kOp] == kCodGather ? "cod_gather" : "cod_gather_backward", false, r[kDim0]);
       TORCH_CHECK(false, "peagle.check_errors: internal error: a COD record without an error");
+    case kMaskDense:
+    case kMaskBlock:
+    case kMaskSliceDense:
+    case kMaskSliceBlock:
+      raise_mask_error(r);
     default:
       TORCH_CHECK(false, "peagle.check_errors: internal error: unknown op ", r[kOp], " in the device error record");
   }

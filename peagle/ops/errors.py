@@ -7,15 +7,21 @@ record instead (the first error wins; no synchronisation), and :func:`check_erro
 ``RuntimeError`` with the message the immediate check gives (naming the op and the argument) and resets the record.
 The engine calls :func:`check_errors` where it reads the emitted tokens back.
 
-Ops with a deferred mode on CUDA (:data:`DEFERRED_OPS`): ``tree_verify_greedy``, ``tree_rejection_sample``,
-``kv_compact`` (which, as in immediate mode, changes nothing when a request is bad), and ``gdn_tree_verify``,
-``gdn_commit``, ``causal_conv1d_tree``, ``causal_conv1d_commit`` with ``validate=True`` (their kernels guard themselves
-as with ``validate=False``: bad requests get NaN outputs or are not committed; the check runs on the device by one
-thread, so keep ``validate=False`` where speed matters and the inputs are trusted), and ``cod_gather`` /
-``cod_gather_backward`` (the CUDA message, "some element is out of range"). The other ops (masks, tree construction)
-keep their immediate checks in either mode. Shape, dtype and device checks are always immediate (they need
-no device data). CPU kernels always raise immediately, and :func:`check_errors` is a no-op where no CUDA device ever
-recorded.
+Ops with a deferred mode on CUDA (:data:`DEFERRED_OPS`):
+
+* ``tree_verify_greedy``, ``tree_rejection_sample``;
+* ``kv_compact`` (as in immediate mode, it changes nothing when a request is bad);
+* ``gdn_tree_verify``, ``gdn_commit``, ``causal_conv1d_tree``, ``causal_conv1d_commit`` with ``validate=True`` (their
+  kernels guard themselves as with ``validate=False``: bad requests get NaN outputs or are not committed; the check
+  runs on the device by one thread, so keep ``validate=False`` where speed matters and the inputs are trusted);
+* ``cod_gather``, ``cod_gather_backward`` (with the CUDA message, "some element is out of range");
+* ``mask_dense``, ``mask_block``, ``mask_slice_dense``, ``mask_slice_block`` (bad anchors / depths are clamped into
+  range for the kernels: the outputs of a bad call are garbage, never an out-of-bounds read).
+
+Still synchronising in either mode: ``cod_gather``'s range check of ``input_ids`` when ``vocab_size`` is given,
+``cod_sample`` (its output size depends on the data) and tree construction (its CUDA path still runs on the host).
+Shape, dtype and device checks are always immediate (they need no device data). CPU kernels always raise immediately,
+and :func:`check_errors` is a no-op where no CUDA device ever recorded.
 
 Turning deferred checks on allocates the records of every CUDA device: do it before capturing a graph. The mode is
 process-wide and read when an op is launched, so a captured graph keeps the mode it was captured in.
@@ -40,6 +46,10 @@ DEFERRED_OPS = (
     "causal_conv1d_commit",
     "cod_gather",
     "cod_gather_backward",
+    "mask_dense",
+    "mask_block",
+    "mask_slice_dense",
+    "mask_slice_block",
 )
 
 

@@ -35,6 +35,11 @@ enum Op : int64_t {
   // COD (code 1): some element (anchor, depth) is out of range for T = kDim0.
   kCodGather = 8,
   kCodGatherBackward = 9,
+  // Masks (codes: MaskError).
+  kMaskDense = 10,
+  kMaskBlock = 11,
+  kMaskSliceDense = 12,
+  kMaskSliceBlock = 13,
 };
 
 enum GdnError : int64_t {
@@ -42,6 +47,27 @@ enum GdnError : int64_t {
   kGdnSlots = 2,         // slots value outside [0, pool) (row: position among the checked entries)
   kGdnLastAccepted = 3,  // last_accepted value outside [-1, n)
   kGdnSharedSlot = 4,    // two active requests commit into slot kDetail
+};
+
+enum MaskError : int64_t {
+  kMaskAnchors = 1,          // anchors outside [0, T = kDim0): kDetail, kExtra = their min, max
+  kMaskNegativeDepth = 2,    // kDetail = min depth
+  kMaskDepthOutsideRow = 3,  // depths[kIndex] = kDetail >= T = kDim0
+  kMaskDocumentIds = 4,      // kDetail = min document id < -1
+  kMaskSliceAnchors = 5,     // kDetail = max anchor >= the table's max_length kDim0
+  kMaskSliceDepths = 6,      // kDetail = max depth >= the table's num_depths kDim0
+};
+
+// Device statistics a mask op's deferred check decides from (int64 slots, computed by ATen ops on the device).
+enum MaskStat : int {
+  kAnchorMin = 0,
+  kAnchorMax = 1,
+  kDepthMin = 2,
+  kDepthMax = 3,
+  kFirstOutside = 4,  // first i with depths[i] >= T, or -1
+  kFirstOutsideDepth = 5,
+  kDocumentMin = 6,
+  kMaskStats = 7,
 };
 
 }  // namespace deferred
