@@ -91,6 +91,15 @@ void record_value_errors(int64_t op, const Elements& e, const at::Tensor& docume
       "check_errors");
 }
 
+// Host value checks in the order of check_mask_slice_args (the CPU's).
+void check_values_on_host(const char* op, const at::Tensor& anchors, const at::Tensor& depths,
+                          const at::Tensor& document_ids, const at::Tensor* table) {
+  check_mask_element_values(op, anchors, depths, document_ids);
+  if (table == nullptr) return;
+  check_mask_slice_table(op, *table, anchors);
+  check_mask_slice_values(op, *table, anchors, depths);
+}
+
 // All checks of a mask op's elements (and slice table), then the int64 elements. With deferred checks the value
 // checks run on the device, and the elements are clamped into the ranges the kernels index (a no-op for valid
 // inputs), so bad values read nothing out of bounds before check_errors() raises. An empty row or table with elements
@@ -99,16 +108,19 @@ Elements checked_elements(const char* op, int64_t op_id, const at::Tensor& ancho
                           const at::Tensor& document_ids, const c10::optional<int64_t>& window,
                           const at::Tensor* table) {
   check_mask_element_args(op, anchors, depths, document_ids, window);
-  if (table != nullptr) check_mask_slice_table(op, *table, anchors);
   Elements e{anchors.to(at::kLong).contiguous(), depths.to(at::kLong).contiguous()};
+  if (!deferred_checks_enabled()) {
+    check_values_on_host(op, anchors, depths, document_ids, table);
+    return e;
+  }
+  if (table != nullptr) check_mask_slice_table(op, *table, anchors);
   int64_t anchor_end = document_ids.size(0), depth_end = document_ids.size(0);
   if (table != nullptr) {
     anchor_end = std::min(anchor_end, table->size(1));
     depth_end = std::min(depth_end, table->size(0));
   }
-  if (!deferred_checks_enabled() || (e.anchors.numel() > 0 && (anchor_end == 0 || depth_end == 0))) {
-    check_mask_element_values(op, anchors, depths, document_ids);
-    if (table != nullptr) check_mask_slice_values(op, *table, anchors, depths);
+  if (e.anchors.numel() > 0 && (anchor_end == 0 || depth_end == 0)) {
+    check_values_on_host(op, anchors, depths, document_ids, table);
     return e;
   }
   record_value_errors(op_id, e, document_ids, table);
