@@ -98,6 +98,13 @@ TORCH_LIBRARY(peagle, m) {
   // Returns the CPU output blocks kept for reuse (see csrc/cpu/large_buffers.h) to the OS; bytes released. Takes no
   // tensor, so its one kernel is composite (registered in csrc/cpu/large_buffers.cpp).
   m.def("release_cpu_buffers() -> int");
+
+  // Deferred checks (csrc/cpu/deferred_checks.cpp, peagle/ops/errors.py): while on, the CUDA kernels of the ops that
+  // support it record their first bad value in a per-device error record instead of synchronising to raise;
+  // check_errors() synchronises, raises that error with the immediate check's message and resets the record.
+  // set_deferred_checks returns the previous mode.
+  m.def("set_deferred_checks(bool enabled) -> bool");
+  m.def("check_errors() -> ()");
 }
 
 // `import peagle._C` only needs to run the static registrations above and in the backend files.

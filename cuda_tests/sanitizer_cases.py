@@ -150,6 +150,38 @@ def graph_chain(generator):
     chain.close()
 
 
+def deferred(generator):
+    """The deferred checks' record kernels (set_deferred_checks / check_errors are composite, so not in the coverage
+    list): bad inputs of a few op families in deferred mode (the CPU raises at once, CUDA from check_errors)."""
+    from peagle.ops import check_errors, deferred_checks
+
+    def expect_error(call, text):
+        try:
+            call()
+            check_errors()
+        except RuntimeError as error:
+            assert text in str(error), error
+        else:
+            raise AssertionError(f"no deferred error: {text}")
+
+    parent, tokens, num_nodes = dev(torch.tensor([[-1, 0, 0]]), torch.tensor([[0, 1, 1]]), torch.tensor([3]))
+    target = torch.full((1, 3, 4), 0.25, device=DEVICE)
+    x = random_gdn_inputs(generator, 2, 5, 1, 2, 8, 8)
+    q, k, v, g, beta, gdn_parent, pool, slots = dev(*x)
+    gdn_parent[1, 3] = 3
+    hidden, anchors, depths = dev(torch.randn(6, 8), torch.tensor([0, 5]), torch.tensor([0, 1]))
+    with deferred_checks():
+        expect_error(lambda: OPS.tree_verify_greedy(parent, tokens, num_nodes, target), "sibling tokens must be")
+        verify = (q, k, v, g, beta, gdn_parent, pool, slots, None, False, True)
+        expect_error(lambda: OPS.gdn_tree_verify(*verify), "parent")
+        expect_error(
+            lambda: OPS.cod_gather(torch.arange(6, device=DEVICE), hidden, hidden[0], anchors, depths, 7, None),
+            "out of range",
+        )
+        docs = torch.zeros(6, dtype=torch.long, device=DEVICE)
+        expect_error(lambda: OPS.mask_block(anchors, depths + 5, docs, 2, None), "is out of range for T")
+
+
 def device_ops() -> list[str]:
     """The peagle ops with a kernel registered for DEVICE's dispatch key (composite helpers have none)."""
     names = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("peagle::")]
@@ -160,7 +192,7 @@ def device_ops() -> list[str]:
 def main() -> int:
     missing = [name for name in device_ops() if name not in CASES]
     generator = torch.Generator().manual_seed(0)
-    for fn in [*dict.fromkeys(CASES.values()), graph_chain]:
+    for fn in [*dict.fromkeys(CASES.values()), graph_chain, deferred]:
         fn(generator)
         if DEVICE.type == "cuda":
             torch.cuda.synchronize()

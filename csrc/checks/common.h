@@ -30,10 +30,14 @@ inline void check_same_device(const char* op, const char* name, const at::Tensor
 
 // Document ids, one rule for every op (cod_sample, mask_dense, mask_block): -1 marks padding and every other id is a
 // document, so ids below -1 are an error (they were padding for cod_sample but a document for the mask ops).
+[[noreturn]] inline void raise_document_ids(const char* op, int64_t lowest) {
+  TORCH_CHECK(false, "peagle.", op, ": document_ids must be >= -1 (-1 = padding), got ", lowest);
+}
+
 inline void check_document_ids(const char* op, const at::Tensor& document_ids) {
   if (document_ids.numel() == 0) return;
   const int64_t lowest = document_ids.min().item<int64_t>();
-  TORCH_CHECK(lowest >= -1, "peagle.", op, ": document_ids must be >= -1 (-1 = padding), got ", lowest);
+  if (lowest < -1) raise_document_ids(op, lowest);
 }
 
 }  // namespace peagle

@@ -195,7 +195,23 @@ inline ConvDims check_causal_conv1d_commit_args(const at::Tensor& x, const at::T
   return d;
 }
 
-// Value checks (tensor ops, so both backends give the same message; on CUDA they synchronise once).
+// Value checks (tensor ops, so both backends give the same message; on CUDA they synchronise once). Their messages are
+// shared with the deferred checks (csrc/cpu/deferred_checks.cpp).
+[[noreturn]] inline void raise_parent_value(const char* op, int64_t b, int64_t i, int64_t value) {
+  TORCH_CHECK(false, "peagle.", op, ": parent[", b, ", ", i, "] must be in [-1, ", i,
+              ") (a parent precedes its child; -1 starts from the committed state), got ", value);
+}
+
+[[noreturn]] inline void raise_index_value(const char* op, const char* name, int64_t low, int64_t high, int64_t value,
+                                           int64_t b) {
+  TORCH_CHECK(false, "peagle.", op, ": ", name, " must be in [", low, ", ", high, "), got ", value, " for request ", b);
+}
+
+[[noreturn]] inline void raise_shared_slot(const char* op, int64_t slot) {
+  TORCH_CHECK(false, "peagle.", op, ": slots of requests with last_accepted >= 0 must be distinct, got slot ", slot,
+              " more than once");
+}
+
 inline void check_parent_values(const char* op, const at::Tensor& parent) {
   const int64_t n = parent.size(1);
   const at::Tensor p = parent.to(at::kLong);
@@ -204,8 +220,7 @@ inline void check_parent_values(const char* op, const at::Tensor& parent) {
   if (!bad.any().item<bool>()) return;
   const at::Tensor where = bad.nonzero().to(at::kCPU);
   const int64_t b = where[0][0].item<int64_t>(), i = where[0][1].item<int64_t>();
-  TORCH_CHECK(false, "peagle.", op, ": parent[", b, ", ", i, "] must be in [-1, ", i,
-              ") (a parent precedes its child; -1 starts from the committed state), got ", p[b][i].item<int64_t>());
+  raise_parent_value(op, b, i, p[b][i].item<int64_t>());
 }
 
 // In-place commits from several requests into one slot would race: active requests need distinct slots.
@@ -215,8 +230,7 @@ inline void check_distinct_active_slots(const char* op, const at::Tensor& slots,
   const at::Tensor sorted = std::get<0>(active.sort());
   const at::Tensor dup = sorted.slice(0, 1).eq(sorted.slice(0, 0, -1));
   if (!dup.any().item<bool>()) return;
-  TORCH_CHECK(false, "peagle.", op, ": slots of requests with last_accepted >= 0 must be distinct, got slot ",
-              sorted.slice(0, 1).masked_select(dup)[0].item<int64_t>(), " more than once");
+  raise_shared_slot(op, sorted.slice(0, 1).masked_select(dup)[0].item<int64_t>());
 }
 
 inline void check_index_values(const char* op, const char* name, const at::Tensor& index, int64_t low, int64_t high) {
@@ -225,8 +239,7 @@ inline void check_index_values(const char* op, const char* name, const at::Tenso
   const at::Tensor bad = (x < low) | (x >= high);
   if (!bad.any().item<bool>()) return;
   const int64_t b = bad.nonzero().to(at::kCPU)[0][0].item<int64_t>();
-  TORCH_CHECK(false, "peagle.", op, ": ", name, " must be in [", low, ", ", high, "), got ", x[b].item<int64_t>(),
-              " for request ", b);
+  raise_index_value(op, name, low, high, x[b].item<int64_t>(), b);
 }
 
 }  // namespace peagle

@@ -11,6 +11,32 @@ namespace peagle {
 
 constexpr int64_t kMaxMaskBlockSize = 65536;
 
+// The value errors' messages, shared by the immediate checks below and the deferred ones
+// (csrc/cpu/deferred_checks.cpp).
+[[noreturn]] inline void raise_mask_anchors(const char* op, int64_t length, int64_t lo, int64_t hi) {
+  TORCH_CHECK(false, "peagle.", op, ": anchors must be in [0, T) with T = ", length,
+              " (len(document_ids)), got values in [", lo, ", ", hi, "]");
+}
+
+[[noreturn]] inline void raise_mask_negative_depth(const char* op, int64_t dmin) {
+  TORCH_CHECK(false, "peagle.", op, ": depths must be >= 0, got ", dmin);
+}
+
+[[noreturn]] inline void raise_mask_depth_outside_row(const char* op, int64_t i, int64_t depth, int64_t length) {
+  TORCH_CHECK(false, "peagle.", op, ": depths[", i, "] = ", depth, " is out of range for T = ", length,
+              ": expected 0 <= depth < T");
+}
+
+[[noreturn]] inline void raise_slice_anchors(const char* op, int64_t max_length, int64_t amax) {
+  TORCH_CHECK(false, "peagle.", op, ": anchors must be < the table's max_length = ", max_length,
+              " (table.shape[1]), got ", amax);
+}
+
+[[noreturn]] inline void raise_slice_depths(const char* op, int64_t num_depths, int64_t dmax) {
+  TORCH_CHECK(false, "peagle.", op, ": depths must be < the table's num_depths = ", num_depths,
+              " (table.shape[0]), got ", dmax);
+}
+
 // Depths are bounded by the row: 0 <= depth < T. Chains may run past the row's end (evaluation drafts chains from the
 // last anchors too; their labels are simply absent), so unlike cod's elements anchor + depth may reach 2T - 2, which
 // keeps the window arithmetic (anchor + depth - window) far inside int64.
@@ -18,13 +44,12 @@ inline void check_depths_inside_row(const char* op, const at::Tensor& depths, in
   const at::Tensor outside = depths.to(at::kLong) >= length;
   if (!outside.any().item<bool>()) return;
   const int64_t i = outside.nonzero()[0][0].item<int64_t>();
-  TORCH_CHECK(false, "peagle.", op, ": depths[", i, "] = ", depths[i].item<int64_t>(),
-              " is out of range for T = ", length, ": expected 0 <= depth < T");
+  raise_mask_depth_outside_row(op, i, depths[i].item<int64_t>(), length);
 }
 
-// Checks the elements and documents of a mask op; values are checked too (anchors index document_ids).
-inline void check_mask_elements(const char* op, const at::Tensor& anchors, const at::Tensor& depths,
-                                const at::Tensor& document_ids, const c10::optional<int64_t>& window) {
+// Shapes, dtypes, devices and window of a mask op's elements and documents (no device data).
+inline void check_mask_element_args(const char* op, const at::Tensor& anchors, const at::Tensor& depths,
+                                    const at::Tensor& document_ids, const c10::optional<int64_t>& window) {
   check_rank(op, "anchors", anchors, 1, "[N]");
   check_rank(op, "depths", depths, 1, "[N]");
   check_rank(op, "document_ids", document_ids, 1, "[T]");
@@ -37,18 +62,29 @@ inline void check_mask_elements(const char* op, const at::Tensor& anchors, const
   check_same_device(op, "document_ids", document_ids, anchors, "anchors");
   TORCH_CHECK(!window.has_value() || *window >= 1, "peagle.", op, ": window must be None or >= 1, got ",
               window.value_or(0));
+}
+
+// The values (anchors index document_ids); on CUDA these synchronise (deferred checks: csrc/cuda/mask_cuda.cpp).
+inline void check_mask_element_values(const char* op, const at::Tensor& anchors, const at::Tensor& depths,
+                                      const at::Tensor& document_ids) {
   const int64_t length = document_ids.size(0);
   if (anchors.numel() > 0) {
     const auto [amin, amax] = at::aminmax(anchors);
     const int64_t lo = amin.item<int64_t>();
     const int64_t hi = amax.item<int64_t>();
-    TORCH_CHECK(lo >= 0 && hi < length, "peagle.", op, ": anchors must be in [0, T) with T = ", length,
-                " (len(document_ids)), got values in [", lo, ", ", hi, "]");
+    if (lo < 0 || hi >= length) raise_mask_anchors(op, length, lo, hi);
     const int64_t dmin = depths.min().item<int64_t>();
-    TORCH_CHECK(dmin >= 0, "peagle.", op, ": depths must be >= 0, got ", dmin);
+    if (dmin < 0) raise_mask_negative_depth(op, dmin);
     check_depths_inside_row(op, depths, length);
   }
   check_document_ids(op, document_ids);
+}
+
+// Checks the elements and documents of a mask op; values are checked too (anchors index document_ids).
+inline void check_mask_elements(const char* op, const at::Tensor& anchors, const at::Tensor& depths,
+                                const at::Tensor& document_ids, const c10::optional<int64_t>& window) {
+  check_mask_element_args(op, anchors, depths, document_ids, window);
+  check_mask_element_values(op, anchors, depths, document_ids);
 }
 
 // block_size sizes the per-block buffers: bounded so that an absurd value is an error, not an allocation.
@@ -65,19 +101,26 @@ inline void check_mask_block_args(const at::Tensor& anchors, const at::Tensor& d
 
 // mask_slice_*: the table [K, L] (L = max_length) of the lowest depth-0 anchor each (anchor, depth) may see, and
 // elements with anchors < L and depths < K (besides the checks of every mask op; window arithmetic lives in the table).
-inline void check_mask_slice_args(const char* op, const at::Tensor& table, const at::Tensor& anchors,
-                                  const at::Tensor& depths, const at::Tensor& document_ids) {
-  check_mask_elements(op, anchors, depths, document_ids, c10::nullopt);
+inline void check_mask_slice_table(const char* op, const at::Tensor& table, const at::Tensor& anchors) {
   check_rank(op, "table", table, 2, "[num_depths, max_length]");
   check_integer(op, "table", table);
   check_same_device(op, "table", table, anchors, "anchors");
+}
+
+inline void check_mask_slice_values(const char* op, const at::Tensor& table, const at::Tensor& anchors,
+                                    const at::Tensor& depths) {
   if (anchors.numel() == 0) return;
   const int64_t amax = anchors.max().item<int64_t>();
-  TORCH_CHECK(amax < table.size(1), "peagle.", op, ": anchors must be < the table's max_length = ", table.size(1),
-              " (table.shape[1]), got ", amax);
+  if (amax >= table.size(1)) raise_slice_anchors(op, table.size(1), amax);
   const int64_t dmax = depths.max().item<int64_t>();
-  TORCH_CHECK(dmax < table.size(0), "peagle.", op, ": depths must be < the table's num_depths = ", table.size(0),
-              " (table.shape[0]), got ", dmax);
+  if (dmax >= table.size(0)) raise_slice_depths(op, table.size(0), dmax);
+}
+
+inline void check_mask_slice_args(const char* op, const at::Tensor& table, const at::Tensor& anchors,
+                                  const at::Tensor& depths, const at::Tensor& document_ids) {
+  check_mask_elements(op, anchors, depths, document_ids, c10::nullopt);
+  check_mask_slice_table(op, table, anchors);
+  check_mask_slice_values(op, table, anchors, depths);
 }
 
 // Per-element causal lower bounds (int64 [N]; see mask::causal_low): from the window (mask_dense, mask_block) or looked

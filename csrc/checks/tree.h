@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "checks/common.h"
@@ -75,55 +76,75 @@ inline TreeShape check_tree_args(const char* op, const at::Tensor& parent, const
   return s;
 }
 
+// Float entries travel through the int64 `extra` of raise_tree_error_at as their bits.
+inline int64_t float_bits(float value) {
+  uint32_t bits = 0;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return bits;
+}
+
+inline float bits_float(int64_t bits) {
+  const auto low = static_cast<uint32_t>(bits);
+  float value = 0.0f;
+  std::memcpy(&value, &low, sizeof(value));
+  return value;
+}
+
+// Throws the message of error `code` of request b at node i. `extra` is what the message needs beyond the error table:
+// the node's parent (kDuplicate) or the float bits of the offending entry (kTargetValue, kDraftValue, kUniform). The
+// immediate checks (raise_tree_error) and deferred ones (csrc/cpu/deferred_checks.cpp) share it.
+[[noreturn]] inline void raise_tree_error_at(const char* op, int64_t code, int64_t b, int64_t i, int64_t detail,
+                                             int64_t extra, int64_t n_max, int64_t vocab) {
+  switch (code) {
+    case tree::kNumNodes:
+      TORCH_CHECK(false, "peagle.", op, ": num_nodes[", b, "] must be in [1, n_max] = [1, ", n_max, "], got ", detail);
+    case tree::kRootParent:
+      TORCH_CHECK(false, "peagle.", op, ": parent[", b, ", 0] must be -1 (node 0 is the root), got ", detail);
+    case tree::kParent:
+      TORCH_CHECK(false, "peagle.", op, ": parent[", b, ", ", i, "] must be in [0, ", i,
+                  ") (parents come before their children), got ", detail);
+    case tree::kToken:
+      TORCH_CHECK(false, "peagle.", op, ": tokens[", b, ", ", i, "] must be in [0, V) = [0, ", vocab, "), got ",
+                  detail);
+    case tree::kDuplicate:
+      TORCH_CHECK(false, "peagle.", op, ": sibling tokens must be distinct, got duplicate token ", detail, " at node ",
+                  i, " of request ", b, " (parent ", extra, ")");
+    case tree::kTargetValue:
+    case tree::kDraftValue:
+      TORCH_CHECK(false, "peagle.", op, ": ", code == tree::kTargetValue ? "target_probs" : "draft_probs",
+                  " must hold probabilities in [0, 1] (finite, non-negative), got ", bits_float(extra), " at [", b,
+                  ", ", i, ", ", detail, "]");
+    case tree::kTargetSum:
+    case tree::kDraftSum:
+      TORCH_CHECK(false, "peagle.", op, ": ", code == tree::kTargetSum ? "target_probs" : "draft_probs", " row [", b,
+                  ", ", i, "] must sum to 1 within ", tree::kSumTolerance, ", got ",
+                  static_cast<double>(detail) / tree::kFixedOne);
+    case tree::kTargetNaN:
+      TORCH_CHECK(false, "peagle.", op, ": target_probs must not contain NaN, got NaN at [", b, ", ", i, ", ", detail,
+                  "]");
+    case tree::kUniform:
+      TORCH_CHECK(false, "peagle.", op, ": uniforms must be in [0, 1), got ", bits_float(extra), " at [", b, ", ", i,
+                  "]");
+    default:
+      TORCH_CHECK(false, "peagle.", op, ": internal error code ", code, " for request ", b);
+  }
+}
+
 // Throws the message of the first failing request. `errors` is a CPU int64 [B, 3] tensor: (code, node, detail), where
 // detail is the offending value (parent, token, vocabulary index of a bad entry, or the fixed-point row sum).
 inline void raise_tree_error(const char* op, const at::Tensor& errors, const at::Tensor& parent,
                              const at::Tensor& tokens, const at::Tensor& num_nodes, const at::Tensor& target_probs,
                              const c10::optional<at::Tensor>& draft_probs, const c10::optional<at::Tensor>& uniforms) {
   const int64_t* e = errors.data_ptr<int64_t>();
-  const int64_t batch = errors.size(0);
-  for (int64_t b = 0; b < batch; ++b) {
+  for (int64_t b = 0; b < errors.size(0); ++b) {
     const int64_t code = e[3 * b], i = e[3 * b + 1], detail = e[3 * b + 2];
     if (code == tree::kOk) continue;
-    const int64_t n_max = parent.size(1);
-    switch (code) {
-      case tree::kNumNodes:
-        TORCH_CHECK(false, "peagle.", op, ": num_nodes[", b, "] must be in [1, n_max] = [1, ", n_max, "], got ",
-                    num_nodes[b].item<int64_t>());
-      case tree::kRootParent:
-        TORCH_CHECK(false, "peagle.", op, ": parent[", b, ", 0] must be -1 (node 0 is the root), got ",
-                    parent[b][0].item<int64_t>());
-      case tree::kParent:
-        TORCH_CHECK(false, "peagle.", op, ": parent[", b, ", ", i, "] must be in [0, ", i,
-                    ") (parents come before their children), got ", detail);
-      case tree::kToken:
-        TORCH_CHECK(false, "peagle.", op, ": tokens[", b, ", ", i, "] must be in [0, V) = [0, ", target_probs.size(2),
-                    "), got ", detail);
-      case tree::kDuplicate:
-        TORCH_CHECK(false, "peagle.", op, ": sibling tokens must be distinct, got duplicate token ", detail,
-                    " at node ", i, " of request ", b, " (parent ", parent[b][i].item<int64_t>(), ")");
-      case tree::kTargetValue:
-      case tree::kDraftValue: {
-        const bool target = code == tree::kTargetValue;
-        const at::Tensor& rows = target ? target_probs : *draft_probs;
-        TORCH_CHECK(false, "peagle.", op, ": ", target ? "target_probs" : "draft_probs",
-                    " must hold probabilities in [0, 1] (finite, non-negative), got ", rows[b][i][detail].item<float>(),
-                    " at [", b, ", ", i, ", ", detail, "]");
-      }
-      case tree::kTargetSum:
-      case tree::kDraftSum:
-        TORCH_CHECK(false, "peagle.", op, ": ", code == tree::kTargetSum ? "target_probs" : "draft_probs", " row [", b,
-                    ", ", i, "] must sum to 1 within ", tree::kSumTolerance, ", got ",
-                    static_cast<double>(detail) / tree::kFixedOne);
-      case tree::kTargetNaN:
-        TORCH_CHECK(false, "peagle.", op, ": target_probs must not contain NaN, got NaN at [", b, ", ", i, ", ", detail,
-                    "]");
-      case tree::kUniform:
-        TORCH_CHECK(false, "peagle.", op, ": uniforms must be in [0, 1), got ", (*uniforms)[b][i].item<float>(),
-                    " at [", b, ", ", i, "]");
-      default:
-        TORCH_CHECK(false, "peagle.", op, ": internal error code ", code, " for request ", b);
-    }
+    int64_t extra = 0;
+    if (code == tree::kDuplicate) extra = parent[b][i].item<int64_t>();
+    if (code == tree::kTargetValue) extra = float_bits(target_probs[b][i][detail].item<float>());
+    if (code == tree::kDraftValue) extra = float_bits((*draft_probs)[b][i][detail].item<float>());
+    if (code == tree::kUniform) extra = float_bits((*uniforms)[b][i].item<float>());
+    raise_tree_error_at(op, code, b, i, detail, extra, parent.size(1), target_probs.size(2));
   }
 }
 

@@ -7,7 +7,10 @@
 
 #include "checks/cod.h"
 #include "checks/cuda.h"
+#include "checks/deferred.h"
 #include "cod_kernels.h"
+#include "deferred_cuda.h"
+#include "peagle/deferred.h"
 
 namespace peagle {
 namespace {
@@ -70,7 +73,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cod_gather_cuda(
                               ids.data_ptr(), feats.data_ptr(), position_ids.data_ptr<int64_t>(),
                               label_index.data_ptr<int64_t>(), bad_element.data_ptr<int32_t>(), stream),
              "cod_gather");
-  check_elements_in_range("cod_gather", bad_element.item<int32_t>() == 0, length);
+  if (deferred_checks_enabled()) {
+    check_cuda(deferred_publish_flag(bad_element.data_ptr<int32_t>(), deferred::kCodGather, 1, length,
+                                     deferred_record(hidden.get_device(), stream), stream),
+               "cod_gather");
+  } else {
+    check_elements_in_range("cod_gather", bad_element.item<int32_t>() == 0, length);
+  }
   return {feats, ids, position_ids, label_index};
 }
 
@@ -85,9 +94,15 @@ std::tuple<at::Tensor, at::Tensor> cod_gather_backward_cuda(const at::Tensor& gr
   const int64_t count = grad_feats.size(0);
   const int64_t width = grad_feats.size(1);
   const auto dtype = grad_feats.scalar_type();
-  check_elements_in_range(
-      "cod_gather_backward",
-      ((anchors_c >= 0) & (depths_c >= 0) & (anchors_c + depths_c < num_positions)).all().item<bool>(), num_positions);
+  const at::Tensor in_range = ((anchors_c >= 0) & (depths_c >= 0) & (anchors_c + depths_c < num_positions)).all();
+  if (deferred_checks_enabled()) {
+    const at::Tensor bad = in_range.logical_not().to(at::kInt);
+    check_cuda(deferred_publish_flag(bad.data_ptr<int32_t>(), deferred::kCodGatherBackward, 1, num_positions,
+                                     deferred_record(grad_feats.get_device(), stream), stream),
+               "cod_gather_backward");
+  } else {
+    check_elements_in_range("cod_gather_backward", in_range.item<bool>(), num_positions);
+  }
 
   cuda::FloatType type;
   switch (dtype) {

@@ -8,8 +8,11 @@
 #include <cmath>
 
 #include "checks/cuda.h"
+#include "checks/deferred.h"
 #include "checks/gdn.h"
+#include "deferred_cuda.h"
 #include "gdn_kernels.h"
+#include "peagle/deferred.h"
 
 namespace peagle {
 namespace {
@@ -25,6 +28,22 @@ cuda::GdnType gdn_type(at::ScalarType t) {
   }
 }
 
+// Deferred checks: the value checks of validate=True run on the device (no host synchronisation). Returns true when
+// they did; false means the caller runs the immediate (host) checks.
+bool validate_on_device(int64_t op, const at::Tensor& parent, const at::Tensor& last_accepted, const at::Tensor& slots,
+                        int64_t pool) {
+  if (!deferred_checks_enabled()) return false;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::Tensor p = parent.to(at::kLong).contiguous();
+  const at::Tensor a = last_accepted.defined() ? last_accepted.to(at::kLong).contiguous() : at::Tensor();
+  const at::Tensor s = slots.defined() ? slots.to(at::kLong).contiguous() : at::Tensor();
+  check_cuda(cuda::gdn_validate(p.data_ptr<int64_t>(), a.defined() ? a.data_ptr<int64_t>() : nullptr,
+                                s.defined() ? s.data_ptr<int64_t>() : nullptr, p.size(0), p.size(1), pool, op,
+                                deferred_record(parent.get_device(), stream), stream),
+             "check_errors");
+  return true;
+}
+
 cuda::GdnShape gdn_shape(const GdnDims& d) {
   return {d.batch, d.nodes, d.qk_heads, d.value_heads, d.key_dim, d.value_dim, d.pool};
 }
@@ -37,7 +56,7 @@ std::tuple<at::Tensor, at::Tensor> gdn_tree_verify_cuda(const at::Tensor& q, con
   const char* op = "gdn_tree_verify";
   const GdnDims d = check_gdn_tree_verify_args(q, k, v, g, beta, parent, state_pool, slots);
   const c10::cuda::CUDAGuard guard(q.device());
-  if (validate) {
+  if (validate && !validate_on_device(deferred::kGdnTreeVerify, parent, at::Tensor(), slots, d.pool)) {
     check_parent_values(op, parent);
     check_index_values(op, "slots", slots, 0, d.pool);
   }
@@ -61,7 +80,7 @@ void gdn_commit_cuda(const at::Tensor& k, const at::Tensor& g, const at::Tensor&
   const char* op = "gdn_commit";
   const GdnDims d = check_gdn_commit_args(k, g, u, parent, last_accepted, state_pool, slots);
   const c10::cuda::CUDAGuard guard(k.device());
-  if (validate) {
+  if (validate && !validate_on_device(deferred::kGdnCommit, parent, last_accepted, slots, d.pool)) {
     check_parent_values(op, parent);
     check_index_values(op, "last_accepted", last_accepted, -1, d.nodes);
     check_index_values(op, "slots", slots.to(at::kLong).masked_select(last_accepted.to(at::kLong) >= 0), 0, d.pool);
@@ -83,7 +102,9 @@ at::Tensor causal_conv1d_tree_cuda(const at::Tensor& x, const at::Tensor& parent
   const ConvDims d = check_causal_conv1d_tree_args(x, parent, conv_state, weight, bias);
   const int act = check_activation(op, activation);
   const c10::cuda::CUDAGuard guard(x.device());
-  if (validate) check_parent_values(op, parent);
+  if (validate && !validate_on_device(deferred::kCausalConv1dTree, parent, at::Tensor(), at::Tensor(), 0)) {
+    check_parent_values(op, parent);
+  }
   const at::Tensor xc = x.contiguous(), stc = conv_state.contiguous();
   const at::Tensor wc = weight.to(at::kFloat).contiguous();
   const at::Tensor biasc = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
@@ -102,7 +123,7 @@ void causal_conv1d_commit_cuda(const at::Tensor& x, const at::Tensor& parent, co
   const char* op = "causal_conv1d_commit";
   const ConvDims d = check_causal_conv1d_commit_args(x, parent, last_accepted, conv_state);
   const c10::cuda::CUDAGuard guard(x.device());
-  if (validate) {
+  if (validate && !validate_on_device(deferred::kCausalConv1dCommit, parent, last_accepted, at::Tensor(), 0)) {
     check_parent_values(op, parent);
     check_index_values(op, "last_accepted", last_accepted, -1, d.nodes);
   }

@@ -14,6 +14,7 @@
 
 #include "float_convert.cuh"
 #include "gdn_kernels.h"
+#include "peagle/deferred.h"
 #include "peagle/gdn.h"
 
 namespace peagle {
@@ -356,6 +357,68 @@ cudaError_t causal_conv1d_commit(GdnType type, const void* x, const int64_t* par
                                                                static_cast<int>(width), offset);
     });
   });
+}
+
+namespace {
+
+__device__ void record_gdn_error(int64_t* record, int64_t op, int64_t code, int64_t row, int64_t index, int64_t value,
+                                 int64_t low, int64_t high) {
+  auto* claimed = reinterpret_cast<unsigned long long*>(record + deferred::kClaimed);
+  if (atomicCAS(claimed, 0ULL, 1ULL) != 0ULL) return;
+  record[deferred::kOp] = op;
+  record[deferred::kCode] = code;
+  record[deferred::kRow] = row;
+  record[deferred::kIndex] = index;
+  record[deferred::kDetail] = value;
+  record[deferred::kDim0] = low;
+  record[deferred::kDim1] = high;
+}
+
+// Sequential on purpose: the first error in the host checks' order (parents row-major, then last_accepted, then the
+// active slots, then the smallest shared slot). Small inputs: B * n parents and B^2 slot pairs.
+__global__ void gdn_validate_kernel(const int64_t* parent, const int64_t* last_accepted, const int64_t* slots,
+                                    int64_t batch, int64_t nodes, int64_t pool, int64_t op, int64_t* record) {
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < nodes; ++i) {
+      const int64_t p = parent[b * nodes + i];
+      if (p < -1 || p >= i) return record_gdn_error(record, op, deferred::kGdnParent, b, i, p, -1, i);
+    }
+  }
+  if (last_accepted != nullptr) {
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t a = last_accepted[b];
+      if (a < -1 || a >= nodes) return record_gdn_error(record, op, deferred::kGdnLastAccepted, b, 0, a, -1, nodes);
+    }
+  }
+  if (slots == nullptr) return;
+  int64_t checked = 0;  // position among the checked slots (the host check reports it as the request)
+  for (int64_t b = 0; b < batch; ++b) {
+    if (last_accepted != nullptr && last_accepted[b] < 0) continue;
+    const int64_t s = slots[b];
+    if (s < 0 || s >= pool) return record_gdn_error(record, op, deferred::kGdnSlots, checked, 0, s, 0, pool);
+    ++checked;
+  }
+  if (last_accepted == nullptr) return;
+  int64_t shared = -1;
+  for (int64_t b = 0; b < batch; ++b) {
+    if (last_accepted[b] < 0 || (shared >= 0 && slots[b] >= shared)) continue;
+    for (int64_t c = b + 1; c < batch; ++c) {
+      if (last_accepted[c] >= 0 && slots[c] == slots[b]) {
+        shared = slots[b];
+        break;
+      }
+    }
+  }
+  if (shared >= 0) record_gdn_error(record, op, deferred::kGdnSharedSlot, 0, 0, shared, 0, pool);
+}
+
+}  // namespace
+
+cudaError_t gdn_validate(const int64_t* parent, const int64_t* last_accepted, const int64_t* slots, int64_t batch,
+                         int64_t nodes, int64_t pool, int64_t op, int64_t* record, cudaStream_t stream) {
+  if (batch == 0) return cudaSuccess;
+  gdn_validate_kernel<<<1, 1, 0, stream>>>(parent, last_accepted, slots, batch, nodes, pool, op, record);
+  return cudaGetLastError();
 }
 
 }  // namespace cuda

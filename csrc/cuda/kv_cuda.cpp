@@ -9,14 +9,16 @@
 #include <vector>
 
 #include "checks/cuda.h"
+#include "checks/deferred.h"
 #include "checks/kv.h"
+#include "deferred_cuda.h"
 #include "kv_kernels.h"
 
 namespace peagle {
 namespace {
 
-// The one host synchronisation of kv_compact: reads the device's error table and raises the first bad request's error
-// (the kernels changed nothing then). A later issue adds a device-side error mode that skips this read.
+// The one host synchronisation of kv_compact (immediate checks): reads the device's error table and raises the first
+// bad request's error (the kernels changed nothing then). Deferred checks skip it (kv_publish_error instead).
 void raise_device_errors(const at::Tensor& errors, const KvDims& d) {
   const at::Tensor host = errors.cpu();
   const int64_t* e = host.data_ptr<int64_t>();
@@ -66,9 +68,12 @@ void kv_compact_cuda(at::TensorList k_caches, at::TensorList v_caches, const at:
                                  plan.data_ptr<int64_t>(),
                                  owner.data_ptr<int64_t>(),
                                  errors.data_ptr<int64_t>()};
-  check_cuda(
-      cuda::kv_compact(args, caches.data(), static_cast<int64_t>(caches.size()), c10::cuda::getCurrentCUDAStream()),
-      "kv_compact");
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  check_cuda(cuda::kv_compact(args, caches.data(), static_cast<int64_t>(caches.size()), stream), "kv_compact");
+  if (deferred_checks_enabled()) {
+    check_cuda(cuda::kv_publish_error(args, deferred_record(block_table.get_device(), stream), stream), "kv_compact");
+    return;
+  }
   raise_device_errors(errors, d);
 }
 

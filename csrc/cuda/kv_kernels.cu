@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "kv_kernels.h"
+#include "peagle/deferred.h"
 #include "peagle/kv.h"
 
 namespace peagle {
@@ -125,6 +126,33 @@ cudaError_t launch_moves(const KvCompactArgs& a, void* const* caches, int64_t nu
 }
 
 }  // namespace
+
+// One thread: requests in order, so the recorded error is the one the immediate check raises.
+__global__ void publish_error_kernel(KvCompactArgs a, int64_t* record) {
+  if (a.errors[4 * a.batch] == 0) return;
+  for (int64_t b = 0; b < a.batch; ++b) {
+    const int64_t* e = a.errors + 4 * b;
+    if (e[0] == kv::kOk) continue;
+    auto* claimed = reinterpret_cast<unsigned long long*>(record + deferred::kClaimed);
+    if (atomicCAS(claimed, 0ULL, 1ULL) == 0ULL) {
+      record[deferred::kOp] = deferred::kKvCompact;
+      record[deferred::kCode] = e[0];
+      record[deferred::kRow] = b;
+      record[deferred::kIndex] = e[1];
+      record[deferred::kDetail] = e[2];
+      record[deferred::kExtra] = e[3];
+      record[deferred::kDim0] = a.block_size;
+      record[deferred::kDim1] = a.max_blocks;
+    }
+    return;
+  }
+}
+
+cudaError_t kv_publish_error(const KvCompactArgs& a, int64_t* record, cudaStream_t stream) {
+  if (a.batch == 0) return cudaSuccess;
+  publish_error_kernel<<<1, 1, 0, stream>>>(a, record);
+  return cudaGetLastError();
+}
 
 cudaError_t kv_compact(const KvCompactArgs& a, void* const* caches, int64_t num_caches, cudaStream_t stream) {
   if (a.batch == 0) return cudaSuccess;

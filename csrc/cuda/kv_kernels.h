@@ -33,5 +33,9 @@ struct KvCompactArgs {
 // When any request is bad nothing is modified. No host synchronisation.
 cudaError_t kv_compact(const KvCompactArgs& args, void* const* caches, int64_t num_caches, cudaStream_t stream);
 
+// Deferred checks: after kv_compact, copies the first bad request's kv::Check into the device error record
+// (csrc/include/peagle/deferred.h), unless the record already holds an error.
+cudaError_t kv_publish_error(const KvCompactArgs& args, int64_t* record, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace peagle

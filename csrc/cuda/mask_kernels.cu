@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "mask_kernels.h"
+#include "peagle/deferred.h"
 #include "peagle/mask.h"
 
 namespace peagle {
@@ -94,6 +95,45 @@ cudaError_t mask_block_classify(const int64_t* summary, const int64_t* sorted_an
   const int blocks = static_cast<int>((nb + kWarpsPerBlock - 1) / kWarpsPerBlock);
   mask_classify_kernel<<<blocks, kThreads, 0, stream>>>(summary, sorted_anchors, nb, block_size, kv_num_blocks,
                                                         kv_indices, full_kv_num_blocks, full_kv_indices);
+  return cudaGetLastError();
+}
+
+namespace {
+
+__global__ void mask_validate_kernel(const int64_t* stats, bool has_elements, int64_t length, int64_t num_depths,
+                                     int64_t max_length, int64_t op, int64_t* record) {
+  using namespace deferred;
+  int64_t code = 0, index = 0, detail = 0, extra = 0, dim = length;
+  if (has_elements && (stats[kAnchorMin] < 0 || stats[kAnchorMax] >= length)) {
+    code = kMaskAnchors, detail = stats[kAnchorMin], extra = stats[kAnchorMax];
+  } else if (has_elements && stats[kDepthMin] < 0) {
+    code = kMaskNegativeDepth, detail = stats[kDepthMin];
+  } else if (has_elements && stats[kFirstOutside] >= 0) {
+    code = kMaskDepthOutsideRow, index = stats[kFirstOutside], detail = stats[kFirstOutsideDepth];
+  } else if (stats[kDocumentMin] < -1) {
+    code = kMaskDocumentIds, detail = stats[kDocumentMin];
+  } else if (has_elements && max_length >= 0 && stats[kAnchorMax] >= max_length) {
+    code = kMaskSliceAnchors, detail = stats[kAnchorMax], dim = max_length;
+  } else if (has_elements && num_depths >= 0 && stats[kDepthMax] >= num_depths) {
+    code = kMaskSliceDepths, detail = stats[kDepthMax], dim = num_depths;
+  } else {
+    return;
+  }
+  auto* claimed = reinterpret_cast<unsigned long long*>(record + kClaimed);
+  if (atomicCAS(claimed, 0ULL, 1ULL) != 0ULL) return;
+  record[kOp] = op;
+  record[kCode] = code;
+  record[kIndex] = index;
+  record[kDetail] = detail;
+  record[kExtra] = extra;
+  record[kDim0] = dim;
+}
+
+}  // namespace
+
+cudaError_t mask_validate(const int64_t* stats, bool has_elements, int64_t length, int64_t num_depths,
+                          int64_t max_length, int64_t op, int64_t* record, cudaStream_t stream) {
+  mask_validate_kernel<<<1, 1, 0, stream>>>(stats, has_elements, length, num_depths, max_length, op, record);
   return cudaGetLastError();
 }
 

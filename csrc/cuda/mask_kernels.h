@@ -25,5 +25,10 @@ cudaError_t mask_block_classify(const int64_t* summary, const int64_t* sorted_an
                                 int32_t* kv_num_blocks, int32_t* kv_indices, int32_t* full_kv_num_blocks,
                                 int32_t* full_kv_indices, cudaStream_t stream);
 
+// Deferred checks: decides from the device statistics `stats` (peagle/deferred.h MaskStat) in the host checks' order
+// and records the first error as op `op` (has_elements: N > 0; num_depths / max_length: the slice table's, or -1).
+cudaError_t mask_validate(const int64_t* stats, bool has_elements, int64_t length, int64_t num_depths,
+                          int64_t max_length, int64_t op, int64_t* record, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace peagle

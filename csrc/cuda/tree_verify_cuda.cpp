@@ -6,7 +6,10 @@
 #include <torch/library.h>
 
 #include "checks/cuda.h"
+#include "checks/deferred.h"
 #include "checks/tree.h"
+#include "deferred_cuda.h"
+#include "peagle/deferred.h"
 #include "tree_verify_kernels.h"
 
 namespace peagle {
@@ -56,6 +59,12 @@ Outputs run(const char* op, bool sampling, const at::Tensor& parent, const at::T
                             last.data_ptr<int64_t>(),
                             errors.data_ptr<int64_t>()};
   check_cuda(sampling ? cuda::tree_rejection_sample(args, stream) : cuda::tree_verify_greedy(args, stream), op);
+  if (deferred_checks_enabled()) {
+    // No synchronisation: the first error goes to the device record, raised by check_errors().
+    const int64_t id = sampling ? deferred::kTreeRejectionSample : deferred::kTreeVerifyGreedy;
+    check_cuda(cuda::tree_publish_error(args, id, deferred_record(parent.get_device(), stream), stream), op);
+    return {path, num_accepted, emitted, last};
+  }
   // Bad values are found by the kernels: one device-to-host copy of the error table (a synchronisation).
   raise_tree_error(op, errors.cpu(), parent, tokens, num_nodes, target_probs, draft_probs, uniforms);
   return {path, num_accepted, emitted, last};

@@ -6,6 +6,7 @@
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
+#include "peagle/deferred.h"
 #include "peagle/tree.h"
 #include "tree_verify_kernels.h"
 
@@ -311,7 +312,40 @@ __global__ void __launch_bounds__(kThreads) rejection_kernel(TreeVerifyArgs a) {
   }
 }
 
+// One thread: requests in order, so the recorded error is the one the immediate check raises (the first failing
+// request's).
+__global__ void publish_error_kernel(TreeVerifyArgs a, int64_t op, int64_t* record) {
+  for (int64_t b = 0; b < a.batch; ++b) {
+    const int64_t code = a.errors[3 * b];
+    if (code == tree::kOk) continue;
+    const int64_t i = a.errors[3 * b + 1], detail = a.errors[3 * b + 2];
+    int64_t extra = 0;
+    if (code == tree::kDuplicate) extra = a.parent[b * a.n_max + i];
+    if (code == tree::kTargetValue) extra = __float_as_uint(a.target[b * a.target_batch_stride + i * a.vocab + detail]);
+    if (code == tree::kDraftValue) extra = __float_as_uint(a.draft[b * a.draft_batch_stride + i * a.vocab + detail]);
+    if (code == tree::kUniform) extra = __float_as_uint(a.uniforms[b * a.n_max + i]);
+    auto* claimed = reinterpret_cast<unsigned long long*>(record + deferred::kClaimed);
+    if (atomicCAS(claimed, 0ULL, 1ULL) == 0ULL) {
+      record[deferred::kOp] = op;
+      record[deferred::kCode] = code;
+      record[deferred::kRow] = b;
+      record[deferred::kIndex] = i;
+      record[deferred::kDetail] = detail;
+      record[deferred::kExtra] = extra;
+      record[deferred::kDim0] = a.n_max;
+      record[deferred::kDim1] = a.vocab;
+    }
+    return;
+  }
+}
+
 }  // namespace
+
+cudaError_t tree_publish_error(const TreeVerifyArgs& args, int64_t op, int64_t* record, cudaStream_t stream) {
+  if (args.batch == 0) return cudaSuccess;
+  publish_error_kernel<<<1, 1, 0, stream>>>(args, op, record);
+  return cudaGetLastError();
+}
 
 cudaError_t tree_verify_greedy(const TreeVerifyArgs& args, cudaStream_t stream) {
   if (args.batch == 0) return cudaSuccess;

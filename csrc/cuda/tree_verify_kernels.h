@@ -34,6 +34,9 @@ struct TreeVerifyArgs {
 
 cudaError_t tree_verify_greedy(const TreeVerifyArgs& args, cudaStream_t stream);
 cudaError_t tree_rejection_sample(const TreeVerifyArgs& args, cudaStream_t stream);
+// Deferred checks: after either kernel, copies the first failing request's error (with the value its message needs)
+// into the device error record (csrc/include/peagle/deferred.h) as op `op`, unless the record already holds one.
+cudaError_t tree_publish_error(const TreeVerifyArgs& args, int64_t op, int64_t* record, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace peagle

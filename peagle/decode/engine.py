@@ -38,7 +38,7 @@ from peagle.decode.harness import CostTable, DepthHarness, HarnessPolicy, PassHa
 from peagle.decode.sampling import DRAFT_STREAM, STREAMS, VERIFY_STREAM, target_probs, uniforms
 from peagle.decode.target import TargetRunner
 from peagle.model import PEagleDrafter, from_pretrained
-from peagle.ops import TreeVerifyOutput, tree_rejection_sample, tree_verify_greedy
+from peagle.ops import TreeVerifyOutput, check_errors, tree_rejection_sample, tree_verify_greedy
 
 __all__ = ["GenerateMetrics", "GenerateOutput", "RequestStats", "SpeculativeDecoder"]
 
@@ -417,6 +417,7 @@ class _Generation:
         rows = torch.arange(batch, device=self.device)
         first = self._verify(root_tree(roots), runner.logits(last)[:, None], list(range(batch)), 0).emitted_tokens[:, 0]
         host_first = first.tolist()
+        check_errors()  # deferred checks (peagle.ops.errors) surface here, where the host reads the tokens anyway
         for r, token in enumerate(host_first):
             self._emit(r, [token])
         if self.drafting is not None:
@@ -475,6 +476,7 @@ class _Generation:
             .split([result.emitted_tokens.shape[1], 1], 1)
         )
         host_accepted = accepted[:, 0].tolist()
+        check_errors()
         if self.harness is not None:
             self.harness.observe(rows, result.num_accepted, tree.num_nodes, tree.parent, result.accepted_path)
         runner.commit(rows, active, result.accepted_path, result.num_accepted, result.last_node, host_accepted)

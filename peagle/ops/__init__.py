@@ -7,6 +7,7 @@ from peagle.ops.cod import (
     cod_sample,
     cod_sample_reference,
 )
+from peagle.ops.errors import DEFERRED_OPS, check_errors, deferred_checks, set_deferred_checks
 from peagle.ops.gdn import (
     GdnVerifyOutput,
     causal_conv1d_commit,
@@ -70,6 +71,7 @@ from peagle.ops.tree_verify import (
 )
 
 __all__ = [
+    "DEFERRED_OPS",
     "BlockMaskBuilder",
     "CodInputs",
     "GdnVerifyOutput",
@@ -88,10 +90,12 @@ __all__ = [
     "causal_conv1d_commit_reference",
     "causal_conv1d_tree",
     "causal_conv1d_tree_reference",
+    "check_errors",
     "cod_gather",
     "cod_gather_reference",
     "cod_sample",
     "cod_sample_reference",
+    "deferred_checks",
     "efficient_lm_head",
     "efficient_lm_head_full_logits",
     "efficient_lm_head_reference",
@@ -115,6 +119,7 @@ __all__ = [
     "mask_slice_dense_reference",
     "mask_slice_table",
     "philox_uniforms",
+    "set_deferred_checks",
     "tree_build_parallel",
     "tree_build_parallel_reference",
     "tree_expand_topk",

@@ -72,7 +72,8 @@ def gdn_tree_verify(
             1 <= n <= 64.
         state_pool: [P, HV, K, V] float32 committed states; slots: [B] the pool row of each request.
         scale: multiplies q (default K^-0.5). use_qk_l2norm: L2-normalise q and k first (eps 1e-6).
-        validate: check parent/slot values (on CUDA this synchronises with the host). Pass False inside CUDA graphs:
+        validate: check parent/slot values (on CUDA this synchronises with the host, unless deferred checks are on:
+            :mod:`peagle.ops.errors`). Pass False, or turn deferred checks on, inside CUDA graphs:
             the kernels then guard themselves and a request with bad indices gets NaN outputs. The CPU always checks.
 
     Returns:
@@ -98,7 +99,8 @@ def gdn_commit(
     Equal to running the sequential recurrence over the accepted path root..last_accepted[b] from the committed state.
     ``k, g, parent, slots, use_qk_l2norm`` are those given to :func:`gdn_tree_verify`, ``u`` its second output.
     last_accepted[b] = -1 leaves request b's state unchanged. Active requests must use distinct slots.
-    validate=False skips the host-synchronising value checks (CUDA graphs); a request with bad indices is then skipped.
+    validate=False skips the host-synchronising value checks (CUDA graphs; deferred checks, :mod:`peagle.ops.errors`,
+    keep them on the device instead); a request with bad indices is then skipped.
     """
     torch.ops.peagle.gdn_commit(k, g, u, parent, last_accepted, state_pool, slots, use_qk_l2norm, validate)
 

@@ -1,0 +1,17 @@
+// The per-device error records of deferred checks on CUDA (layout: csrc/include/peagle/deferred.h).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace peagle {
+
+// Device pointer to `device`'s record. Allocated by set_deferred_checks(True) (or here, outside a graph capture).
+int64_t* deferred_record(int device, cudaStream_t stream);
+
+// Records error (op, code) with kDim0 = dim0 when the device flag *bad is non-zero (deferred_kernels.cu).
+cudaError_t deferred_publish_flag(const int32_t* bad, int64_t op, int64_t code, int64_t dim0, int64_t* record,
+                                  cudaStream_t stream);
+
+}  // namespace peagle
