@@ -439,7 +439,9 @@ def test_compiled_training_step_uses_the_ops(generator):
     ref_grads = torch.autograd.grad(ref, (hidden, mask_hidden))
     torch.testing.assert_close(loss, ref)
     for got, want in zip(grads, ref_grads, strict=True):
-        torch.testing.assert_close(got, want)
+        # mask_hidden's gradient sums every deeper row: the op adds in its fixed order (csrc/include/peagle/cod.h),
+        # autograd through the reference in another, so the fp32 sums agree to rounding (~count x eps), not to 1 ulp.
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_package_exposes_version():
