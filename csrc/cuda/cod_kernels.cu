@@ -28,6 +28,16 @@ inline unsigned blocks_for(int64_t n) {
 
 size_t align256(size_t bytes) { return (bytes + 255) & ~size_t{255}; }
 
+// Hands out consecutive 256-byte-aligned parts of one scratch buffer (the *_scratch_bytes functions size it).
+struct ScratchCarver {
+  char* next;
+  char* take(size_t bytes) {
+    char* part = next;
+    next += align256(bytes);
+    return part;
+  }
+};
+
 size_t cub_temp_bytes(int64_t length, int64_t num_depths) {
   size_t sort_bytes = 0, scan_bytes = 0;
   cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, static_cast<const uint64_t*>(nullptr),
@@ -272,22 +282,17 @@ size_t cod_sample_scratch_bytes(int64_t length, int64_t num_depths) {
 CodSampleScratch cod_sample_scratch(void* buffer, int64_t length, int64_t num_depths) {
   const size_t n = static_cast<size_t>(length);
   const size_t k = static_cast<size_t>(num_depths);
-  char* p = static_cast<char*>(buffer);
-  const auto take = [&p](size_t bytes) {
-    char* part = p;
-    p += align256(bytes);
-    return part;
-  };
+  ScratchCarver carver{static_cast<char*>(buffer)};
   CodSampleScratch s;
-  s.keys_in = reinterpret_cast<uint64_t*>(take(n * sizeof(uint64_t)));
-  s.keys_out = reinterpret_cast<uint64_t*>(take(n * sizeof(uint64_t)));
-  s.anchors_in = reinterpret_cast<int64_t*>(take(n * sizeof(int64_t)));
-  s.anchors_out = reinterpret_cast<int64_t*>(take(n * sizeof(int64_t)));
-  s.kept = reinterpret_cast<uint8_t*>(take(k * n));
-  s.scan = reinterpret_cast<int64_t*>(take((k > 1 ? k - 1 : 1) * n * sizeof(int64_t)));
-  s.counts = reinterpret_cast<int64_t*>(take((k + 1) * sizeof(int64_t)));
+  s.keys_in = reinterpret_cast<uint64_t*>(carver.take(n * sizeof(uint64_t)));
+  s.keys_out = reinterpret_cast<uint64_t*>(carver.take(n * sizeof(uint64_t)));
+  s.anchors_in = reinterpret_cast<int64_t*>(carver.take(n * sizeof(int64_t)));
+  s.anchors_out = reinterpret_cast<int64_t*>(carver.take(n * sizeof(int64_t)));
+  s.kept = reinterpret_cast<uint8_t*>(carver.take(k * n));
+  s.scan = reinterpret_cast<int64_t*>(carver.take((k > 1 ? k - 1 : 1) * n * sizeof(int64_t)));
+  s.counts = reinterpret_cast<int64_t*>(carver.take((k + 1) * sizeof(int64_t)));
   s.cub_temp_bytes = cub_temp_bytes(length, num_depths);
-  s.cub_temp = take(s.cub_temp_bytes);
+  s.cub_temp = carver.take(s.cub_temp_bytes);
   return s;
 }
 
@@ -301,20 +306,15 @@ size_t cod_backward_scratch_bytes(int64_t count, int64_t width, FloatType type) 
 CodBackwardScratch cod_backward_scratch(void* buffer, int64_t count, int64_t width, FloatType type) {
   const size_t n = static_cast<size_t>(count);
   const size_t chunks = static_cast<size_t>((count + cod::kBackwardChunk - 1) / cod::kBackwardChunk);
-  char* p = static_cast<char*>(buffer);
-  const auto take = [&p](size_t bytes) {
-    char* part = p;
-    p += align256(bytes);
-    return part;
-  };
+  ScratchCarver carver{static_cast<char*>(buffer)};
   CodBackwardScratch s;
-  s.keys_in = reinterpret_cast<int64_t*>(take(n * sizeof(int64_t)));
-  s.keys_out = reinterpret_cast<int64_t*>(take(n * sizeof(int64_t)));
-  s.rows_in = reinterpret_cast<int64_t*>(take(n * sizeof(int64_t)));
-  s.rows_out = reinterpret_cast<int64_t*>(take(n * sizeof(int64_t)));
-  s.chunk_sums = take(chunks * static_cast<size_t>(width) * accumulator_bytes(type));
+  s.keys_in = reinterpret_cast<int64_t*>(carver.take(n * sizeof(int64_t)));
+  s.keys_out = reinterpret_cast<int64_t*>(carver.take(n * sizeof(int64_t)));
+  s.rows_in = reinterpret_cast<int64_t*>(carver.take(n * sizeof(int64_t)));
+  s.rows_out = reinterpret_cast<int64_t*>(carver.take(n * sizeof(int64_t)));
+  s.chunk_sums = carver.take(chunks * static_cast<size_t>(width) * accumulator_bytes(type));
   s.cub_temp_bytes = backward_sort_bytes(count);
-  s.cub_temp = take(s.cub_temp_bytes);
+  s.cub_temp = carver.take(s.cub_temp_bytes);
   return s;
 }
 
