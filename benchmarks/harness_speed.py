@@ -5,7 +5,7 @@ at several node budgets, at batch sizes 1, 4 and 16, as ratios to the best fixed
 Goal (issue 14): >= 1.1x the best fixed configuration at batch 1, never below 0.97x at any batch size.
 
     PYTHONPATH=. python benchmarks/harness_speed.py --target DIR --drafter DIR [--prompts 8 --new-tokens 96]
-        [--batch-sizes 1,4,16] [--budgets 8,16,32] [--costs costs.json]
+        [--batch-sizes 1,4,16] [--budgets 8,16,32] [--costs costs.json] [--prompts-file heldout.jsonl]
 
 With no --target / --drafter: the demo-sized random models of ``engine_speed.py`` (acceptance near zero).
 """
@@ -21,16 +21,19 @@ import torch
 from peagle.decode import SpeculativeDecoder
 from peagle.decode.harness import CostTable
 from peagle.decode.harness.profile import profile_costs
-from peagle.demo.bench_decode import tree_topk
+from peagle.demo.bench_decode import load_prompts, tree_topk
 from peagle.model import from_pretrained
 
 
-def run(decoder: SpeculativeDecoder, prompts: list[list[int]], batch: int, new_tokens: int) -> tuple[float, float]:
-    """(tokens/s, acceptance length) of decoding the prompts ``batch`` at a time (best of two passes)."""
+def run(
+    decoder: SpeculativeDecoder, prompts: list[list[int]], batch: int, new_tokens: int
+) -> tuple[float, float, list[list[list[int]]]]:
+    """(tokens/s, acceptance length, per batch the requests' accepted drafts per round) of decoding the prompts
+    ``batch`` at a time (best of two passes)."""
     decoder.generate(prompts[:batch], 8)  # warm-up
-    best, accept = 0.0, 0.0
+    best, accept, traces = 0.0, 0.0, []
     for _ in range(2):
-        tokens, seconds, emitted, rounds = 0, 0.0, 0, 0
+        tokens, seconds, emitted, rounds, accepted = 0, 0.0, 0, 0, []
         for start in range(0, len(prompts), batch):
             begin = time.perf_counter()
             out = decoder.generate(prompts[start : start + batch], new_tokens)
@@ -38,9 +41,27 @@ def run(decoder: SpeculativeDecoder, prompts: list[list[int]], batch: int, new_t
             tokens += out.metrics.new_tokens
             emitted += sum(r.emitted for r in out.requests)
             rounds += out.metrics.request_rounds
+            accepted.append([r.accepted for r in out.requests])
         if tokens / seconds > best:
-            best, accept = tokens / seconds, emitted / max(rounds, 1)
-    return best, accept
+            best, accept, traces = tokens / seconds, emitted / max(rounds, 1), accepted
+    return best, accept, traces
+
+
+def oracle_bound(table: CostTable, traces: list[list[list[int]]], depth: int, context: int) -> float:
+    """How much faster than a fixed chain of ``depth`` any choice of pass depth and budget could be on the same
+    rounds, in the cost table's seconds: an oracle that knows each round's accepted drafts m drafts and verifies
+    min(m + 1, depth) (a batch: its deepest request's), emitting the same tokens. Per-round costs outside the table
+    (bookkeeping, KV commits) would only shrink the ratio."""
+    fixed, oracle = 0.0, 0.0
+    for requests in traces:
+        batch = len(requests)
+        verify = table.verify_row(batch, context, depth + 1)
+        for step in range(max(len(a) for a in requests)):
+            live = [a[step] for a in requests if step < len(a)]
+            drafts = min(max(live) + 1, depth)
+            fixed += table.pass_time(batch, depth) + float(verify[depth + 1])
+            oracle += table.pass_time(batch, drafts) + float(verify[drafts + 1])
+    return fixed / oracle
 
 
 def main() -> None:
@@ -49,6 +70,7 @@ def main() -> None:
     parser.add_argument("--drafter", default=None)
     parser.add_argument("--costs", default=None, help="a cost table to use instead of profiling one")
     parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--prompts-file", default=None, help="token-id prompts (.jsonl, e.g. the demo's held-out ones)")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--batch-sizes", default="1,4,16")
@@ -77,22 +99,28 @@ def main() -> None:
     configs["harness"] = dict(mode="harness", cost_table=table)
     decoders = {name: SpeculativeDecoder(target, drafter, num_threads=1, **o) for name, o in configs.items()}
     runner = decoders["harness"].runner
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, runner.vocab_size, (args.prompt_len,), generator=gen).tolist() for _ in range(16)]
-    prompts = prompts[: args.prompts]
+    if args.prompts_file:
+        prompts = load_prompts(args.prompts_file, args.prompts, runner.vocab_size)
+    else:
+        gen = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(0, runner.vocab_size, (args.prompt_len,), generator=gen).tolist() for _ in range(16)]
+        prompts = prompts[: args.prompts]
+    context = max(len(p) for p in prompts)
     print(f"{'batch':>5} {'config':<10} {'tok/s':>8} {'AL':>6}")
     for batch in batches:
         results = {name: run(dec, prompts, batch, args.new_tokens) for name, dec in decoders.items()}
-        for name, (speed, accept) in results.items():
+        for name, (speed, accept, _) in results.items():
             print(f"{batch:>5} {name:<10} {speed:8.1f} {accept:6.2f}")
         ours = results["harness"]
         for kind in ("chain", "tree"):
             name = max((n for n in results if n.startswith(kind)), key=lambda n: results[n][0])
-            speed, accept = results[name]
+            speed, accept, _ = results[name]
             print(
                 f"{batch:>5} harness / best {kind} ({name}): tokens/s {ours[0] / speed:.2f}x, "
                 f"acceptance length {ours[1] / accept:.2f}x"
             )
+        bound = oracle_bound(table, results[f"chain {depth}"][2], depth, context)
+        print(f"{batch:>5} oracle depth choice / chain {depth} (cost-table seconds, same rounds): {bound:.3f}x")
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ __all__ = [
     "HarnessPolicy",
     "PassHarness",
     "Plan",
+    "chain_pass_budget",
     "harness_budget",
     "pass_budget",
     "predicted_acceptance",
@@ -143,6 +144,34 @@ def pass_budget(
     return budget, torch.where(grow, best + 1, best)
 
 
+def chain_pass_budget(
+    spec: TreeSpec, calibration: Tensor, pass_time: list[float], depth: int, verify_cost: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`pass_budget` of a candidate chain (one node per depth), without its sorts: a chain's best n nodes are its
+    first n (scores never grow along it), so the sums S_k are one cumulative sum and each K' only cuts it shorter.
+    Equal to :func:`pass_budget` on chains; this one runs every round of a chain plan and costs a fraction of it.
+    Returns (budget, next depth, S_(budget - 1) of the greedy budget: the predicted accepted drafts), [B] each."""
+    batch = spec.scores.shape[0]
+    device = spec.scores.device
+    index = torch.arange(depth + 1, device=device)
+    max_nodes = verify_cost.shape[0] - 1
+    drafts = (spec.num_nodes - 1).clamp(max=min(depth, max_nodes - 1))
+    scores = torch.nn.functional.pad(spec.scores.double(), (0, depth + 1 - spec.scores.shape[1]), value=-1.0)
+    drafted = (index[1:][None, :] <= drafts[:, None]) & (scores[:, 1:] >= 0)
+    scale = calibration_scale(calibration.double())
+    gain = torch.where(drafted, torch.clamp(scale[:, None] * scores[:, 1:], max=1.0), 0.0)
+    sums = torch.cat([gain.new_zeros(batch, 1), torch.cumsum(gain, 1)], 1)  # S_k, k = 0 .. depth
+    seconds = torch.tensor(pass_time[:depth], dtype=torch.float64, device=device)
+    verify = verify_cost[(index + 1).clamp(max=max_nodes)]
+    ratios = (1.0 + sums)[:, None, :] / (seconds[:, None] + verify[None, :])[None]  # [B, K', k + 1]
+    reach = (index[None, :] <= index[1:, None])[None] & (index[None, None, :] <= drafts[:, None, None])
+    ratios = torch.where(reach, ratios, -torch.inf)
+    budget = ratios[:, depth - 1].argmax(1) + 1
+    best = ratios.amax(2).argmax(1) + 1
+    grow = (budget - 1 >= depth) & (best == depth) & (depth < len(pass_time))
+    return budget, torch.where(grow, best + 1, best), sums.gather(1, (budget - 1)[:, None])[:, 0]
+
+
 def _kept(scores: Tensor, valid: Tensor, budget: Tensor) -> Tensor:
     """[B, N] bool: the best ``budget[b]`` valid candidates by score (root first, ties to the smaller index)."""
     batch, nodes = scores.shape
@@ -174,7 +203,12 @@ def select_candidates(
     parent = parent.gather(1, perm)
     parent = torch.where(parent >= 0, inverse.gather(1, parent.clamp(min=0)), -1)
     count = keep.sum(1).clamp(min=1)
-    return tree_select(tokens.gather(1, perm), parent, scores.gather(1, perm).double(), count, max_nodes)
+    # The tree is as wide as its largest request, not max_nodes: the target verifies every slot, padding included. The
+    # host read that finds that width is free on the CPU; on a GPU the candidates' width bounds it without one.
+    width = min(max_nodes, nodes)
+    if tokens.device.type == "cpu":
+        width = min(width, int(count.max()))
+    return tree_select(tokens.gather(1, perm), parent, scores.gather(1, perm).double(), count, width)
 
 
 def update_calibration(calibration: Tensor, predicted: Tensor, accepted: Tensor) -> None:
@@ -185,7 +219,12 @@ def update_calibration(calibration: Tensor, predicted: Tensor, accepted: Tensor)
 
 
 def recalibrate(calibration: Tensor, gamma: Tensor, predicted: Tensor, rows: Tensor, accepted: Tensor) -> None:
-    """Folds the verified acceptance of ``rows`` into their calibration sums and sharpness exponents, in place."""
+    """Folds the verified acceptance of ``rows`` (ascending, distinct) into their calibration sums and sharpness
+    exponents, in place."""
+    if rows.numel() == calibration.shape[0]:  # every request: update in place (no gather / scatter per round)
+        update_calibration(calibration, predicted, accepted)
+        update_sharpness(gamma, calibration)
+        return
     row_calibration = calibration[rows]
     update_calibration(row_calibration, predicted[rows], accepted)
     calibration[rows] = row_calibration
@@ -309,6 +348,7 @@ class PassHarness:
         self.predicted = torch.zeros(batch, dtype=torch.float64, device=device)
         self.off_chain = list(policy.learnt_off_chain)  # accepted drafts off the top-1 chain, accepted drafts
         self.rounds = 0
+        self.chain_round = False  # this round's candidates form a chain (set by topk)
 
     @property
     def speculate(self) -> bool:
@@ -329,20 +369,35 @@ class PassHarness:
         chain = (off + 1.0) / (accepted + 10.0) < OFF_CHAIN_RATE and self.rounds % EXPLORE_EVERY != 0
         top = 1 if chain else self.plan.topk
         deeper = min(2, top)
+        self.chain_round = top == 1 or self.draft_vocab == 1 or depth == 0
         return [min(k, self.draft_vocab) for k in [top] + [deeper] * (depth - 1)]
 
     def select(self, rows: Tensor, spec: TreeSpec, depth: int, sampled: bool) -> TreeSpec:
         calibration = self.calibration[rows]
         spec = spec._replace(scores=sharpen(spec.scores, self.gamma[rows]))
-        budget, next_depth = pass_budget(spec, calibration, self.pass_time, depth, self.verify_cost)
+        if self.chain_round:
+            budget, next_depth, predicted = chain_pass_budget(
+                spec, calibration, self.pass_time, depth, self.verify_cost
+            )
+        else:
+            budget, next_depth = pass_budget(spec, calibration, self.pass_time, depth, self.verify_cost)
         # At least one draft: a round that verifies none teaches the calibration nothing (it would never recover from
         # a drafter whose scores start far too low).
-        budget = torch.maximum(budget, torch.clamp(spec.num_nodes, max=2))
-        use = self.budget[rows] if sampled else budget
-        tree = select_budget(spec, use, self.max_nodes)
-        self.budget[rows] = budget
+        floor = torch.clamp(spec.num_nodes, max=2)
+        use = self.budget[rows] if sampled else torch.maximum(budget, floor)
+        if self.chain_round:  # a chain's best n nodes are its first n: tree_select lays them out as they are
+            count = torch.minimum(use, spec.num_nodes)
+            width = min(self.max_nodes, spec.tokens.shape[1])
+            width = min(width, int(count.max())) if spec.tokens.device.type == "cpu" else width
+            tree = tree_select(spec.tokens, spec.parent, spec.scores, count, width)
+            if sampled or bool((budget < floor).any()):
+                predicted = predicted_acceptance(tree, calibration)
+        else:
+            tree = select_budget(spec, use, self.max_nodes)
+            predicted = predicted_acceptance(tree, calibration)
+        self.budget[rows] = torch.maximum(budget, floor)
         self.next_depth[rows] = next_depth
-        self.predicted[rows] = predicted_acceptance(tree, calibration)
+        self.predicted[rows] = predicted
         return tree
 
     def observe(
@@ -355,7 +410,9 @@ class PassHarness:
     ) -> None:
         """Folds the verified acceptance of ``rows`` into their calibration; with the verified trees' ``parent`` and
         the ``accepted_path``, counts the accepted drafts that were not their parent's first child."""
-        if parent is not None and accepted_path is not None:
+        if parent is not None and accepted_path is not None and self.chain_round:
+            self.off_chain[1] += float(num_accepted.sum())  # a chain has no siblings: no accepted draft is off it
+        elif parent is not None and accepted_path is not None:
             nodes = parent.shape[1]
             index = torch.arange(nodes, device=parent.device)
             earlier = (parent[:, :, None] == parent[:, None, :]) & (index[None, None, :] < index[None, :, None])
