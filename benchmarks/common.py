@@ -13,11 +13,15 @@ import os
 import time
 from collections.abc import Callable
 from types import ModuleType
+from typing import NoReturn
 
 import pytest
 import torch
 
 SMOKE = os.environ.get("PEAGLE_BENCH_SMOKE", "0") not in ("", "0")
+# Peers a run could not measure, {"source", "case", "peer", "why"}; conftest.py puts them in the --benchmark-json file
+# (key "skipped_peers") and report.py shows them beside the cases.
+SKIPPED_PEERS: list[dict[str, str]] = []
 
 
 def sizes(full: list, smoke: list) -> list:
@@ -53,6 +57,12 @@ def load_module_file(package: str, relative_path: str) -> ModuleType | None:
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     return module
+
+
+def skip_peer(source: str, case: str, peer: str, why: str) -> NoReturn:
+    """Skips the running benchmark because ``peer`` cannot be measured, and records why for the JSON and the report."""
+    SKIPPED_PEERS.append({"source": os.path.basename(source), "case": case, "peer": peer, "why": why})
+    pytest.skip(f"skipped: {why}")
 
 
 def devices() -> list:
