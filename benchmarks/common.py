@@ -59,9 +59,14 @@ def load_module_file(package: str, relative_path: str) -> ModuleType | None:
     return module
 
 
-def skip_peer(source: str, case: str, peer: str, why: str) -> NoReturn:
-    """Skips the running benchmark because ``peer`` cannot be measured, and records why for the JSON and the report."""
+def record_skipped_peer(source: str, case: str, peer: str, why: str) -> None:
+    """Records, for the JSON and the report, that ``peer`` could not be measured in ``case`` of ``source`` and why."""
     SKIPPED_PEERS.append({"source": os.path.basename(source), "case": case, "peer": peer, "why": why})
+
+
+def skip_peer(source: str, case: str, peer: str, why: str) -> NoReturn:
+    """Skips the running benchmark because ``peer`` cannot be measured, and records why (record_skipped_peer)."""
+    record_skipped_peer(source, case, peer, why)
     pytest.skip(f"skipped: {why}")
 
 
