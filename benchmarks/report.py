@@ -14,7 +14,8 @@ installed, another interface) are listed in the JSON's "skipped_peers" (see comm
 case, or in a row of their own when nothing of the case ran. The markdown file has one row per
 case (a case measured again in a later file takes the later times): the fastest peagle implementation against the
 strongest (fastest) baseline, the ratio, the other baselines, and the machine (cores, load average at the start and end
-of the run), the date and the command of each JSON file.
+of the run), the date and the command of each JSON file. What the file holds below KEEP_MARKER is written by hand and
+kept.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from dataclasses import dataclass, field
 
 OURS = "peagle"
 DEFAULT_MARKDOWN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+# Text below this line in the markdown file is written by hand (e.g. what a GPU run will measure) and is kept when the
+# tables above it are generated again.
+KEEP_MARKER = "<!-- written by hand below this line: report.py --markdown keeps it -->"
 
 
 def is_ours(impl: str) -> bool:
@@ -202,6 +206,19 @@ def markdown_report(runs: list[tuple[str, dict]]) -> str:
     return "\n".join(out) + "\n"
 
 
+def write_markdown(runs: list[tuple[str, dict]], path: str) -> str:
+    """Writes the markdown report to ``path``, keeping the hand-written part of the file there (KEEP_MARKER onward)."""
+    text = markdown_report(runs)
+    if os.path.exists(path):
+        with open(path) as f:
+            old = f.read()
+        if KEEP_MARKER in old:
+            text += "\n" + old[old.index(KEEP_MARKER) :]
+    with open(path, "w") as f:
+        f.write(text)
+    return text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("json_files", nargs="+")
@@ -213,10 +230,7 @@ def main() -> None:
         with open(path) as f:
             runs.append((path, json.load(f)))
     if args.markdown:
-        text = markdown_report(runs)
-        with open(args.out, "w") as f:
-            f.write(text)
-        print(text)
+        print(write_markdown(runs, args.out))
     else:
         for _, data in runs:
             print(format_table(ratio_rows(data)))

@@ -130,3 +130,14 @@ def test_a_run_puts_its_skipped_peers_in_the_json(tmp_path):
         {"source": "bench_skips.py", "case": "c", "peer": "rival", "why": "rival not installed"}
     ]
     assert "rival: skipped (rival not installed)" in report.markdown_report([("run.json", data)])
+
+
+def test_markdown_keeps_the_hand_written_part_of_the_file(tmp_path):
+    path = tmp_path / "RESULTS.md"
+    path.write_text("# old tables\n| stale |\n\n" + report.KEEP_MARKER + "\n## By hand\nno figures yet\n")
+    report.write_markdown([("run.json", RUN)], str(path))
+    text = path.read_text()
+    assert "| stale |" not in text and "| bench_x.py | win |" in text
+    assert text.endswith(report.KEEP_MARKER + "\n## By hand\nno figures yet\n")
+    report.write_markdown([("run.json", RUN)], str(path))  # again: the hand-written part is not doubled
+    assert path.read_text() == text
