@@ -41,12 +41,13 @@ from bench_cod import (
     speculators_gather,
     speculators_path,
 )
+from bench_cod import WIDTH as COD_WIDTH
 from bench_cod import speculators_data as speculators_cod
 from bench_cod import speculators_sample as speculators_cod_sample
 from bench_mask import BLOCK, BUILD_LENGTHS, compiled_create_block_mask, make_sample
 from bench_tree_cuda import tree_inputs
 from common import SKIPPED_PEERS, cuda_round_time, record_skipped_peer, skip_peer
-from peers import import_peer, vllm_rejection_sampler, vllm_sampling_metadata, vllm_spec_metadata
+from peers import import_peer, peer_name, vllm_rejection_sampler, vllm_sampling_metadata, vllm_spec_metadata
 
 import peagle  # noqa: F401  (registers the ops)
 from peagle.ops import (
@@ -178,6 +179,7 @@ def one_hot(index: torch.Tensor, vocab: int) -> torch.Tensor:
 def test_chain_vs_flashinfer(benchmark, batch):
     case = f"cuda chain sampled B={batch} K={DRAFTS} V={VOCAB}"
     sampling = require("flashinfer.sampling", case, "flashinfer chain_speculative_sampling")
+    peer = peer_name("flashinfer", "chain_speculative_sampling")
     (parent, tokens, num_nodes, target), draft, _ = chains(batch)
     draft_ids = tokens[:, 1:].int().contiguous()
 
@@ -190,7 +192,7 @@ def test_chain_vs_flashinfer(benchmark, batch):
     target_1h = one_hot(target.argmax(-1), VOCAB)
     draft_1h = one_hot(tokens.roll(-1, dims=1), VOCAB)  # row i: node i's child is drawn surely; the leaf's is unused
     chain_draft_1h = draft_1h[:, :DRAFTS].contiguous()
-    got = call_peer(case, "flashinfer", lambda: theirs(chain_draft_1h, target_1h))
+    got = call_peer(case, peer, lambda: theirs(chain_draft_1h, target_1h))
     assert torch.equal(got.long(), greedy), "flashinfer and peagle's greedy verification disagree on one-hot rows"
     ours_1h = tree_rejection_sample(parent, tokens, num_nodes, target_1h, draft_1h, seed=1).emitted_tokens
     assert torch.equal(ours_1h, greedy), "peagle's sampler and its greedy verification disagree on one-hot rows"
@@ -203,7 +205,7 @@ def test_chain_vs_flashinfer(benchmark, batch):
         benchmark,
         case,
         ours,
-        {"flashinfer chain_speculative_sampling": lambda: theirs(chain_draft, target)},
+        {peer: lambda: theirs(chain_draft, target)},
         NOTES["flashinfer"],
         mean_accepted=float(ours().num_accepted.float().mean()),  # random draws: alike, not equal
         peer_mean_accepted=float(((theirs(chain_draft, target) >= 0).sum(1) - 1).float().mean()),
@@ -223,7 +225,7 @@ def test_chain_vs_vllm(benchmark, mode, batch):
     def setup():
         return vllm_spec_metadata(chain.tokens, DEVICE), vllm_sampling_metadata(batch, greedy, DEVICE)
 
-    meta, sampling = call_peer(case, "vllm metadata", setup)
+    meta, sampling = call_peer(case, peer_name("vllm", "metadata"), setup)
     vllm_draft = None if greedy else draft[:, :DRAFTS].reshape(batch * DRAFTS, VOCAB).contiguous()
     target_rows = flat[meta.target_logits_indices.long()].contiguous()
     bonus = flat[meta.bonus_logits_indices.long()].argmax(-1, keepdim=True)
@@ -247,7 +249,10 @@ def test_chain_vs_vllm(benchmark, mode, batch):
             samplers.append(vllm_rejection_sampler()[1])
         return samplers[0](meta, vllm_draft, flat, sampling).sampled_token_ids
 
-    candidates = {"vllm rejection_sample (core)": core, "vllm RejectionSampler.forward": forward}
+    candidates = {
+        peer_name("vllm", "rejection_sample (core)"): core,
+        peer_name("vllm", "RejectionSampler.forward"): forward,
+    }
     results = first_results(case, candidates)
     peers = {name: candidates[name] for name in results}
     if greedy:  # the same tokens: accepted drafts, then the target's argmax, -1 padded
@@ -274,6 +279,7 @@ def test_gdn_chain_vs_fla(benchmark, batch):
     heads, value_heads = GDN_HEADS[:2]
     case = f"cuda GDN chain verify B={batch} n={DRAFTS + 1} H,HV,K,V={GDN_HEADS} bf16"
     fla = require("fla.ops.gated_delta_rule", case, "fla fused_recurrent_gated_delta_rule")
+    peer = peer_name("fla", "fused_recurrent_gated_delta_rule")
     gen = torch.Generator().manual_seed(batch)
     x = random_gdn_inputs(gen, batch, DRAFTS + 1, *GDN_HEADS, kind="chain", dtype=torch.bfloat16)
     x = type(x)(*(t.to(DEVICE) for t in x))
@@ -287,7 +293,7 @@ def test_gdn_chain_vs_fla(benchmark, batch):
             use_qk_l2norm_in_kernel=True,
         )  # fmt: skip
 
-    got = call_peer(case, "fla", theirs)[0]
+    got = call_peer(case, peer, theirs)[0]
     ours = gdn_tree_verify(*x, use_qk_l2norm=True).o
     scale = ours.float().abs().max().item()
     torch.testing.assert_close(got.float(), ours.float(), rtol=2**-6, atol=2**-6 * scale)
@@ -295,7 +301,7 @@ def test_gdn_chain_vs_fla(benchmark, batch):
         benchmark,
         case,
         lambda: gdn_tree_verify(*x, use_qk_l2norm=True, validate=False),
-        {"fla fused_recurrent_gated_delta_rule": theirs},
+        {peer: theirs},
         NOTES["fla"],
     )
 
@@ -306,12 +312,13 @@ def test_gdn_chain_vs_fla(benchmark, batch):
 
 @pytest.mark.parametrize("length", COD_LENGTHS)
 def test_cod_vs_speculators(benchmark, length):
-    inputs = make_row(length, DEVICE)
-    case = f"cuda cod sample+gather T={length} D={inputs[3].shape[1]} bf16"
+    case = f"cuda cod sample+gather T={length} D={COD_WIDTH} bf16"
     if speculators_cod is None:
         skip_peer(__file__, case, "speculators", "speculators not installed")
+    peer = peer_name("speculators", "P-EAGLE COD path")
+    inputs = make_row(length, DEVICE)
     loss_mask, document_ids, input_ids, hidden, mask_hidden = inputs
-    anchors, depths = call_peer(case, "speculators", lambda: speculators_cod_sample(loss_mask))
+    anchors, depths = call_peer(case, peer, lambda: speculators_cod_sample(loss_mask))
     inside = anchors >= 0  # speculators' depth-1 chain of a trained position 0 is anchored at -1
     anchors, depths = anchors[inside], depths[inside]
     ours = cod_gather(input_ids, hidden, mask_hidden, anchors, depths, MASK_ID)
@@ -329,7 +336,7 @@ def test_cod_vs_speculators(benchmark, length):
         benchmark,
         case,
         lambda: peagle_path(*inputs),
-        {"speculators-0.9.0": lambda: speculators_path(*inputs)},
+        {peer: lambda: speculators_path(*inputs)},
         NOTES["speculators"],
         elements_per_depth=ours_per_depth,
         peer_elements_per_depth=theirs_per_depth,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.metadata
+import sys
 from types import ModuleType
 
 import torch
@@ -23,6 +25,16 @@ def import_peer(module: str) -> tuple[ModuleType | None, str]:
         return None, f"{package} does not import ({err})"
     except Exception as err:  # a peer built for another torch or CUDA fails in many ways at import
         return None, f"{package} does not import ({type(err).__name__}: {err})"
+
+
+def peer_name(package: str, what: str) -> str:
+    """``"<package> <installed version> <what>"`` (the version left out when the package does not say): the name a
+    peer's time is reported under, so that a figure says which release it measured."""
+    try:
+        version = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        version = getattr(sys.modules.get(package), "__version__", "")
+    return " ".join(part for part in (package, version, what) if part)
 
 
 def vllm_sampling_metadata(batch: int, greedy: bool, device: torch.device | str = "cpu"):
