@@ -220,7 +220,7 @@ def test_chain_vs_vllm(benchmark, mode, batch):
     (parent, tokens, num_nodes, target), draft, chain = chains(batch)
     greedy = mode == "greedy"
     logits = target.log()  # [B, K + 1, V]: the rows of the target after each node
-    flat = logits.view(batch * (DRAFTS + 1), VOCAB)
+    flat = logits.clone().view(batch * (DRAFTS + 1), VOCAB)  # vLLM's own copy: it may update its logits in place
 
     def setup():
         return vllm_spec_metadata(chain.tokens, DEVICE), vllm_sampling_metadata(batch, greedy, DEVICE)
