@@ -46,17 +46,25 @@ def reference_path(loss_mask, document_ids, input_ids, hidden, mask_hidden, seed
     return cod_gather_reference(input_ids, hidden, mask_hidden, anchors, depths, MASK_ID)
 
 
-def speculators_path(loss_mask, document_ids, input_ids, hidden, mask_hidden, seed=0):
-    length = loss_mask.shape[0]
-    anchors, depths = speculators_data.generate_cod_sample_indices(
-        length, loss_mask[None].float(), NUM_DEPTHS, RATIO, RATIO_MIN, max_anchors=MAX_ANCHORS
+def speculators_sample(loss_mask):
+    """speculators' COD sampling (anchors, depths) at this file's settings."""
+    return speculators_data.generate_cod_sample_indices(
+        loss_mask.shape[0], loss_mask[None].float(), NUM_DEPTHS, RATIO, RATIO_MIN, max_anchors=MAX_ANCHORS
     )
-    # What PEagleDraftModel.forward does with them (speculators 0.9.0, models/peagle/core.py).
+
+
+def speculators_gather(input_ids, hidden, mask_hidden, anchors, depths):
+    """What PEagleDraftModel.forward does with speculators' elements (speculators 0.9.0, models/peagle/core.py)."""
     positions = anchors + depths
     real = depths == 0
     ids = torch.where(real, input_ids[None][0, positions], torch.tensor(MASK_ID, device=input_ids.device))
     feats = torch.where(real[:, None], hidden[None][0, positions], mask_hidden.expand(positions.shape[0], -1))
     return ids, feats, positions
+
+
+def speculators_path(loss_mask, document_ids, input_ids, hidden, mask_hidden, seed=0):
+    anchors, depths = speculators_sample(loss_mask)
+    return speculators_gather(input_ids, hidden, mask_hidden, anchors, depths)
 
 
 IMPLS = {

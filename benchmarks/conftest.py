@@ -1,5 +1,6 @@
 """Records what benchmarks/report.py puts in RESULTS.md beside the times: the command, torch's threads and version,
-and the load average at the start and the end of the run (the machine may be shared)."""
+the load average at the start and the end of the run (the machine may be shared), and the peers that could not be
+measured (common.skip_peer)."""
 
 from __future__ import annotations
 
@@ -26,3 +27,10 @@ def pytest_benchmark_update_machine_info(config, machine_info):
         "loadavg_end": "/".join(f"{x:.2f}" for x in os.getloadavg()),
         "smoke": smoke,
     }
+
+
+def pytest_benchmark_update_json(config, benchmarks, output_json):
+    from common import SKIPPED_PEERS
+
+    if SKIPPED_PEERS:
+        output_json["skipped_peers"] = SKIPPED_PEERS

@@ -9,10 +9,13 @@ A benchmark names its case and implementation in extra_info {"case": ..., "impl"
 mean, unless it reports a measured quantity instead (extra_info {"value": ..., "unit": ..., "better": "higher"}, e.g.
 the longest trainable sequence): then the row compares values, the largest being the strongest. Baselines timed
 inside the same benchmark go in extra_info {"baselines": {name: seconds}} (same case), and an
-optional extra_info {"note": ...} explains a row (e.g. what would change a loss). The markdown file has one row per
+optional extra_info {"note": ...} explains a row (e.g. what would change a loss). Peers a run could not measure (not
+installed, another interface) are listed in the JSON's "skipped_peers" (see common.skip_peer) and said so beside their
+case, or in a row of their own when nothing of the case ran. The markdown file has one row per
 case (a case measured again in a later file takes the later times): the fastest peagle implementation against the
 strongest (fastest) baseline, the ratio, the other baselines, and the machine (cores, load average at the start and end
-of the run), the date and the command of each JSON file.
+of the run), the date and the command of each JSON file. What the file holds below KEEP_MARKER is written by hand and
+kept.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from dataclasses import dataclass, field
 
 OURS = "peagle"
 DEFAULT_MARKDOWN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+# Text below this line in the markdown file is written by hand (e.g. what a GPU run will measure) and is kept when the
+# tables above it are generated again.
+KEEP_MARKER = "<!-- written by hand below this line: report.py --markdown keeps it -->"
 
 
 def is_ours(impl: str) -> bool:
@@ -38,6 +44,7 @@ class Case:
     info: dict[str, dict] = field(default_factory=dict)  # implementation -> its other extra_info
     notes: dict[str, str] = field(default_factory=dict)  # implementation -> note (a later run of it replaces it)
     unit: str | None = None  # set when the case compares values (higher is better) instead of times
+    skipped: dict[str, str] = field(default_factory=dict)  # peer -> why it was not measured
 
     def strongest(self, values: dict[str, float]) -> str:
         return (max if self.unit else min)(values, key=values.get)
@@ -68,7 +75,17 @@ def collect_cases(runs: list[dict]) -> list[Case]:
                 case.ms[base] = seconds * 1e3
             if note:
                 case.notes[impl] = note
+        for skip in data.get("skipped_peers", []):
+            _case_of(cases, skip["source"], skip["case"]).skipped[skip["peer"]] = skip["why"]
     return list(cases.values())
+
+
+def _case_of(cases: dict[tuple[str, str], Case], file: str, name: str) -> Case:
+    """The case of that name from that benchmark file (``file`` is a basename), a new one when none ran."""
+    for (source, case_name), case in cases.items():
+        if case_name == name and os.path.basename(source) == file:
+            return case
+    return cases.setdefault((file, name), Case(file, name))
 
 
 def ratio_rows(data: dict) -> list[dict]:
@@ -79,6 +96,8 @@ def ratio_rows(data: dict) -> list[dict]:
         for impl, ms in sorted(case.ms.items(), key=lambda kv: kv[1]):
             speedups = {f"{name} x faster": ms / t for name, t in ours.items() if name != impl}
             rows.append({"case": case.name, "impl": impl, "mean_ms": ms, **case.info.get(impl, {}), **speedups})
+        for peer, why in case.skipped.items():
+            rows.append({"case": case.name, "impl": peer, "mean_ms": float("nan"), "skipped": why})
     return rows
 
 
@@ -119,19 +138,23 @@ def summary_row(case: Case) -> str:
     ours = {k: v for k, v in case.ms.items() if is_ours(k)}
     theirs = {k: v for k, v in case.ms.items() if not is_ours(k)}
     best_ours = case.strongest(ours) if ours else None
+    skipped = [f"{peer}: skipped ({why})" for peer, why in case.skipped.items()]
     cells = [os.path.basename(case.source), case.name]
+    if not case.ms:  # nothing of the case ran: only its skipped peers
+        return "| " + " | ".join([*cells, "-", "; ".join(skipped), "-", "-", ""]) + " |"
     cells.append(f"{best_ours} {case.show(ours[best_ours])}" if best_ours else "-")
     if not theirs or best_ours is None:
-        others = ", ".join(
-            f"{k} {case.show(v)}" for k, v in sorted(ours.items(), key=lambda kv: kv[1]) if k != best_ours
-        )
-        cells += ["no baseline in this case", "-", "-", others]
+        others = [f"{k} {case.show(v)}" for k, v in sorted(ours.items(), key=lambda kv: kv[1]) if k != best_ours]
+        cells += ["no baseline in this case", "-", "-", ", ".join(others + skipped)]
     else:
         strongest = case.strongest(theirs)
         cells += [strongest, case.show(theirs[strongest]), verdict(theirs[strongest], ours[best_ours], case.unit)]
         others = sorted((k for k in theirs if k != strongest), key=theirs.get)
         cells.append(
-            ", ".join(f"{k} {case.show(theirs[k])} ({_ratio(case, theirs[k], ours[best_ours]):.1f}x)" for k in others)
+            ", ".join(
+                [f"{k} {case.show(theirs[k])} ({_ratio(case, theirs[k], ours[best_ours]):.1f}x)" for k in others]
+                + skipped
+            )
         )
     return "| " + " | ".join(cells) + " |"
 
@@ -183,6 +206,19 @@ def markdown_report(runs: list[tuple[str, dict]]) -> str:
     return "\n".join(out) + "\n"
 
 
+def write_markdown(runs: list[tuple[str, dict]], path: str) -> str:
+    """Writes the markdown report to ``path``, keeping the hand-written part of the file there (KEEP_MARKER onward)."""
+    text = markdown_report(runs)
+    if os.path.exists(path):
+        with open(path) as f:
+            old = f.read()
+        if KEEP_MARKER in old:
+            text += "\n" + old[old.index(KEEP_MARKER) :]
+    with open(path, "w") as f:
+        f.write(text)
+    return text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("json_files", nargs="+")
@@ -194,10 +230,7 @@ def main() -> None:
         with open(path) as f:
             runs.append((path, json.load(f)))
     if args.markdown:
-        text = markdown_report(runs)
-        with open(args.out, "w") as f:
-            f.write(text)
-        print(text)
+        print(write_markdown(runs, args.out))
     else:
         for _, data in runs:
             print(format_table(ratio_rows(data)))

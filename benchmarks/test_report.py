@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -73,3 +76,68 @@ def test_value_cases_compare_the_largest_value():
     losing = dict(run, benchmarks=[longest("peagle-S1", 1024, 1.0), longest("spec", 4096, 1.0)])
     row = next(line for line in report.markdown_report([("r.json", losing)]).splitlines() if "| longest |" in line)
     assert "**peagle loses: 4.0x fewer tokens**" in row
+
+
+def test_a_case_measured_by_two_peer_benchmarks_is_one_row_against_the_strongest():
+    """bench_peers_cuda.py times the same chain case once per peer (flashinfer's, vLLM's): one row, both baselines."""
+    flashinfer = bench("chain", "peagle", 0.002, baselines={"flashinfer": 0.004})
+    vllm = bench("chain", "peagle", 0.002, baselines={"vllm core": 0.003, "vllm forward": 0.01})
+    run = dict(RUN, benchmarks=[flashinfer, vllm])
+    rows = [line for line in report.markdown_report([("r.json", run)]).splitlines() if "| chain |" in line]
+    assert len(rows) == 1
+    cells = rows[0].split(" | ")
+    assert cells[3] == "vllm core" and cells[5] == "1.5x faster", cells
+    assert "flashinfer 4.000 (2.0x)" in cells[6] and "vllm forward 10.000 (5.0x)" in cells[6], cells
+
+
+def test_skipped_peers_are_said_beside_their_case_or_in_a_row_of_their_own():
+    skipped = [
+        {"source": "bench_x.py", "case": "win", "peer": "flashinfer", "why": "flashinfer not installed"},
+        {"source": "bench_x.py", "case": "gdn", "peer": "fla", "why": "fla not installed"},
+    ]
+    run = dict(RUN, skipped_peers=skipped)
+    rows = {line.split(" | ")[1]: line for line in report.markdown_report([("r.json", run)]).splitlines()
+            if line.startswith("| bench_x.py")}  # fmt: skip
+    win = rows["win"].split(" | ")
+    assert win[3] == "fast" and "flashinfer: skipped (flashinfer not installed)" in win[6], win
+    gdn = rows["gdn"].split(" | ")
+    assert gdn[2] == "-" and gdn[3] == "fla: skipped (fla not installed)", gdn
+    plain = [r for r in report.ratio_rows(run) if r.get("skipped")]
+    assert [(r["case"], r["impl"]) for r in plain] == [("win", "flashinfer"), ("gdn", "fla")]
+
+
+def test_a_run_puts_its_skipped_peers_in_the_json(tmp_path):
+    """common.skip_peer skips the benchmark and conftest.py writes why into the --benchmark-json file."""
+    here = Path(__file__).parent
+    (tmp_path / "bench_skips.py").write_text(
+        "from common import skip_peer\n\n"
+        "def test_timed(benchmark):\n"
+        "    benchmark.extra_info.update(impl='peagle', case='c')\n"
+        "    benchmark(lambda: None)\n\n"
+        "def test_peer(benchmark):\n"
+        "    skip_peer(__file__, 'c', 'rival', 'rival not installed')\n"
+    )
+    out = tmp_path / "run.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", str(tmp_path / "bench_skips.py"), "-q", "-rs", "-p", "conftest",
+         "-p", "no:cacheprovider", "--rootdir", str(tmp_path), "--benchmark-json", str(out)],
+        capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0 and "skipped: rival not installed" in run.stdout, run.stdout + run.stderr
+    data = json.loads(out.read_text())
+    assert data["skipped_peers"] == [
+        {"source": "bench_skips.py", "case": "c", "peer": "rival", "why": "rival not installed"}
+    ]
+    assert "rival: skipped (rival not installed)" in report.markdown_report([("run.json", data)])
+
+
+def test_markdown_keeps_the_hand_written_part_of_the_file(tmp_path):
+    path = tmp_path / "RESULTS.md"
+    path.write_text("# old tables\n| stale |\n\n" + report.KEEP_MARKER + "\n## By hand\nno figures yet\n")
+    report.write_markdown([("run.json", RUN)], str(path))
+    text = path.read_text()
+    assert "| stale |" not in text and "| bench_x.py | win |" in text
+    assert text.endswith(report.KEEP_MARKER + "\n## By hand\nno figures yet\n")
+    report.write_markdown([("run.json", RUN)], str(path))  # again: the hand-written part is not doubled
+    assert path.read_text() == text

@@ -4,7 +4,8 @@
 # over a small case of every kernel, and the GPU benchmarks. Every stage has a time limit; the summary is printed on
 # exit whatever happens (a stage timing out, a failed build, Ctrl-C), and the logs stay in $OUT.
 #   bash cuda_tests/run_gpu.sh                       (about 5 minutes on an H200; OUT=dir, default build/gpu-run)
-#   PEAGLE_GPU_TIMINGS=1 bash cuda_tests/run_gpu.sh  (also the long timing cases)
+#   PEAGLE_GPU_TIMINGS=1 bash cuda_tests/run_gpu.sh  (also the long timing cases and the side-by-side comparisons with
+#                                                     the public peers installed here: benchmarks/bench_peers_cuda.py)
 # The whole run stays within PEAGLE_GPU_BUDGET seconds (default 540): each stage gets at most what is left, and a
 # stage that no longer fits is recorded as not run. summary.txt in $OUT is rewritten after every stage, so even a kill
 # from outside leaves the summary so far. Exits non-zero when any stage failed, timed out or did not fit.
@@ -40,6 +41,10 @@ finish() {
   if [ -s "$OUT/bench_gpu.json" ]; then
     timeout 60 "$PY" benchmarks/report.py "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_report.txt" >&2
   fi
+  if [ -s "$OUT/bench_peers.json" ]; then
+    timeout 60 "$PY" benchmarks/report.py "$OUT/bench_peers.json" 2>&1 | tee "$OUT/bench_peers_report.txt" >&2
+  fi
+  [ -s "$OUT/bench_peers.md" ] && cat "$OUT/bench_peers.md" >&2
   exit "$FAILED"
 }
 trap finish EXIT
@@ -134,5 +139,18 @@ else
 fi
 
 stage "GPU benchmarks" 120 bench.log "$PY" -m pytest benchmarks -q -p no:cacheprovider -k cuda \
-  --benchmark-json "$OUT/bench_gpu.json"
+  --ignore benchmarks/bench_peers_cuda.py --benchmark-json "$OUT/bench_gpu.json"
 [ -f "$OUT/bench.log" ] && record "  benchmark counts" "$(pytest_counts "$OUT/bench.log")"
+
+# Side by side with the public kernels installed here (flashinfer, vLLM, FLA, speculators; torch's create_block_mask is
+# always there): opt-in with the other timing cases (flashinfer JIT-compiles its kernels and each N compiles
+# create_block_mask once, hence the longer limit). A peer that is not installed is a skip, named in the log and in
+# bench_peers.md.
+case "${PEAGLE_GPU_TIMINGS:-0}" in
+  "" | 0) record "GPU peer benchmarks" "not run (opt-in: PEAGLE_GPU_TIMINGS=1)" ;;
+  *)
+    stage "GPU peer benchmarks" 420 bench_peers.log env PEAGLE_PEERS_SUMMARY="$OUT/bench_peers.md" \
+      "$PY" -m pytest benchmarks/bench_peers_cuda.py -q -rs -p no:cacheprovider --benchmark-json "$OUT/bench_peers.json"
+    [ -f "$OUT/bench_peers.log" ] && record "  peer benchmark counts" "$(pytest_counts "$OUT/bench_peers.log")"
+    ;;
+esac

@@ -1,6 +1,7 @@
 """The GPU script (cuda_tests/run_gpu.sh) and its sanitizer cases, checked on a machine without a GPU: the cases are
 valid inputs that cover every op with a CPU kernel, and the script's summary survives a failed preflight and a stage
-that runs out of time (with fake device tools on PATH), with a non-zero exit either way."""
+that runs out of time (with fake device tools on PATH), with a non-zero exit either way; the peer benchmarks are an
+opt-in stage of their own."""
 
 from __future__ import annotations
 
@@ -73,3 +74,58 @@ def test_stage_timeout_keeps_the_summary(tmp_path):
     assert "cuda_tests" not in summary, summary
     assert "peagle GPU summary" in run.stderr
     assert "result: FAILED" in summary
+
+
+def passing_tools(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """Fake device tools under which every stage passes at once; the fake python logs each call (with the peers'
+    summary path it was given) to the returned file."""
+    calls = tmp_path / "calls.txt"
+    fake = tmp_path / "bin"
+    cuda_home = tmp_path / "cuda"
+    (cuda_home / "bin").mkdir(parents=True)
+    fake.mkdir()
+    (fake / "python").write_text(
+        "#!/bin/bash\n"
+        f'echo "$* | summary=${{PEAGLE_PEERS_SUMMARY:-}}" >> {calls}\n'
+        'case "$*" in\n'
+        "  *get_device_capability*) echo 9.0a;;\n"
+        '  *"-m pytest"*) echo "1 passed in 0.01s";;\n'
+        "esac\n"
+        "exit 0\n"
+    )
+    (fake / "nvidia-smi").write_text("#!/bin/bash\necho 'fake GPU, 1 MiB, 0'\n")
+    (cuda_home / "bin" / "nvcc").write_text("#!/bin/bash\necho 'Cuda compilation tools, fake'\n")
+    for tool in (fake / "python", fake / "nvidia-smi", cuda_home / "bin" / "nvcc"):
+        tool.chmod(0o755)
+    for tool in ("cmake", "compute-sanitizer"):  # the ctest and sanitizer stages run nothing real either
+        (fake / tool).write_text("#!/bin/bash\nexit 0\n")
+        (fake / tool).chmod(0o755)
+    env = {
+        "PYTHON": str(fake / "python"),
+        "PATH": f"{fake}:{os.environ['PATH']}",
+        "CUDA_HOME": str(cuda_home),
+        "PEAGLE_GPU_BUDGET": "120",
+    }
+    return env, calls
+
+
+@pytest.mark.parametrize("timings", ["0", "1"])
+def test_peer_benchmarks_are_an_opt_in_stage(tmp_path, timings):
+    """The side-by-side peer benchmarks run only with PEAGLE_GPU_TIMINGS, as their own stage whose JSON and summary
+    table land in $OUT; the default benchmark stage leaves their file out."""
+    env, calls = passing_tools(tmp_path)
+    run_script(tmp_path, {**env, "PEAGLE_GPU_TIMINGS": timings})
+    out = tmp_path / "out"
+    summary = (out / "summary.txt").read_text()
+    logged = calls.read_text().splitlines()
+    default = [line for line in logged if "-m pytest benchmarks -q" in line]
+    assert len(default) == 1 and "--ignore benchmarks/bench_peers_cuda.py" in default[0], logged
+    peers = [line for line in logged if "-m pytest benchmarks/bench_peers_cuda.py" in line]
+    stage = next(line for line in summary.splitlines() if line.startswith("GPU peer benchmarks"))
+    if timings == "0":
+        assert peers == [] and "not run (opt-in: PEAGLE_GPU_TIMINGS=1)" in stage, summary
+        return
+    assert len(peers) == 1 and "ok in" in stage, summary
+    assert f"--benchmark-json {out}/bench_peers.json" in peers[0] and "-rs" in peers[0], peers
+    assert peers[0].endswith(f"summary={out}/bench_peers.md"), peers
+    assert "peer benchmark counts" in summary and "1 passed" in summary, summary
