@@ -94,6 +94,13 @@ TORCH_LIBRARY(peagle, m) {
       "harness_decide(Tensor frontier_scores, Tensor calibration, Tensor widths, Tensor draft_cost, "
       "Tensor verify_cost, Tensor(a!) expected, Tensor(b!) draft_time, Tensor(c!) num_nodes, Tensor(d!) width, "
       "Tensor(e!) stop, Tensor(f!) go) -> ()");
+  // P-EAGLE pass decision (math: (5) of csrc/include/peagle/harness.h): from the candidate tree of a pass that drafted
+  // drafted_depth depths (path scores [B, N], depths [B, N], num_nodes [B]), calibration sums [B, 2] and the cost
+  // table's pass_time [P] and verify_cost [M + 1]: the verify budget [B], the next pass depth [B] and the budget's
+  // predicted accepted drafts [B].
+  m.def(
+      "harness_pass_decide(Tensor scores, Tensor depth, Tensor num_nodes, Tensor calibration, Tensor pass_time, "
+      "Tensor verify_cost, int drafted_depth) -> (Tensor budget, Tensor next_depth, Tensor predicted)");
 
   // Returns the CPU output blocks kept for reuse (see csrc/cpu/large_buffers.h) to the OS; bytes released. Takes no
   // tensor, so its one kernel is composite (registered in csrc/cpu/large_buffers.cpp).

@@ -137,6 +137,18 @@ def harness(generator):
                        torch.linspace(1e-3, 1e-2, 17, **f64), state)  # fmt: skip
 
 
+@case("harness_pass_decide")
+def harness_pass(generator):
+    from peagle.ops import harness_pass_decide, tree_build_parallel
+
+    probs = torch.softmax(torch.randn(3, 4, 10, generator=generator), -1)
+    spec = tree_build_parallel(probs, [3, 2, 1, 1], 12)
+    calibration = torch.tensor([[1.0, 2.0], [0.0, 0.0], [3.0, 1.0]], dtype=torch.float64)
+    passes = torch.tensor([1e-3, 1.2e-3, 1.4e-3, 1.6e-3, 1.8e-3], dtype=torch.float64)
+    args = (spec.scores, spec.depth, spec.num_nodes, calibration, passes, torch.linspace(1e-3, 1e-2, 13).double(), 4)
+    harness_pass_decide(*(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args))
+
+
 def graph_chain(generator):
     """The graph chain's tail kernel (a catch-all op, so not in the coverage list): a few rounds of a toy drafter."""
     from peagle.decode.harness.graphs import DepthGraphChain

@@ -1,6 +1,7 @@
 """harness_decide on CUDA equals the CPU op bit for bit (random inputs, padding, stopped requests, ties, batches
 wider than one block), writes only into its arguments (no host synchronisation: it runs inside a captured CUDA
-graph), and rejects tensors on two devices."""
+graph), and rejects tensors on two devices. harness_pass_decide on CUDA equals the CPU op bit for bit (chains and
+trees, batches over several blocks) without a host synchronisation."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 import torch
 
 import peagle  # noqa: F401
-from peagle.ops import HarnessState, harness_decide
+from peagle.ops import HarnessState, harness_decide, harness_pass_decide
+from testkit import random_pass_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -65,3 +67,18 @@ def test_harness_decide_device_mismatch(generator):
     cuda_state = HarnessState(*(t.cuda() for t in state))
     with pytest.raises(RuntimeError, match="calibration must be on the same device as frontier_scores"):
         harness_decide(inputs[0].cuda(), *inputs[1:], cuda_state)
+
+
+@pytest.mark.parametrize("batch", [1, 37, 300])
+def test_harness_pass_decide_on_cuda_equals_cpu(generator, batch):
+    for _ in range(10):
+        args = random_pass_case(generator, batch, 40)
+        want = harness_pass_decide(*args)
+        cuda_args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = harness_pass_decide(*cuda_args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for name, a, e in zip(("budget", "next_depth", "predicted"), got, want, strict=True):
+            assert a.is_cuda and torch.equal(a.cpu(), e), name

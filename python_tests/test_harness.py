@@ -1,13 +1,21 @@
-"""harness_decide: the CPU op equals its PyTorch reference bit for bit on random inputs (padding, stopped requests,
-ties, budgets at the node limit), its decisions follow the ratio rule of harness.h checked by brute force, opcheck,
-and every argument check."""
+"""harness_decide and harness_pass_decide: the CPU ops equal their PyTorch references bit for bit on random inputs
+(padding, stopped requests, ties, budgets at the node limit, chains and trees, shallower / same / deeper next depths),
+their decisions follow the ratio rules of harness.h checked by brute force, opcheck, and every argument check."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from peagle.ops import HarnessState, calibration_scale, harness_decide, harness_decide_reference
+from peagle.ops import (
+    HarnessState,
+    calibration_scale,
+    harness_decide,
+    harness_decide_reference,
+    harness_pass_decide,
+    harness_pass_decide_reference,
+)
+from testkit import random_pass_case
 
 
 def random_case(generator: torch.Generator, batch: int, frontier: int, max_nodes: int):
@@ -129,3 +137,79 @@ def test_argument_errors(generator):
     noncontig = torch.zeros(2, 2, dtype=torch.float64)[:, 0]
     with pytest.raises(RuntimeError, match="expected must be contiguous"):
         call(expected=noncontig)
+
+
+@pytest.mark.parametrize("batch,max_nodes", [(1, 2), (4, 6), (16, 32), (64, 60)])
+def test_pass_op_equals_reference(generator, batch, max_nodes):
+    outcomes = set()  # next depth shallower (-1) / same (0) / deeper (1) than the pass: the cases compared
+    for _ in range(40):
+        args = random_pass_case(generator, batch, max_nodes)
+        got = harness_pass_decide(*args)
+        want = harness_pass_decide_reference(*args)
+        for name, a, e in zip(("budget", "next_depth", "predicted"), got, want, strict=True):
+            assert a.dtype == e.dtype and torch.equal(a, e), f"{name}:\n{a}\n{e}"
+        outcomes.update((got[1] - args[-1]).clamp(-1, 1).tolist())
+    if max_nodes > 2:
+        assert {-1, 1} <= outcomes
+
+
+def pass_brute_force(scores, depth, num_nodes, calibration, passes, verify, drafted, b):
+    """(budget, best K') of request b by listing every K' and every n (the rule of (5) in harness.h)."""
+    scale = float(calibration_scale(calibration)[b])
+    nodes = [i for i in range(1, int(num_nodes[b])) if 1 <= int(depth[b, i]) <= drafted]
+    table = {}
+    for k in range(1, drafted + 1):
+        ranked = sorted((float(scores[b, i]) for i in nodes if int(depth[b, i]) <= k), reverse=True)
+        ranked = ranked[: len(verify) - 2]
+        ratios = [
+            (1 + sum(min(1.0, scale * p) for p in ranked[:n])) / (float(passes[k - 1]) + float(verify[n + 1]))
+            for n in range(len(ranked) + 1)
+        ]
+        table[k] = ratios
+    budget = 1 + max(range(len(table[drafted])), key=lambda n: (table[drafted][n], -n))
+    best = max(range(1, drafted + 1), key=lambda k: (max(table[k]), -k))
+    return budget, best
+
+
+def test_pass_decisions_follow_the_ratio_rule(generator):
+    for _ in range(30):
+        args = random_pass_case(generator, 3, 24)
+        budget, next_depth, _ = harness_pass_decide(*args)
+        for b in range(3):
+            want_budget, best = pass_brute_force(*args, b)
+            assert int(budget[b]) == want_budget
+            assert int(next_depth[b]) in (best, best + 1)  # + 1: the budget used the deepest depth (grow)
+
+
+def test_pass_opcheck(generator):
+    torch.library.opcheck(torch.ops.peagle.harness_pass_decide, random_pass_case(generator, 4, 10))
+
+
+def test_pass_argument_errors(generator):
+    scores, depth, num_nodes, calibration, passes, verify, drafted = random_pass_case(generator, 2, 8)
+    base = dict(
+        scores=scores, depth=depth, num_nodes=num_nodes, calibration=calibration, pass_time=passes,
+        verify_cost=verify, drafted_depth=drafted,
+    )  # fmt: skip
+    bad_depth = depth.clone()
+    bad_depth[:, 1] = drafted + 1
+    cases = [
+        (dict(scores=scores.float()), "scores must be Double"),
+        (dict(scores=scores[0]), r"scores must be 2-D \[B, N\]"),
+        (dict(depth=depth.int()), "depth must be Long"),
+        (dict(num_nodes=num_nodes[:1]), r"num_nodes must have shape \[B\]"),
+        (dict(calibration=calibration[:1]), r"calibration must have shape \[B, 2\]"),
+        (dict(pass_time=torch.zeros(33, dtype=torch.float64)), "pass_time must hold 1 to 32 pass depths"),
+        (dict(verify_cost=verify[:1]), "verify_cost must cover at least 1 node"),
+        (dict(drafted_depth=len(passes) + 1), r"drafted_depth must be in \[1, "),
+        (dict(drafted_depth=0), r"drafted_depth must be in \[1, "),
+        (dict(num_nodes=torch.full_like(num_nodes, scores.shape[1] + 1)), r"num_nodes must be in \[1, N\]"),
+        (dict(scores=scores.clone().fill_(1.5), num_nodes=torch.full_like(num_nodes, 2)), r"must be in \[0, 1\]"),
+        (dict(depth=bad_depth, num_nodes=torch.full_like(num_nodes, 2)), "depth of drafted nodes must be in"),
+        (dict(calibration=-torch.ones_like(calibration)), "calibration must be finite and >= 0"),
+        (dict(pass_time=torch.full_like(passes, float("nan"))), "pass_time must be finite and >= 0"),
+        (dict(verify_cost=torch.full_like(verify, -1.0)), "verify_cost must be finite and >= 0"),
+    ]
+    for replace, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            harness_pass_decide(**(base | replace))

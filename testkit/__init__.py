@@ -479,3 +479,27 @@ def flat_cost_table(depths: int = 8):
         draft_s=[[[0.5e-3, 0.6e-3, 0.8e-3]] * depths] * len(batches),
         pass_s=[[1e-3 + 0.1e-3 * k for k in range(depths)]] * len(batches),
     )
+
+
+def random_pass_case(generator: torch.Generator, batch: int, max_nodes: int) -> tuple:
+    """A pass's candidate tree (a chain or a Cartesian tree, sharpened scores, ties), calibration and costs: steep
+    (shallow budgets) or nearly flat (full trees, deeper next passes)."""
+    num_pass = int(torch.randint(1, 9, (1,), generator=generator))
+    depth = int(torch.randint(1, num_pass + 1, (1,), generator=generator))
+    vocab = 10
+    logits = torch.randn(batch, depth, vocab, generator=generator) * 3
+    probs = torch.softmax(logits.round(), -1)  # rounded logits: tied probabilities
+    topk = [1] * depth if float(torch.rand(1, generator=generator)) < 0.5 else [3] + [2] * (depth - 1)
+    from peagle.ops import tree_build_parallel
+
+    spec = tree_build_parallel(probs, topk, int(torch.randint(2, 40, (1,), generator=generator)))
+    gamma = torch.rand(batch, 1, generator=generator, dtype=torch.float64) * 1.5
+    scores = torch.where(spec.scores > 0, spec.scores.clamp(min=1e-300) ** gamma, spec.scores)
+    num_nodes = torch.minimum(spec.num_nodes, torch.randint(1, spec.scores.shape[1] + 1, (batch,), generator=generator))
+    calibration = torch.rand(batch, 2, generator=generator, dtype=torch.float64) * 20
+    steep = float(torch.rand(1, generator=generator)) < 0.5
+    verify = torch.sort(torch.rand(max_nodes + 1, generator=generator, dtype=torch.float64)).values
+    verify = verify * 1e-2 if steep else 1e-2 + verify * 1e-5
+    passes = torch.sort(torch.rand(num_pass, generator=generator, dtype=torch.float64)).values
+    passes = passes * (1e-2 if steep else 1e-5)
+    return scores.contiguous(), spec.depth, num_nodes, calibration, passes, verify, depth

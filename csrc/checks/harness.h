@@ -16,8 +16,8 @@ struct HarnessDims {
 };
 
 inline void check_harness_tensor(const char* name, const at::Tensor& t, at::ScalarType dtype, at::IntArrayRef shape,
-                                 const char* layout, const at::Tensor& ref) {
-  const char* op = "harness_decide";
+                                 const char* layout, const at::Tensor& ref, const char* op = "harness_decide",
+                                 const char* ref_name = "frontier_scores") {
   TORCH_CHECK(t.dim() == static_cast<int64_t>(shape.size()), "peagle.", op, ": ", name, " must be ", shape.size(),
               "-D ", layout, ", got shape ", shape_str(t));
   for (size_t i = 0; i < shape.size(); ++i) {
@@ -27,7 +27,7 @@ inline void check_harness_tensor(const char* name, const at::Tensor& t, at::Scal
   }
   TORCH_CHECK(t.scalar_type() == dtype, "peagle.", op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
   TORCH_CHECK(t.is_contiguous(), "peagle.", op, ": ", name, " must be contiguous");
-  check_same_device(op, name, t, ref, "frontier_scores");
+  check_same_device(op, name, t, ref, ref_name);
 }
 
 inline HarnessDims check_harness_decide_args(const at::Tensor& frontier_scores, const at::Tensor& calibration,
@@ -83,6 +83,74 @@ inline void check_harness_values(const HarnessDims& d, const double* scores, con
   for (int64_t b = 0; b < d.batch; ++b) {
     TORCH_CHECK(num_nodes[b] >= 1 && num_nodes[b] <= d.max_nodes, op, "num_nodes must be in [1, M] = [1, ", d.max_nodes,
                 "], got ", num_nodes[b], " at ", b);
+  }
+}
+
+struct PassDims {
+  int64_t batch, nodes, num_pass, max_nodes;
+};
+
+// harness_pass_decide: scores [B, N] float64, depth [B, N] int64, num_nodes [B] int64, calibration [B, 2] float64,
+// pass_time [P] float64 (1 <= P <= kMaxPassDepth), verify_cost [M + 1] float64, 1 <= drafted_depth <= P.
+inline PassDims check_harness_pass_args(const at::Tensor& scores, const at::Tensor& depth, const at::Tensor& num_nodes,
+                                        const at::Tensor& calibration, const at::Tensor& pass_time,
+                                        const at::Tensor& verify_cost, int64_t drafted_depth, int64_t max_pass_depth) {
+  const char* op = "harness_pass_decide";
+  const auto check = [&](const char* name, const at::Tensor& t, at::ScalarType dtype, at::IntArrayRef shape,
+                         const char* layout) {
+    check_harness_tensor(name, t, dtype, shape, layout, scores, op, "scores");
+  };
+  check("scores", scores, at::kDouble, {-1, -1}, "[B, N]");
+  const int64_t batch = scores.size(0), nodes = scores.size(1);
+  TORCH_CHECK(nodes >= 1, "peagle.harness_pass_decide: scores must hold at least the root (N >= 1), got shape ",
+              shape_str(scores));
+  check("depth", depth, at::kLong, {batch, nodes}, "[B, N] (like scores)");
+  check("num_nodes", num_nodes, at::kLong, {batch}, "[B]");
+  check("calibration", calibration, at::kDouble, {batch, 2}, "[B, 2] (observed, predicted)");
+  check("pass_time", pass_time, at::kDouble, {-1}, "[P] (one per pass depth)");
+  const int64_t num_pass = pass_time.size(0);
+  TORCH_CHECK(num_pass >= 1 && num_pass <= max_pass_depth, "peagle.harness_pass_decide: pass_time must hold 1 to ",
+              max_pass_depth, " pass depths, got ", num_pass);
+  check("verify_cost", verify_cost, at::kDouble, {-1}, "[M + 1] (index = nodes)");
+  TORCH_CHECK(verify_cost.size(0) >= 2,
+              "peagle.harness_pass_decide: verify_cost must cover at least 1 node (size >= 2), ", "got shape ",
+              shape_str(verify_cost));
+  TORCH_CHECK(drafted_depth >= 1 && drafted_depth <= num_pass,
+              "peagle.harness_pass_decide: drafted_depth must be in [1, ", num_pass,
+              "] (the pass depths pass_time has), got ", drafted_depth);
+  return PassDims{batch, nodes, num_pass, verify_cost.size(0) - 1};
+}
+
+// Values (CPU tensors): num_nodes in [1, N]; the drafted nodes' scores in [0, 1] and depths in [1, drafted_depth];
+// calibration sums and costs finite and >= 0.
+inline void check_harness_pass_values(const PassDims& d, const double* scores, const int64_t* depth,
+                                      const int64_t* num_nodes, const double* calibration, const double* pass_time,
+                                      const double* verify_cost, int64_t drafted_depth) {
+  const char* op = "peagle.harness_pass_decide: ";
+  for (int64_t b = 0; b < d.batch; ++b) {
+    TORCH_CHECK(num_nodes[b] >= 1 && num_nodes[b] <= d.nodes, op, "num_nodes must be in [1, N] = [1, ", d.nodes,
+                "], got ", num_nodes[b], " at ", b);
+    for (int64_t i = 1; i < num_nodes[b]; ++i) {
+      const double p = scores[b * d.nodes + i];
+      const int64_t k = depth[b * d.nodes + i];
+      TORCH_CHECK(p >= 0.0 && p <= 1.0, op, "scores of drafted nodes must be in [0, 1], got ", p, " at [", b, ", ", i,
+                  "]");
+      TORCH_CHECK(k >= 1 && k <= drafted_depth, op, "depth of drafted nodes must be in [1, drafted_depth] = [1, ",
+                  drafted_depth, "], got ", k, " at [", b, ", ", i, "]");
+    }
+    for (int64_t j = 0; j < 2; ++j) {
+      const double c = calibration[2 * b + j];
+      TORCH_CHECK(std::isfinite(c) && c >= 0.0, op, "calibration must be finite and >= 0, got ", c, " at [", b, ", ", j,
+                  "]");
+    }
+  }
+  for (int64_t k = 0; k < d.num_pass; ++k) {
+    TORCH_CHECK(std::isfinite(pass_time[k]) && pass_time[k] >= 0.0, op, "pass_time must be finite and >= 0, got ",
+                pass_time[k], " at ", k);
+  }
+  for (int64_t n = 0; n <= d.max_nodes; ++n) {
+    TORCH_CHECK(std::isfinite(verify_cost[n]) && verify_cost[n] >= 0.0, op, "verify_cost must be finite and >= 0, got ",
+                verify_cost[n], " at ", n);
   }
 }
 

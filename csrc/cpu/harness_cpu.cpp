@@ -48,7 +48,41 @@ void harness_decide_cpu(const at::Tensor& frontier_scores, const at::Tensor& cal
   go.data_ptr<int32_t>()[0] = any;
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> harness_pass_decide_cpu(
+    const at::Tensor& scores, const at::Tensor& depth, const at::Tensor& num_nodes, const at::Tensor& calibration,
+    const at::Tensor& pass_time, const at::Tensor& verify_cost, int64_t drafted_depth) {
+  const PassDims d = check_harness_pass_args(scores, depth, num_nodes, calibration, pass_time, verify_cost,
+                                             drafted_depth, harness::kMaxPassDepth);
+  const double* p = scores.data_ptr<double>();
+  const int64_t* k = depth.data_ptr<int64_t>();
+  const int64_t* n = num_nodes.data_ptr<int64_t>();
+  const double* calib = calibration.data_ptr<double>();
+  const double* pass = pass_time.data_ptr<double>();
+  const double* vc = verify_cost.data_ptr<double>();
+  check_harness_pass_values(d, p, k, n, calib, pass, vc, drafted_depth);
+  at::Tensor budget = at::empty({d.batch}, num_nodes.options());
+  at::Tensor next_depth = at::empty({d.batch}, num_nodes.options());
+  at::Tensor predicted = at::empty({d.batch}, scores.options());
+  int64_t* out_budget = budget.data_ptr<int64_t>();
+  int64_t* out_next = next_depth.data_ptr<int64_t>();
+  double* out_predicted = predicted.data_ptr<double>();
+  at::parallel_for(0, d.batch, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const double scale = harness::calibration_scale(calib[2 * b], calib[2 * b + 1]);
+      const harness::PassDecision r = harness::pass_decide(p + b * d.nodes, k + b * d.nodes, n[b], scale, pass,
+                                                           d.num_pass, drafted_depth, vc, d.max_nodes);
+      out_budget[b] = r.budget;
+      out_next[b] = r.next_depth;
+      out_predicted[b] = r.predicted;
+    }
+  });
+  return {budget, next_depth, predicted};
+}
+
 }  // namespace
 }  // namespace peagle
 
-TORCH_LIBRARY_IMPL(peagle, CPU, m) { m.impl("harness_decide", &peagle::harness_decide_cpu); }
+TORCH_LIBRARY_IMPL(peagle, CPU, m) {
+  m.impl("harness_decide", &peagle::harness_decide_cpu);
+  m.impl("harness_pass_decide", &peagle::harness_pass_decide_cpu);
+}

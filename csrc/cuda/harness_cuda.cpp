@@ -8,6 +8,7 @@
 #include "checks/cuda.h"
 #include "checks/harness.h"
 #include "harness_kernels.h"
+#include "peagle/harness.h"
 
 namespace peagle {
 namespace {
@@ -39,7 +40,38 @@ void harness_decide_cuda(const at::Tensor& frontier_scores, const at::Tensor& ca
   check_cuda(cuda::harness_decide(args, c10::cuda::getCurrentCUDAStream()), "harness_decide");
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> harness_pass_decide_cuda(
+    const at::Tensor& scores, const at::Tensor& depth, const at::Tensor& num_nodes, const at::Tensor& calibration,
+    const at::Tensor& pass_time, const at::Tensor& verify_cost, int64_t drafted_depth) {
+  const PassDims d = check_harness_pass_args(scores, depth, num_nodes, calibration, pass_time, verify_cost,
+                                             drafted_depth, harness::kMaxPassDepth);
+  TORCH_CHECK(scores.is_cuda(), "peagle.harness_pass_decide: expected CUDA tensors, got scores on ", scores.device());
+  const c10::cuda::CUDAGuard guard(scores.device());
+  at::Tensor budget = at::empty({d.batch}, num_nodes.options());
+  at::Tensor next_depth = at::empty({d.batch}, num_nodes.options());
+  at::Tensor predicted = at::empty({d.batch}, scores.options());
+  const cuda::HarnessPassArgs args{scores.data_ptr<double>(),
+                                   depth.data_ptr<int64_t>(),
+                                   num_nodes.data_ptr<int64_t>(),
+                                   calibration.data_ptr<double>(),
+                                   pass_time.data_ptr<double>(),
+                                   verify_cost.data_ptr<double>(),
+                                   budget.data_ptr<int64_t>(),
+                                   next_depth.data_ptr<int64_t>(),
+                                   predicted.data_ptr<double>(),
+                                   d.batch,
+                                   d.nodes,
+                                   d.num_pass,
+                                   d.max_nodes,
+                                   drafted_depth};
+  check_cuda(cuda::harness_pass_decide(args, c10::cuda::getCurrentCUDAStream()), "harness_pass_decide");
+  return {budget, next_depth, predicted};
+}
+
 }  // namespace
 }  // namespace peagle
 
-TORCH_LIBRARY_IMPL(peagle, CUDA, m) { m.impl("harness_decide", &peagle::harness_decide_cuda); }
+TORCH_LIBRARY_IMPL(peagle, CUDA, m) {
+  m.impl("harness_decide", &peagle::harness_decide_cuda);
+  m.impl("harness_pass_decide", &peagle::harness_pass_decide_cuda);
+}

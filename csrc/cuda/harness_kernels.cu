@@ -34,7 +34,30 @@ __global__ void harness_decide_kernel(const HarnessDecideArgs a) {
   if (threadIdx.x == 0) a.go[0] = any != 0 ? 1 : 0;
 }
 
+__global__ void harness_pass_decide_kernel(const HarnessPassArgs a) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b >= a.batch) return;
+  const int64_t n = a.num_nodes[b];
+  const int64_t count = n < 1 ? 1 : (n > a.nodes ? a.nodes : n);
+  const double scale = harness::calibration_scale(a.calibration[2 * b], a.calibration[2 * b + 1]);
+  const harness::PassDecision r =
+      harness::pass_decide(a.scores + b * a.nodes, a.depth + b * a.nodes, count, scale, a.pass_time, a.num_pass,
+                           a.drafted_depth, a.verify_cost, a.max_nodes);
+  a.budget[b] = r.budget;
+  a.next_depth[b] = r.next_depth;
+  a.predicted[b] = r.predicted;
+}
+
+constexpr int kPassThreads = 128;
+
 }  // namespace
+
+cudaError_t harness_pass_decide(const HarnessPassArgs& args, cudaStream_t stream) {
+  if (args.batch == 0) return cudaSuccess;
+  const int64_t blocks = (args.batch + kPassThreads - 1) / kPassThreads;  // x grid: up to 2^31 - 1 blocks
+  harness_pass_decide_kernel<<<static_cast<unsigned>(blocks), kPassThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
 
 cudaError_t harness_decide(const HarnessDecideArgs& args, cudaStream_t stream) {
   harness_decide_kernel<<<1, kThreads, 0, stream>>>(args);

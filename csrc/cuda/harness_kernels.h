@@ -27,5 +27,21 @@ struct HarnessDecideArgs {
 // One block: a thread per request (grid-stride over requests), then a block-wide OR for go. No host synchronisation.
 cudaError_t harness_decide(const HarnessDecideArgs& args, cudaStream_t stream);
 
+struct HarnessPassArgs {
+  const double* scores;       // [B, N]
+  const int64_t* depth;       // [B, N]
+  const int64_t* num_nodes;   // [B]
+  const double* calibration;  // [B, 2]
+  const double* pass_time;    // [P]
+  const double* verify_cost;  // [M + 1]
+  int64_t* budget;            // [B]
+  int64_t* next_depth;        // [B]
+  double* predicted;          // [B]
+  int64_t batch, nodes, num_pass, max_nodes, drafted_depth;
+};
+
+// A thread per request (1-D grid). num_nodes is clamped to [1, N] (the value checks are the CPU's).
+cudaError_t harness_pass_decide(const HarnessPassArgs& args, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace peagle

@@ -25,6 +25,8 @@ from peagle.ops.harness import (
     calibration_scale,
     harness_decide,
     harness_decide_reference,
+    harness_pass_decide,
+    harness_pass_decide_reference,
 )
 from peagle.ops.kv import kv_compact, kv_compact_reference
 from peagle.ops.lm_head import (
@@ -106,6 +108,8 @@ __all__ = [
     "gdn_tree_verify_reference",
     "harness_decide",
     "harness_decide_reference",
+    "harness_pass_decide",
+    "harness_pass_decide_reference",
     "kv_compact",
     "kv_compact_reference",
     "make_mask_mod",

@@ -1,10 +1,12 @@
-"""The harness's per-depth decision (:func:`harness_decide`): how many of the candidate nodes a request drafts at the
-next depth, and whether it stops, from calibrated path scores and the cost table (math: ``csrc/include/peagle/
-harness.h``; the policy around it: :mod:`peagle.decode.harness.policy`).
+"""The harness's decisions on the device. :func:`harness_decide` (autoregressive drafters): how many of the candidate
+nodes a request drafts at the next depth, and whether it stops. :func:`harness_pass_decide` (P-EAGLE): the verify
+budget of a pass's candidate tree and the next pass's depth. Both from calibrated path scores and the cost table (math:
+``csrc/include/peagle/harness.h``; the policy around them: :mod:`peagle.decode.harness.policy`).
 
 The op writes into preallocated tensors (no outputs), so a CUDA graph can capture it and a device-side runner can read
 ``go`` without the host. :func:`harness_decide_reference` is the executable spec in PyTorch, operation for operation
-the same float64 arithmetic, so its results equal the kernels' bit for bit.
+the same float64 arithmetic, so its results equal the kernels' bit for bit; so is
+:func:`harness_pass_decide_reference` (on CPU tensors, whose cumulative sums run in order).
 """
 
 from __future__ import annotations
@@ -18,9 +20,13 @@ __all__ = [
     "CALIBRATION_PRIOR",
     "CALIBRATION_SCALE_RANGE",
     "HarnessState",
+    "best_candidates",
+    "budget_ratios",
     "calibration_scale",
     "harness_decide",
     "harness_decide_reference",
+    "harness_pass_decide",
+    "harness_pass_decide_reference",
 ]
 
 # Constants of csrc/include/peagle/harness.h (kPrior, kMinScale, kMaxScale).
@@ -125,3 +131,105 @@ def harness_decide_reference(
     state.draft_time.copy_(torch.where(chosen, pick(t), state.draft_time))
     state.num_nodes.copy_(torch.where(chosen, nodes + w[best], nodes))
     state.go.fill_(int(bool(chosen.any())))
+
+
+def harness_pass_decide(
+    scores: Tensor,
+    depth: Tensor,
+    num_nodes: Tensor,
+    calibration: Tensor,
+    pass_time: Tensor,
+    verify_cost: Tensor,
+    drafted_depth: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """P-EAGLE: the verify budget of a pass's candidate tree and the next pass's depth ((5) of harness.h).
+
+    Args:
+        scores: [B, N] float64 (calibrated-exponent) path scores of the candidate tree, node 0 the root; nodes at or
+            beyond ``num_nodes[b]`` are ignored.
+        depth: [B, N] int64 node depths (1 .. ``drafted_depth`` for drafted nodes).
+        num_nodes: [B] int64 nodes of each request's tree, root included.
+        calibration: [B, 2] float64 decayed sums (observed accepted drafts, predicted accepted drafts).
+        pass_time: [P] float64 seconds of a pass drafting 1 .. P depths (P <= 32).
+        verify_cost: [M + 1] float64 target verify seconds for n tree nodes (index n, root included).
+        drafted_depth: the depths this pass drafted, in [1, P].
+
+    Returns:
+        (budget [B] int64 nodes to verify, root included, in [1, min(M, drafts + 1)]; next_depth [B] int64 in [1, P];
+        predicted [B] float64 = S_(budget - 1), the budget's expected accepted drafts).
+    """
+    return torch.ops.peagle.harness_pass_decide(
+        scores, depth, num_nodes, calibration, pass_time, verify_cost, drafted_depth
+    )
+
+
+@torch.library.register_fake("peagle::harness_pass_decide")
+def _harness_pass_decide_fake(scores, depth, num_nodes, calibration, pass_time, verify_cost, drafted_depth):
+    batch = scores.shape[0]
+    return num_nodes.new_empty(batch), num_nodes.new_empty(batch), scores.new_empty(batch)
+
+
+def budget_ratios(scores: Tensor, calibration: Tensor, draft_time: Tensor | float, verify_cost: Tensor) -> Tensor:
+    """Ratios (1 + S_k) / (T_draft + V[k + 1]) for k = 0 .. drafts, [B, k] (-inf past the valid candidates).
+
+    ``scores`` [B, M] float64 path scores of the drafted candidates (root excluded), < 0 = padding, any order; at most
+    the best M' - 1 of them count (V has M' + 1 entries)."""
+    batch = scores.shape[0]
+    max_nodes = verify_cost.shape[0] - 1
+    scale = calibration_scale(calibration.double())
+    ordered = torch.sort(torch.where(scores >= 0, scores.double(), -1.0), dim=1, descending=True, stable=True).values
+    ordered = ordered[:, : max_nodes - 1]
+    gain = torch.where(ordered >= 0, torch.clamp(scale[:, None] * ordered, max=1.0), 0.0)
+    sums = torch.cat([gain.new_zeros(batch, 1), torch.cumsum(gain, 1)], 1)  # S_k for k = 0 .. drafts
+    nodes = torch.arange(1, sums.shape[1] + 1, device=scores.device)
+    draft_time = torch.as_tensor(draft_time, dtype=torch.float64, device=scores.device).reshape(-1, 1)
+    ratio = (1.0 + sums) / (draft_time + verify_cost[nodes][None, :])
+    return torch.where(torch.cat([torch.ones_like(ordered[:, :1]), ordered], 1) >= 0, ratio, -torch.inf)
+
+
+def best_candidates(scores: Tensor, valid: Tensor, budget: Tensor) -> Tensor:
+    """[B, N] bool: the best ``budget[b]`` valid candidates by score (root first, ties to the smaller index)."""
+    batch, nodes = scores.shape
+    index = torch.arange(nodes, device=scores.device).expand(batch, nodes)
+    key = torch.where(index == 0, 2.0, torch.where(valid, scores.double(), -1.0))
+    order = torch.sort(key, dim=1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(1, order, index)
+    return (rank < budget[:, None]) & valid
+
+
+def harness_pass_decide_reference(
+    scores: Tensor,
+    depth: Tensor,
+    num_nodes: Tensor,
+    calibration: Tensor,
+    pass_time: Tensor,
+    verify_cost: Tensor,
+    drafted_depth: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Reference of :func:`harness_pass_decide` (no input validation): every K' in 1 .. ``drafted_depth`` scored in
+    one batched :func:`budget_ratios` over the tree with the nodes deeper than K' dropped."""
+    batch, nodes = scores.shape
+    device = scores.device
+    index = torch.arange(nodes, device=device)
+    valid = index[None, :] < num_nodes[:, None]
+    drafted = valid & (index[None, :] > 0) & (depth >= 1) & (depth <= drafted_depth)
+    candidates = torch.where(drafted, scores.double(), -1.0)[:, 1:]
+    ks = torch.arange(1, drafted_depth + 1, device=device)
+    shallow = torch.where(depth[:, None, 1:] <= ks[None, :, None], candidates[:, None, :], -1.0)
+    seconds = pass_time[:drafted_depth].double().repeat(batch)
+    ratios = budget_ratios(
+        shallow.reshape(batch * drafted_depth, -1),
+        calibration.repeat_interleave(drafted_depth, 0),
+        seconds,
+        verify_cost,
+    ).view(batch, drafted_depth, -1)
+    budget = ratios[:, drafted_depth - 1].argmax(1) + 1
+    best = ratios.amax(2).argmax(1) + 1
+    kept = torch.where(best_candidates(scores, drafted | (index[None, :] == 0), budget), depth, 0).amax(1)
+    grow = (kept >= drafted_depth) & (best == drafted_depth) & (drafted_depth < pass_time.shape[0])
+    scale = calibration_scale(calibration.double())
+    ordered = torch.sort(candidates, dim=1, descending=True, stable=True).values[:, : verify_cost.shape[0] - 2]
+    gain = torch.where(ordered >= 0, torch.clamp(scale[:, None] * ordered, max=1.0), 0.0)
+    sums = torch.cat([gain.new_zeros(batch, 1), torch.cumsum(gain, 1)], 1)
+    predicted = sums.gather(1, (budget - 1)[:, None])[:, 0]
+    return budget, torch.where(grow, best + 1, best), predicted

@@ -130,5 +130,93 @@ PEAGLE_HD Decision decide(const double* scores, int64_t count, double scale, con
   return out;
 }
 
+// P-EAGLE pass decision. One pass drafted D depths (cost pass[D - 1]) and the candidate tree holds its nodes with path
+// scores p (node 0 = the root). For K' = 1 .. D, the nodes of depth <= K' in descending order of p (ties to the smaller
+// index; at most M - 1 of them, M = max_nodes) give, for n = k + 1 nodes,
+//     R_K'(k) = (1 + S_k) / (pass[K' - 1] + V[k + 1]),   S_k = s_(1) + ... + s_(k), s = min(1, c * p),          (5)
+// the ratio (1) of a pass of depth K' verifying its best n nodes. The budget is 1 + the first k maximising R_D; the
+// next round's depth is the first K' whose best R_K' is largest - or D + 1 (at most num_pass) when that K' is D and
+// the budget keeps a node of depth D: the tree cannot show what a deeper pass would gain, so the harness tries one.
+// predicted = S_(budget - 1), the E of the budget's tree. Same order of evaluation as pass_budget in
+// peagle/decode/harness/policy.py (S_k a running sum, sequential), so the results agree bit for bit.
+constexpr int64_t kMaxPassDepth = 32;
+
+struct PassDecision {
+  int64_t budget;      // nodes to verify, root included
+  int64_t next_depth;  // the next round's pass depth
+  double predicted;    // S_(budget - 1)
+};
+
+// next_best over the drafted nodes of a candidate tree: index >= 1, a candidate score, 1 <= depth <= max_depth.
+PEAGLE_HD int64_t next_drafted(const double* scores, const int64_t* depth, int64_t count, int64_t max_depth,
+                               double prev_score, int64_t prev_index) {
+  int64_t best = -1;
+  for (int64_t j = 1; j < count; ++j) {
+    const double v = scores[j];
+    if (!candidate(v) || depth[j] < 1 || depth[j] > max_depth) continue;
+    const bool after = prev_index < 0 || v < prev_score || (v == prev_score && j > prev_index);
+    if (after && (best < 0 || v > scores[best])) best = j;
+  }
+  return best;
+}
+
+// scores / depth [count] of one request's candidate tree (node 0 = root; node i >= 1 takes part when scores[i] >= 0
+// and 1 <= depth[i] <= drafted_depth); pass_time [num_pass]; verify_cost [max_nodes + 1]; 1 <= drafted_depth <=
+// min(num_pass, kMaxPassDepth).
+PEAGLE_HD PassDecision pass_decide(const double* scores, const int64_t* depth, int64_t count, double scale,
+                                   const double* pass_time, int64_t num_pass, int64_t drafted_depth,
+                                   const double* verify_cost, int64_t max_nodes) {
+  const int64_t d_max = drafted_depth;
+  double sum[kMaxPassDepth], best[kMaxPassDepth];
+  int64_t taken[kMaxPassDepth];
+  for (int64_t k = 0; k < d_max; ++k) {
+    sum[k] = 0.0;
+    taken[k] = 0;
+    best[k] = 1.0 / add_rn(pass_time[k], verify_cost[1]);
+  }
+  int64_t budget_drafts = 0;
+  double predicted = 0.0, prev_score = 0.0;
+  int64_t prev_index = -1;
+  // Walk the candidates best first; each one joins every K' at least as deep as it.
+  for (;;) {
+    const int64_t i = next_drafted(scores, depth, count, d_max, prev_score, prev_index);
+    if (i < 0) break;
+    prev_score = scores[i];
+    prev_index = i;
+    const double s0 = mul_rn(scale, scores[i]);
+    const double s = s0 < 1.0 ? s0 : 1.0;
+    for (int64_t k = depth[i] - 1; k < d_max; ++k) {
+      if (taken[k] >= max_nodes - 1) continue;
+      sum[k] = add_rn(sum[k], s);
+      taken[k] += 1;
+      const double r = add_rn(1.0, sum[k]) / add_rn(pass_time[k], verify_cost[taken[k] + 1]);
+      if (r > best[k]) {
+        best[k] = r;
+        if (k == d_max - 1) {
+          budget_drafts = taken[k];
+          predicted = sum[k];
+        }
+      }
+    }
+  }
+  int64_t best_depth = 1;
+  for (int64_t k = 1; k < d_max; ++k) {
+    if (best[k] > best[best_depth - 1]) best_depth = k + 1;
+  }
+  // The deepest node the budget keeps: its best budget_drafts candidates (all depths, same order).
+  int64_t kept_depth = 0, seen = 0;
+  prev_index = -1;
+  while (seen < budget_drafts) {
+    const int64_t i = next_drafted(scores, depth, count, d_max, prev_score, prev_index);
+    if (i < 0) break;
+    prev_score = scores[i];
+    prev_index = i;
+    kept_depth = depth[i] > kept_depth ? depth[i] : kept_depth;
+    ++seen;
+  }
+  const bool grow = kept_depth >= d_max && best_depth == d_max && d_max < num_pass;
+  return PassDecision{budget_drafts + 1, grow ? best_depth + 1 : best_depth, predicted};
+}
+
 }  // namespace harness
 }  // namespace peagle

@@ -41,7 +41,8 @@ import torch
 from torch import Tensor
 
 from peagle.decode.harness.cost import CostTable
-from peagle.ops import HarnessState, TreeSpec, calibration_scale, harness_decide, tree_select
+from peagle.ops import HarnessState, TreeSpec, calibration_scale, harness_decide, harness_pass_decide, tree_select
+from peagle.ops.harness import best_candidates, budget_ratios
 
 __all__ = [
     "CALIBRATION_DECAY",
@@ -50,7 +51,6 @@ __all__ = [
     "HarnessPolicy",
     "PassHarness",
     "Plan",
-    "chain_pass_budget",
     "harness_budget",
     "pass_budget",
     "predicted_acceptance",
@@ -94,92 +94,25 @@ def harness_budget(scores: Tensor, calibration: Tensor, draft_time: Tensor | flo
     Returns:
         [B] int64 budgets in [1, min(Nmax, 1 + valid candidates)]; ties go to the smaller budget.
     """
-    return _budget_ratios(scores, calibration, draft_time, verify_cost).argmax(1) + 1
-
-
-def _budget_ratios(scores: Tensor, calibration: Tensor, draft_time: Tensor | float, verify_cost: Tensor) -> Tensor:
-    """Ratios (1 + S_k) / (T_draft + V[k + 1]) for k = 0 .. drafts, [B, k] (-inf past the valid candidates)."""
-    batch = scores.shape[0]
-    max_nodes = verify_cost.shape[0] - 1
-    scale = calibration_scale(calibration.double())
-    ordered = torch.sort(torch.where(scores >= 0, scores.double(), -1.0), dim=1, descending=True, stable=True).values
-    ordered = ordered[:, : max_nodes - 1]
-    gain = torch.where(ordered >= 0, torch.clamp(scale[:, None] * ordered, max=1.0), 0.0)
-    sums = torch.cat([gain.new_zeros(batch, 1), torch.cumsum(gain, 1)], 1)  # S_k for k = 0 .. drafts
-    nodes = torch.arange(1, sums.shape[1] + 1, device=scores.device)
-    draft_time = torch.as_tensor(draft_time, dtype=torch.float64, device=scores.device).reshape(-1, 1)
-    ratio = (1.0 + sums) / (draft_time + verify_cost[nodes][None, :])
-    ratio = torch.where(torch.cat([torch.ones_like(ordered[:, :1]), ordered], 1) >= 0, ratio, -torch.inf)
-    return ratio
+    return budget_ratios(scores, calibration, draft_time, verify_cost).argmax(1) + 1
 
 
 def pass_budget(
-    spec: TreeSpec, calibration: Tensor, pass_time: list[float], depth: int, verify_cost: Tensor
-) -> tuple[Tensor, Tensor]:
+    spec: TreeSpec, calibration: Tensor, pass_time: Tensor, depth: int, verify_cost: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     """P-EAGLE: the verify budget of this round's candidate tree and the pass depth K for the next round.
 
     ``spec`` is the candidate tree of a pass that drafted ``depth`` depths at ``pass_time[depth - 1]`` seconds; the
     budget is :func:`harness_budget` over its nodes. Each K' in 1 .. ``depth`` is scored by the best ratio this tree
     would have given had the pass drafted K' depths (deeper nodes dropped, cost ``pass_time[K' - 1]``); the best K' is
     the next depth, or ``depth + 1`` (up to ``len(pass_time)``) when the best is ``depth`` and the budget reaches it:
-    the tree cannot show what a deeper pass would gain, so the harness tries it. Returns (budget, next depth), [B]
-    int64 each. All K' are scored in one batched evaluation (this runs every round).
+    the tree cannot show what a deeper pass would gain, so the harness tries it. Returns (budget, next depth, the
+    budget's predicted accepted drafts), [B] each: the ``harness_pass_decide`` op, one call per round (its reference,
+    ``harness_pass_decide_reference``, is the same decision in PyTorch).
     """
-    batch, nodes = spec.scores.shape
-    device = spec.scores.device
-    index = torch.arange(nodes, device=device)
-    drafted = (index > 0) & (index < spec.num_nodes[:, None])
-    scores = torch.where(drafted, spec.scores, -1.0)[:, 1:]
-    ks = torch.arange(1, depth + 1, device=device)
-    shallow = torch.where(spec.depth[:, None, 1:] <= ks[None, :, None], scores[:, None, :], -1.0)
-    seconds = torch.tensor(pass_time[:depth], dtype=torch.float64, device=device).repeat(batch)
-    ratios = _budget_ratios(
-        shallow.reshape(batch * depth, -1), calibration.repeat_interleave(depth, 0), seconds, verify_cost
-    ).view(batch, depth, -1)
-    budget = ratios[:, depth - 1].argmax(1) + 1
-    best = ratios.amax(2).argmax(1) + 1
-    valid = index[None, :] < spec.num_nodes[:, None]
-    kept = torch.where(_kept(spec.scores, valid, budget), spec.depth, 0).amax(1)
-    grow = (kept >= depth) & (best == depth) & (depth < len(pass_time))
-    return budget, torch.where(grow, best + 1, best)
-
-
-def chain_pass_budget(
-    spec: TreeSpec, calibration: Tensor, pass_time: list[float], depth: int, verify_cost: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`pass_budget` of a candidate chain (one node per depth), without its sorts: a chain's best n nodes are its
-    first n (scores never grow along it), so the sums S_k are one cumulative sum and each K' only cuts it shorter.
-    Equal to :func:`pass_budget` on chains; this one runs every round of a chain plan and costs a fraction of it.
-    Returns (budget, next depth, S_(budget - 1) of the greedy budget: the predicted accepted drafts), [B] each."""
-    batch = spec.scores.shape[0]
-    device = spec.scores.device
-    index = torch.arange(depth + 1, device=device)
-    max_nodes = verify_cost.shape[0] - 1
-    drafts = (spec.num_nodes - 1).clamp(max=min(depth, max_nodes - 1))
-    scores = torch.nn.functional.pad(spec.scores.double(), (0, depth + 1 - spec.scores.shape[1]), value=-1.0)
-    drafted = (index[1:][None, :] <= drafts[:, None]) & (scores[:, 1:] >= 0)
-    scale = calibration_scale(calibration.double())
-    gain = torch.where(drafted, torch.clamp(scale[:, None] * scores[:, 1:], max=1.0), 0.0)
-    sums = torch.cat([gain.new_zeros(batch, 1), torch.cumsum(gain, 1)], 1)  # S_k, k = 0 .. depth
-    seconds = torch.tensor(pass_time[:depth], dtype=torch.float64, device=device)
-    verify = verify_cost[(index + 1).clamp(max=max_nodes)]
-    ratios = (1.0 + sums)[:, None, :] / (seconds[:, None] + verify[None, :])[None]  # [B, K', k + 1]
-    reach = (index[None, :] <= index[1:, None])[None] & (index[None, None, :] <= drafts[:, None, None])
-    ratios = torch.where(reach, ratios, -torch.inf)
-    budget = ratios[:, depth - 1].argmax(1) + 1
-    best = ratios.amax(2).argmax(1) + 1
-    grow = (budget - 1 >= depth) & (best == depth) & (depth < len(pass_time))
-    return budget, torch.where(grow, best + 1, best), sums.gather(1, (budget - 1)[:, None])[:, 0]
-
-
-def _kept(scores: Tensor, valid: Tensor, budget: Tensor) -> Tensor:
-    """[B, N] bool: the best ``budget[b]`` valid candidates by score (root first, ties to the smaller index)."""
-    batch, nodes = scores.shape
-    index = torch.arange(nodes, device=scores.device).expand(batch, nodes)
-    key = torch.where(index == 0, 2.0, torch.where(valid, scores.double(), -1.0))
-    order = torch.sort(key, dim=1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(1, order, index)
-    return (rank < budget[:, None]) & valid
+    return harness_pass_decide(
+        spec.scores.double(), spec.depth, spec.num_nodes, calibration.double(), pass_time, verify_cost, depth
+    )
 
 
 def select_budget(spec: TreeSpec, budget: Tensor, max_nodes: int) -> TreeSpec:
@@ -197,7 +130,7 @@ def select_candidates(
     :func:`tree_select` lays them out."""
     batch, nodes = tokens.shape
     index = torch.arange(nodes, device=tokens.device).expand(batch, nodes)
-    keep = _kept(scores, valid, budget)
+    keep = best_candidates(scores, valid, budget)
     perm = torch.sort((~keep).long(), dim=1, stable=True).indices
     inverse = torch.empty_like(perm).scatter_(1, perm, index)
     parent = parent.gather(1, perm)
@@ -338,7 +271,9 @@ class PassHarness:
         self.draft_vocab = draft_vocab
         self.plan = policy.plan(batch, context)
         self.max_nodes = policy.max_nodes
-        self.pass_time = [table.pass_time(batch, k) for k in range(1, max_depth + 1)]
+        self.pass_time = torch.tensor(
+            [table.pass_time(batch, k) for k in range(1, max_depth + 1)], dtype=torch.float64, device=device
+        )
         self.verify_cost = self.plan.verify_cost.to(device)
         self.policy = policy
         self.gamma, self.calibration = policy.start_state(batch, device)
@@ -375,12 +310,7 @@ class PassHarness:
     def select(self, rows: Tensor, spec: TreeSpec, depth: int, sampled: bool) -> TreeSpec:
         calibration = self.calibration[rows]
         spec = spec._replace(scores=sharpen(spec.scores, self.gamma[rows]))
-        if self.chain_round:
-            budget, next_depth, predicted = chain_pass_budget(
-                spec, calibration, self.pass_time, depth, self.verify_cost
-            )
-        else:
-            budget, next_depth = pass_budget(spec, calibration, self.pass_time, depth, self.verify_cost)
+        budget, next_depth, predicted = pass_budget(spec, calibration, self.pass_time, depth, self.verify_cost)
         # At least one draft: a round that verifies none teaches the calibration nothing (it would never recover from
         # a drafter whose scores start far too low).
         floor = torch.clamp(spec.num_nodes, max=2)
@@ -390,10 +320,9 @@ class PassHarness:
             width = min(self.max_nodes, spec.tokens.shape[1])
             width = min(width, int(count.max())) if spec.tokens.device.type == "cpu" else width
             tree = tree_select(spec.tokens, spec.parent, spec.scores, count, width)
-            if sampled or bool((budget < floor).any()):
-                predicted = predicted_acceptance(tree, calibration)
         else:
             tree = select_budget(spec, use, self.max_nodes)
+        if sampled or bool((budget < floor).any()):  # the op's prediction is that of the greedy budget
             predicted = predicted_acceptance(tree, calibration)
         self.budget[rows] = torch.maximum(budget, floor)
         self.next_depth[rows] = next_depth
