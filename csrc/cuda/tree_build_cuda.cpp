@@ -83,14 +83,6 @@ void check_cuda_input(const char* op, const char* name, const at::Tensor& t) {
   TORCH_CHECK(t.is_cuda(), "peagle.", op, ": expected CUDA tensors, got ", name, " on ", t.device());
 }
 
-// Top-k ids of `rows` draft rows (see cuda::RowTopkArgs).
-void launch_row_topk(const char* op, const float* probs, int64_t rows, int64_t row_stride, int64_t vocab, int64_t k,
-                     int64_t* ids, int64_t ids_stride, int64_t* bad, int64_t bad_stride, int64_t* scratch,
-                     cudaStream_t stream) {
-  const cuda::RowTopkArgs args{probs, rows, row_stride, vocab, k, ids, ids_stride, bad, bad_stride, scratch};
-  check_cuda(cuda::row_topk(args, stream), op);
-}
-
 TreeSpecOutputs tree_select_cuda(const at::Tensor& cand_tokens, const at::Tensor& cand_parent,
                                  const at::Tensor& cand_scores, const at::Tensor& num_candidates, int64_t num_nodes) {
   const char* op = "tree_select";
@@ -157,20 +149,29 @@ TreeSpecOutputs tree_build_parallel_cuda(const at::Tensor& draft_probs, at::IntA
   }
   at::Tensor ids = at::empty({batch, ids_per_request}, long_opts);
   at::Tensor bad = at::empty({batch, depths}, long_opts);
-  at::Tensor scratch = at::empty({batch, max_k}, long_opts);
+  at::Tensor scratch = at::empty({batch * depths, max_k}, long_opts);
   static_assert(sizeof(cuda::Level) == 4 * sizeof(int64_t), "Level is four int64");
   at::Tensor levels = at::empty({std::max<int64_t>(depths, 1), 4}, long_opts);
   const int64_t candidates = store_level_table(op, topk, levels, stream);
   const float* p = probs.data_ptr<float>();
-  for (int64_t d = 0, offset = 0; d < depths; offset += topk[d], ++d) {  // depth d's row of every request
-    launch_row_topk(op, p + d * vocab, batch, depths * vocab, vocab, topk[d], ids.data_ptr<int64_t>() + offset,
-                    ids_per_request, bad.data_ptr<int64_t>() + d, depths, scratch.data_ptr<int64_t>(), stream);
-  }
+  const auto* table = reinterpret_cast<const cuda::Level*>(levels.data_ptr<int64_t>());
+  const cuda::RowTopkArgs rows{p,
+                               batch * depths,
+                               vocab,
+                               depths,
+                               table,
+                               0,
+                               ids.data_ptr<int64_t>(),
+                               ids_per_request,
+                               bad.data_ptr<int64_t>(),
+                               scratch.data_ptr<int64_t>(),
+                               max_k};
+  check_cuda(cuda::row_topk(rows, stream), op);
   const cuda::BuildParallelArgs args{p,
                                      batch,
                                      depths,
                                      vocab,
-                                     reinterpret_cast<const cuda::Level*>(levels.data_ptr<int64_t>()),
+                                     table,
                                      candidates,
                                      ids.data_ptr<int64_t>(),
                                      ids_per_request,
@@ -202,8 +203,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_expand_topk_cuda(const at::T
   at::Tensor bad = at::empty({batch, width}, opts.dtype(at::kLong));
   at::Tensor scratch = at::empty({batch * width, topk}, opts.dtype(at::kLong));
   at::Tensor flat = at::empty({batch, width * topk}, opts.dtype(at::kDouble));
-  launch_row_topk(op, probs.data_ptr<float>(), batch * width, vocab, vocab, topk, ids.data_ptr<int64_t>(), topk,
-                  bad.data_ptr<int64_t>(), 1, scratch.data_ptr<int64_t>(), stream);
+  const cuda::RowTopkArgs rows{probs.data_ptr<float>(),
+                               batch * width,
+                               vocab,
+                               1,
+                               nullptr,
+                               topk,
+                               ids.data_ptr<int64_t>(),
+                               topk,
+                               bad.data_ptr<int64_t>(),
+                               scratch.data_ptr<int64_t>(),
+                               topk};
+  check_cuda(cuda::row_topk(rows, stream), op);
   const cuda::ExpandArgs args{scores.data_ptr<double>(),
                               probs.data_ptr<float>(),
                               batch,

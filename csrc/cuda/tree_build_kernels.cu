@@ -106,7 +106,7 @@ __device__ void rank_sort(int64_t count, const Before& before, const Write& writ
 __global__ void __launch_bounds__(kRowThreads) row_topk_kernel(RowTopkArgs a) {
   __shared__ SelectShared<kRowThreads> s;
   for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
-    const float* row = a.probs + r * a.row_stride;
+    const float* row = a.probs + r * a.vocab;
     if (threadIdx.x == 0) s.first = static_cast<unsigned long long>(a.vocab);
     __syncthreads();
     for (int64_t y = threadIdx.x; y < a.vocab; y += blockDim.x) {
@@ -114,18 +114,19 @@ __global__ void __launch_bounds__(kRowThreads) row_topk_kernel(RowTopkArgs a) {
     }
     __syncthreads();
     const int64_t bad = static_cast<int64_t>(s.first);
-    if (threadIdx.x == 0) a.bad[r * a.bad_stride] = bad < a.vocab ? bad : -1;
+    if (threadIdx.x == 0) a.bad[r] = bad < a.vocab ? bad : -1;
     if (bad < a.vocab) {  // the request fails; its ids are never read
       __syncthreads();
       continue;
     }
-    int64_t* chosen = a.scratch + r * a.k;
-    select_top([row](int64_t y) { return static_cast<uint64_t>(tree::prob_key(row[y])); }, 32, 0, a.vocab, a.k, chosen,
+    const int64_t d = r % a.depths, k = a.levels != nullptr ? a.levels[d].k : a.k;
+    int64_t* ids = a.levels != nullptr ? a.ids + (r / a.depths) * a.ids_stride + a.levels[d].ids_offset : a.ids + r * k;
+    int64_t* chosen = a.scratch + r * a.scratch_stride;
+    select_top([row](int64_t y) { return static_cast<uint64_t>(tree::prob_key(row[y])); }, 32, 0, a.vocab, k, chosen,
                s);
     __syncthreads();
-    int64_t* ids = a.ids + r * a.ids_stride;
     rank_sort(
-        a.k,
+        k,
         [row, chosen](int64_t e, int64_t f) {
           return tree::prob_before(row[chosen[e]], chosen[e], row[chosen[f]], chosen[f]);
         },

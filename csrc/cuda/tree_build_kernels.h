@@ -12,20 +12,40 @@
 namespace peagle {
 namespace cuda {
 
-// Top-k token ids of rows r in [0, rows): row r is probs + r * row_stride (vocab entries); its ids go to
-// ids + r * ids_stride (best first: larger probability, then the smaller id) and its first entry outside [0, 1] to
-// bad[r * bad_stride] (-1 when the row is valid; the ids of a bad row are not written).
+// One depth of a P-EAGLE Cartesian candidate tree.
+struct Level {
+  int64_t k;           // children per node of the previous depth (topk[d])
+  int64_t size;        // nodes at this depth (topk[0] * ... * topk[d])
+  int64_t start;       // candidate index of its first node
+  int64_t ids_offset;  // where its top-k ids start in a request's ids row
+};
+
+// Levels travel in kernel parameters in chunks of this many.
+constexpr int kLevelChunk = 16;
+struct LevelChunk {
+  Level levels[kLevelChunk];
+  int count;
+};
+
+// Copies a chunk of the level table to levels[first ..] on the device (kernel parameters: no host copy).
+cudaError_t store_levels(const LevelChunk& chunk, Level* levels, int64_t first, cudaStream_t stream);
+
+// Top-k token ids of draft rows r in [0, rows) (row r at probs + r * vocab), grouped [groups, depths]: row r is depth
+// d = r % depths of group g = r / depths. Depth d keeps levels[d].k ids, written best first (larger probability, then
+// the smaller id) to ids + g * ids_stride + levels[d].ids_offset; without levels (nullptr) every row keeps k ids at
+// ids + r * k. bad[r] gets the row's first entry outside [0, 1], or -1 (the ids of a bad row are not written).
 struct RowTopkArgs {
   const float* probs;
   int64_t rows;
-  int64_t row_stride;
   int64_t vocab;
+  int64_t depths;
+  const Level* levels;
   int64_t k;
   int64_t* ids;
   int64_t ids_stride;
   int64_t* bad;
-  int64_t bad_stride;
-  int64_t* scratch;  // [rows, k]
+  int64_t* scratch;  // [rows, scratch_stride], scratch_stride >= every row's k
+  int64_t scratch_stride;
 };
 
 cudaError_t row_topk(const RowTopkArgs& args, cudaStream_t stream);
@@ -54,24 +74,6 @@ struct SelectScratch {
   int64_t* order;   // output slot -> position in `chosen`
   int32_t* has_child;
 };
-
-// One depth of a P-EAGLE Cartesian candidate tree.
-struct Level {
-  int64_t k;           // children per node of the previous depth (topk[d])
-  int64_t size;        // nodes at this depth (topk[0] * ... * topk[d])
-  int64_t start;       // candidate index of its first node
-  int64_t ids_offset;  // where its top-k ids start in a request's ids row
-};
-
-// Levels travel in kernel parameters in chunks of this many.
-constexpr int kLevelChunk = 16;
-struct LevelChunk {
-  Level levels[kLevelChunk];
-  int count;
-};
-
-// Copies a chunk of the level table to levels[first ..] on the device (kernel parameters: no host copy).
-cudaError_t store_levels(const LevelChunk& chunk, Level* levels, int64_t first, cudaStream_t stream);
 
 struct BuildParallelArgs {
   const float* probs;  // [B, K, V]

@@ -227,10 +227,10 @@ PEAGLE_HD bool prob_before(float p_a, int64_t token_a, float p_b, int64_t token_
 }
 
 // Radix keys of the two orders above, for the CUDA kernels' block-wide top-k (a radix select needs an unsigned key
-// whose order is the value order): key(a) > key(b) exactly when a ranks before b by value, key(a) == key(b) exactly when
-// the values compare equal (-0 and +0 share a key), so "key, then the smaller index" is prob_before / score_before.
-// prob_key is for valid draft entries (draft_entry_ok: non-negative floats, whose bits are ordered like their values);
-// score_key for finite doubles (the sign-flip map of IEEE order onto unsigned order).
+// whose order is the value order): key(a) > key(b) exactly when a ranks before b by value, key(a) == key(b) exactly
+// when the values compare equal (-0 and +0 share a key), so "key, then the smaller index" is prob_before /
+// score_before. prob_key is for valid draft entries (draft_entry_ok: non-negative floats, whose bits are ordered like
+// their values); score_key for finite doubles (the sign-flip map of IEEE order onto unsigned order).
 PEAGLE_HD uint32_t prob_key(float p) {
 #if defined(__CUDA_ARCH__)
   const uint32_t bits = __float_as_uint(p);
