@@ -1,8 +1,7 @@
 """A full verify round captured in one CUDA graph with deferred checks (peagle.ops.errors): tree construction from the
 drafter's per-depth rows (tree_build_parallel), tree rejection sampling, GDN tree verify + commit of the accepted node,
-kv_compact of the accepted path. Replayed with changed inputs, it must
-give the eager CPU ops' results; a bad tree in the replayed inputs must surface from check_errors() after the replay
-with the immediate mode's message."""
+kv_compact of the accepted path. Replayed with changed inputs, it must give the eager CPU ops' results; a bad tree in
+the replayed inputs must surface from check_errors() after the replay with the immediate mode's message."""
 
 from __future__ import annotations
 

@@ -126,38 +126,42 @@ def test_full_vocabulary_batch_64(generator):
 
 
 def bad_build_calls():
-    """(name, call(device)) pairs whose CPU call raises; each CUDA call must raise the same message."""
+    """(name, prepare) pairs: prepare(device) puts the inputs on the device and returns the op call; the CPU call
+    raises except where noted, and each CUDA call must raise (or record) the same message."""
     probs = torch.full((3, 2, 6), 0.1)
 
     def build(edit):
-        def call(device):
+        def prepare(device):
             p = probs.clone()
             edit(p)
-            return tree_build_parallel(p.to(device), [2, 2], 5)
+            p = p.to(device)
+            return lambda: tree_build_parallel(p, [2, 2], 5)
 
-        return call
+        return prepare
 
     def expand(edit_frontier=None, edit_probs=None):
-        def call(device):
+        def prepare(device):
             f, p = torch.full((3, 2), 0.5, dtype=torch.float64), probs.clone()
             if edit_frontier:
                 edit_frontier(f)
             if edit_probs:
                 edit_probs(p)
-            return tree_expand_topk(f.to(device), p.to(device), 2)
+            f, p = f.to(device), p.to(device)
+            return lambda: tree_expand_topk(f, p, 2)
 
-        return call
+        return prepare
 
     def select(edit):
-        def call(device):
+        def prepare(device):
             tokens = torch.arange(12).view(2, 6)
             parent = torch.tensor([[-1, 0, 0, 1, 1, 2]] * 2)
             scores = torch.tensor([[1.0, 0.6, 0.3, 0.4, 0.1, 0.2]] * 2, dtype=torch.float64)
             count = torch.tensor([6, 5])
             edit(parent, scores, count)
-            return tree_select(*(t.to(device) for t in (tokens, parent, scores, count)), 4)
+            args = [t.to(device) for t in (tokens, parent, scores, count)]
+            return lambda: tree_select(*args, 4)
 
-        return call
+        return prepare
 
     def setitem(index, value):
         return lambda t: t.__setitem__(index, value)
@@ -178,7 +182,7 @@ def bad_build_calls():
         ("parent after", select(lambda p, s, c: p.__setitem__((0, 3), 3))),
         ("child above parent", select(lambda p, s, c: s.__setitem__((1, 4), 0.7))),
         ("score nan", select(lambda p, s, c: s.__setitem__((0, 2), float("nan")))),
-        ("score inf past count", select(lambda p, s, c: s.__setitem__((1, 5), float("inf")))),  # not checked
+        ("score inf past count", select(lambda p, s, c: s.__setitem__((1, 5), float("inf")))),  # valid: not read
     ]
 
 
@@ -188,30 +192,47 @@ def message(error: BaseException) -> str:
 
 @pytest.mark.parametrize("case", range(len(bad_build_calls())))
 def test_errors_immediate_and_deferred_like_cpu(case):
-    name, call = bad_build_calls()[case]
+    name, prepare = bad_build_calls()[case]
+    call = prepare("cuda")
     try:
-        expected = call("cpu")
+        expected = prepare("cpu")()
     except RuntimeError as error:
         expected = message(error)
     if not isinstance(expected, str):  # a valid call: the same result on CUDA, nothing recorded
-        assert_same(call("cuda"), expected, name)
+        assert_same(call(), expected, name)
         with deferred_checks():
-            assert_same(call("cuda"), expected, name)
+            assert_same(call(), expected, name)
             check_errors()
         return
     with pytest.raises(RuntimeError) as immediate:
-        call("cuda")
+        call()
     assert message(immediate.value) == expected, name
     with deferred_checks():
         torch.cuda.set_sync_debug_mode("error")  # the op must not synchronise
         try:
-            call("cuda")
+            call()
         finally:
             torch.cuda.set_sync_debug_mode(0)
         with pytest.raises(RuntimeError) as deferred:
             check_errors()
         check_errors()  # the record was reset
     assert message(deferred.value) == expected, name
+
+
+def test_good_calls_do_not_synchronise(generator):
+    """With deferred checks the three ops only launch kernels: no host synchronisation, the immediate mode's results."""
+    x = {name: t.cuda() for name, t in construction_inputs(generator).items()}
+    expected = construction(x)
+    with deferred_checks():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = construction(x)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        check_errors()
+    for a, e in zip(got, expected, strict=True):
+        for a_t, e_t in zip(a, e, strict=True):
+            assert torch.equal(a_t, e_t)
 
 
 def test_device_mismatch_and_shape_errors_like_cpu(generator):
