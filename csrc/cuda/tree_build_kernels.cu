@@ -17,6 +17,7 @@ namespace {
 
 constexpr int kRowThreads = 512;     // per draft row: streams V entries
 constexpr int kSelectThreads = 256;  // per request: N nodes
+static_assert(kRowThreads % 32 == 0 && kSelectThreads % 32 == 0, "select_top works on whole warps");
 constexpr int64_t kMaxGrid = int64_t{1} << 30;
 
 template <int kThreads>
@@ -53,9 +54,20 @@ __device__ void select_top(const KeyOf& key_of, int key_bits, int64_t begin, int
     for (int i = threadIdx.x; i < 256; i += blockDim.x) s.hist[i] = 0;
     __syncthreads();
     const uint64_t prefix = s.prefix;
-    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-      const uint64_t key = key_of(i);
-      if ((key & mask) == prefix) atomicAdd(&s.hist[(key >> shift) & 255u], 1u);
+    // Warp-aggregated counts: probability rows put most keys in a few bins, and one shared atomic per lane on the
+    // same bin would serialise the warp. Every lane runs every iteration (the bound is the block's), so the full mask
+    // is valid; a lane without a key takes a value no other lane has.
+    const unsigned lane = threadIdx.x % 32;
+    for (int64_t base = begin; base < end; base += blockDim.x) {
+      const int64_t i = base + threadIdx.x;
+      unsigned bin = 256 + lane;
+      if (i < end) {
+        const uint64_t key = key_of(i);
+        if ((key & mask) == prefix) bin = static_cast<unsigned>((key >> shift) & 255u);
+      }
+      const unsigned peers = __match_any_sync(0xffffffffu, bin);
+      if (bin < 256 && lane == static_cast<unsigned>(__ffs(peers) - 1))
+        atomicAdd(&s.hist[bin], static_cast<unsigned>(__popc(peers)));
     }
     __syncthreads();
     if (threadIdx.x == 0) {  // the digit holding the want-th largest key (digit 0 when no larger one does)
