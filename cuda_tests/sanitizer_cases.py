@@ -92,10 +92,16 @@ def tree_verify(generator):
 
 @case("tree_select", "tree_build_parallel", "tree_expand_topk")
 def tree_build(generator):
+    """Row top-k (radix select with ties: quantised rows, one longer than a block's stride), the Cartesian selection
+    with and without a select (N below / above the candidate count), expansion and tree_select."""
     probs = torch.softmax(torch.randn(2, 3, 40, generator=generator), -1).to(DEVICE)
     OPS.tree_build_parallel(probs, [3, 2, 1], 8)
+    OPS.tree_build_parallel(probs, [2, 2, 1], 20)
+    tied = (torch.floor(torch.softmax(torch.randn(2, 2, 1500, generator=generator), -1) * 64) / 64).to(DEVICE)
+    OPS.tree_build_parallel(tied, [4, 3], 9)
     frontier = torch.rand(2, 3, generator=generator, dtype=torch.float64).to(DEVICE)
     OPS.tree_expand_topk(frontier, probs, 2)
+    OPS.tree_expand_topk(frontier[:, :2], tied, 5)
     cand_parent = torch.tensor([[-1, 0, 0, 1, 1, 2]] * 2, device=DEVICE)
     cand_scores = torch.tensor([[1.0, 0.6, 0.3, 0.4, 0.1, 0.2]] * 2, dtype=torch.float64, device=DEVICE)
     cand_tokens = torch.tensor([[5, 1, 2, 3, 4, 6]] * 2, device=DEVICE)
@@ -192,6 +198,9 @@ def deferred(generator):
         )
         docs = torch.zeros(6, dtype=torch.long, device=DEVICE)
         expect_error(lambda: OPS.mask_block(anchors, depths + 5, docs, 2, None), "is out of range for T")
+        bad_row = torch.full((1, 2, 4), 0.25, device=DEVICE)
+        bad_row[0, 1, 2] = 2.0
+        expect_error(lambda: OPS.tree_build_parallel(bad_row, [2, 2], 4), "draft probabilities must be in [0, 1]")
 
 
 def device_ops() -> list[str]:

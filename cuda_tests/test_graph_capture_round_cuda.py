@@ -1,7 +1,7 @@
-"""A full verify round captured in one CUDA graph with deferred checks (peagle.ops.errors): tree rejection sampling,
-GDN tree verify + commit of the accepted node, kv_compact of the accepted path. Replayed with changed inputs, it must
-give the eager CPU ops' results; a bad tree in the replayed inputs must surface from check_errors() after the replay
-with the immediate mode's message."""
+"""A full verify round captured in one CUDA graph with deferred checks (peagle.ops.errors): tree construction from the
+drafter's per-depth rows (tree_build_parallel), tree rejection sampling, GDN tree verify + commit of the accepted node,
+kv_compact of the accepted path. Replayed with changed inputs, it must give the eager CPU ops' results; a bad tree in
+the replayed inputs must surface from check_errors() after the replay with the immediate mode's message."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from peagle.ops import (
     gdn_commit,
     gdn_tree_verify,
     kv_compact,
+    tree_build_parallel,
     tree_rejection_sample,
 )
 from python_tests.test_kv import random_case
@@ -23,6 +24,7 @@ from testkit import random_gdn_inputs, random_tree_batch, random_tree_probs
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 BATCH, NODES, VOCAB, HEADS, DIM = 3, 8, 64, 2, 16
+TOPK = [3, 2, 2]  # the drafter's per-depth widths of the built tree
 
 
 def round_inputs(generator, first: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -38,6 +40,7 @@ def round_inputs(generator, first: dict[str, torch.Tensor] | None = None) -> dic
         "target": random_tree_probs(generator, tree, VOCAB),
         "draft": random_tree_probs(generator, tree, VOCAB),
         "uniforms": torch.rand(BATCH, NODES, generator=generator),
+        "draft_rows": torch.softmax(torch.randn(BATCH, len(TOPK), VOCAB, generator=generator), -1),
         **{name: getattr(gdn, name) for name in ("q", "k", "v", "g", "beta", "state_pool", "slots")},
         "block_table": kv.block_table,
         "seq_len": kv.seq_len,
@@ -54,6 +57,7 @@ def round_inputs(generator, first: dict[str, torch.Tensor] | None = None) -> dic
 
 def verify_round(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """One round; updates state_pool, seq_len and the caches in place and returns the outputs."""
+    spec = tree_build_parallel(x["draft_rows"], TOPK, NODES)
     out = tree_rejection_sample(x["parent"], x["tokens"], x["num_nodes"], x["target"], x["draft"], x["uniforms"])
     real = torch.arange(NODES, device=x["parent"].device) < x["num_nodes"][:, None]
     gdn_parent = torch.where(real, x["parent"], -1)  # padding nodes start from the committed state
@@ -62,11 +66,12 @@ def verify_round(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     gdn_commit(x["k"], x["g"], u, gdn_parent, out.last_node, x["state_pool"], x["slots"])
     caches = [x[f"cache{i}"] for i in range(4)]
     kv_compact(caches[:2], caches[2:], x["block_table"], x["seq_len"], out.accepted_path, out.num_accepted)
-    return {**out._asdict(), "o": o}
+    return {**out._asdict(), "o": o, **{f"tree_{name}": t for name, t in spec._asdict().items()}}
 
 
 def assert_round_equal(cuda_out, cuda_state, cpu_out, cpu_state):
-    for name in ("accepted_path", "num_accepted", "emitted_tokens", "last_node"):
+    built = [name for name in cpu_out if name.startswith("tree_")]
+    for name in ("accepted_path", "num_accepted", "emitted_tokens", "last_node", *built):
         assert torch.equal(cuda_out[name].cpu(), cpu_out[name]), name
     torch.testing.assert_close(cuda_out["o"].cpu(), cpu_out["o"], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(cuda_state["state_pool"].cpu(), cpu_state["state_pool"], rtol=1e-4, atol=1e-5)

@@ -222,34 +222,38 @@ inline void check_tree_expand_topk_args(const at::Tensor& frontier_scores, const
   check_same_device(op, "child_probs", child_probs, frontier_scores, "frontier_scores");
 }
 
+// Throws the message of construction error `code` of request b: `i` is the failing candidate (or draft row), `detail`
+// the bad count or token. The immediate checks (raise_build_error) and deferred ones (csrc/cpu/deferred_checks.cpp)
+// share it.
+[[noreturn]] inline void raise_build_error_at(const char* op, int64_t code, int64_t b, int64_t i, int64_t detail) {
+  switch (code) {
+    case tree::kCandidateCount:
+      TORCH_CHECK(false, "peagle.", op, ": num_candidates[", b, "] must be in [1, M], got ", detail);
+    case tree::kCandidateRoot:
+      TORCH_CHECK(false, "peagle.", op, ": cand_parent[", b, ", 0] must be -1 (candidate 0 is the root)");
+    case tree::kCandidateParent:
+      TORCH_CHECK(false, "peagle.", op, ": cand_parent[", b, ", ", i, "] must be in [0, ", i,
+                  ") (parents come before their children)");
+    case tree::kCandidateScore:
+      TORCH_CHECK(false, "peagle.", op, ": cand_scores[", b, ", ", i,
+                  "] must be finite and must not exceed its parent's score");
+    case tree::kDraftRow:
+      TORCH_CHECK(false, "peagle.", op, ": draft probabilities must be in [0, 1], got a bad entry ", "in row ", i,
+                  " of request ", b, " at token ", detail);
+    case tree::kFrontierScore:
+      TORCH_CHECK(false, "peagle.", op, ": frontier_scores[", b, ", ", i,
+                  "] must be finite and >= 0 (a product of draft probabilities)");
+    default:
+      TORCH_CHECK(false, "peagle.", op, ": internal error code ", code);
+  }
+}
+
 // Throws the message of the first failing request. `errors` is a CPU int64 [B, 3] tensor: (code, node, detail), where
 // node is the failing candidate (or draft row) and detail the bad count or token.
 inline void raise_build_error(const char* op, const at::Tensor& errors) {
   const int64_t* e = errors.data_ptr<int64_t>();
   for (int64_t b = 0; b < errors.size(0); ++b) {
-    const int64_t code = e[3 * b], i = e[3 * b + 1], detail = e[3 * b + 2];
-    switch (code) {
-      case tree::kBuildOk:
-        continue;
-      case tree::kCandidateCount:
-        TORCH_CHECK(false, "peagle.", op, ": num_candidates[", b, "] must be in [1, M], got ", detail);
-      case tree::kCandidateRoot:
-        TORCH_CHECK(false, "peagle.", op, ": cand_parent[", b, ", 0] must be -1 (candidate 0 is the root)");
-      case tree::kCandidateParent:
-        TORCH_CHECK(false, "peagle.", op, ": cand_parent[", b, ", ", i, "] must be in [0, ", i,
-                    ") (parents come before their children)");
-      case tree::kCandidateScore:
-        TORCH_CHECK(false, "peagle.", op, ": cand_scores[", b, ", ", i,
-                    "] must be finite and must not exceed its parent's score");
-      case tree::kDraftRow:
-        TORCH_CHECK(false, "peagle.", op, ": draft probabilities must be in [0, 1], got a bad entry ", "in row ", i,
-                    " of request ", b, " at token ", detail);
-      case tree::kFrontierScore:
-        TORCH_CHECK(false, "peagle.", op, ": frontier_scores[", b, ", ", i,
-                    "] must be finite and >= 0 (a product of draft probabilities)");
-      default:
-        TORCH_CHECK(false, "peagle.", op, ": internal error code ", code);
-    }
+    if (e[3 * b] != tree::kBuildOk) raise_build_error_at(op, e[3 * b], b, e[3 * b + 1], e[3 * b + 2]);
   }
 }
 

@@ -128,6 +128,12 @@ void raise_deferred_error(const int64_t* r) {
     case kMaskSliceDense:
     case kMaskSliceBlock:
       raise_mask_error(r);
+    case kTreeSelect:
+    case kTreeBuildParallel:
+    case kTreeExpandTopk: {
+      static const char* const names[] = {"tree_select", "tree_build_parallel", "tree_expand_topk"};
+      raise_build_error_at(names[r[kOp] - kTreeSelect], r[kCode], r[kRow], r[kIndex], r[kDetail]);
+    }
     default:
       TORCH_CHECK(false, "peagle.check_errors: internal error: unknown op ", r[kOp], " in the device error record");
   }

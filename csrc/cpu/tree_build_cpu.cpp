@@ -1,6 +1,6 @@
 // CPU kernels of the tree construction family: P-EAGLE parallel trees (tree_build_parallel), the best-N selection of
 // scored candidates (tree_select) and one EAGLE-2 expansion step (tree_expand_topk). Parallel over requests. The CUDA
-// registrations run these kernels on host copies (csrc/cuda/tree_build_cuda.cpp).
+// kernels (csrc/cuda/tree_build_kernels.cu) apply the same orders of csrc/include/peagle/tree.h and equal these.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -395,3 +395,24 @@ TEST(TreeBuildChecks, NonFiniteScoresAndProbabilitiesAreRejected) {
   EXPECT_EQ(tree::check_candidates(parent, infinite, 3, &node), tree::kCandidateScore);
   EXPECT_EQ(node, 0);
 }
+
+// The radix keys of the CUDA top-k order values exactly as prob_before / score_before do: key(a) > key(b) iff a > b,
+// equal keys iff equal values (-0 == +0), over valid draft entries (denormals included) and finite scores.
+TEST(TreeBuildChecks, RadixKeysOrderLikeTheValues) {
+  const float denormal = std::numeric_limits<float>::denorm_min();
+  const std::vector<float> probs = {0.0f, -0.0f, denormal, 2 * denormal, 1e-30f, 0.25f, 0.5f, 0.5f, 0.75f, 1.0f};
+  for (const float a : probs) {
+    for (const float b : probs) {
+      EXPECT_EQ(tree::prob_key(a) > tree::prob_key(b), a > b) << a << " " << b;
+      EXPECT_EQ(tree::prob_key(a) == tree::prob_key(b), a == b) << a << " " << b;
+    }
+  }
+  const double big = std::numeric_limits<double>::max(), tiny = std::numeric_limits<double>::denorm_min();
+  const std::vector<double> scores = {-big, -2.0, -1.0, -tiny, -0.0, 0.0, tiny, 1e-300, 0.125, 1.0, 3.0, big};
+  for (const double a : scores) {
+    for (const double b : scores) {
+      EXPECT_EQ(tree::score_key(a) > tree::score_key(b), a > b) << a << " " << b;
+      EXPECT_EQ(tree::score_key(a) == tree::score_key(b), a == b) << a << " " << b;
+    }
+  }
+}

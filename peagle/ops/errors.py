@@ -16,10 +16,12 @@ Ops with a deferred mode on CUDA (:data:`DEFERRED_OPS`):
   runs on the device by one thread, so keep ``validate=False`` where speed matters and the inputs are trusted);
 * ``cod_gather``, ``cod_gather_backward`` (with the CUDA message, "some element is out of range");
 * ``mask_dense``, ``mask_block``, ``mask_slice_dense``, ``mask_slice_block`` (bad anchors / depths are clamped into
-  range for the kernels: the outputs of a bad call are garbage, never an out-of-bounds read).
+  range for the kernels: the outputs of a bad call are garbage, never an out-of-bounds read);
+* ``tree_select``, ``tree_build_parallel``, ``tree_expand_topk`` (a bad request keeps the padding of its outputs;
+  ``tree_expand_topk`` leaves its rows unwritten).
 
-Still synchronising in either mode: ``cod_gather``'s range check of ``input_ids`` when ``vocab_size`` is given,
-``cod_sample`` (its output size depends on the data) and tree construction (its CUDA path still runs on the host).
+Still synchronising in either mode: ``cod_gather``'s range check of ``input_ids`` when ``vocab_size`` is given and
+``cod_sample`` (its output size depends on the data).
 Shape, dtype and device checks are always immediate (they need no device data). CPU kernels always raise immediately,
 and :func:`check_errors` is a no-op where no CUDA device ever recorded.
 
@@ -50,6 +52,9 @@ DEFERRED_OPS = (
     "mask_block",
     "mask_slice_dense",
     "mask_slice_block",
+    "tree_select",
+    "tree_build_parallel",
+    "tree_expand_topk",
 )
 
 

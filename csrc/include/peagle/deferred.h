@@ -40,6 +40,10 @@ enum Op : int64_t {
   kMaskBlock = 11,
   kMaskSliceDense = 12,
   kMaskSliceBlock = 13,
+  // Tree construction (codes: tree::BuildError): kRow, kIndex, kDetail as in the op's [B, 3] error table.
+  kTreeSelect = 14,
+  kTreeBuildParallel = 15,
+  kTreeExpandTopk = 16,
 };
 
 enum GdnError : int64_t {

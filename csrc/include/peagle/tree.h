@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "peagle/common.h"
 
@@ -225,6 +226,33 @@ PEAGLE_HD bool prob_before(float p_a, int64_t token_a, float p_b, int64_t token_
   return p_a > p_b || (p_a == p_b && token_a < token_b);
 }
 
+// Radix keys of the two orders above, for the CUDA kernels' block-wide top-k (a radix select needs an unsigned key
+// whose order is the value order): key(a) > key(b) exactly when a ranks before b by value, key(a) == key(b) exactly
+// when the values compare equal (-0 and +0 share a key), so "key, then the smaller index" is prob_before /
+// score_before. prob_key is for valid draft entries (draft_entry_ok: non-negative floats, whose bits are ordered like
+// their values); score_key for finite doubles (the sign-flip map of IEEE order onto unsigned order).
+PEAGLE_HD uint32_t prob_key(float p) {
+#if defined(__CUDA_ARCH__)
+  const uint32_t bits = __float_as_uint(p);
+#else
+  uint32_t bits = 0;
+  std::memcpy(&bits, &p, sizeof(bits));
+#endif
+  return bits == 0x80000000u ? 0u : bits;
+}
+
+PEAGLE_HD uint64_t score_key(double s) {
+#if defined(__CUDA_ARCH__)
+  uint64_t bits = static_cast<uint64_t>(__double_as_longlong(s));
+#else
+  uint64_t bits = 0;
+  std::memcpy(&bits, &s, sizeof(bits));
+#endif
+  constexpr uint64_t kSign = uint64_t{1} << 63;
+  if (bits == kSign) bits = 0;
+  return (bits & kSign) != 0 ? ~bits : bits | kSign;
+}
+
 // Output node order of a selected tree: depth, then selection order (so siblings are tried most likely first).
 PEAGLE_HD bool node_before(int64_t depth_a, double score_a, int64_t index_a, int64_t depth_b, double score_b,
                            int64_t index_b) {
@@ -252,16 +280,24 @@ PEAGLE_HD bool score_finite(double s) { return s >= -kDoubleMax && s <= kDoubleM
 // Whether a frontier node's path score may be expanded: a finite product of probabilities.
 PEAGLE_HD bool frontier_score_ok(double s) { return s >= 0.0 && s <= kDoubleMax; }
 
-// Value check of the `count` candidates of one request (candidate 0 is the root); `node` gets the failing candidate.
+// Value check of candidate i of one request (candidate 0 is the root; its parent is checked by check_candidates).
+PEAGLE_HD int32_t check_candidate(const int64_t* parent, const double* scores, int64_t i) {
+  if (!score_finite(scores[i])) return kCandidateScore;
+  if (i == 0) return kBuildOk;
+  if (parent[i] < 0 || parent[i] >= i) return kCandidateParent;
+  if (scores[i] > scores[parent[i]]) return kCandidateScore;
+  return kBuildOk;
+}
+
+// Value check of the `count` candidates of one request, in order (the CUDA kernel checks candidates in parallel and
+// keeps the first failing one); `node` gets the failing candidate.
 PEAGLE_HD int32_t check_candidates(const int64_t* parent, const double* scores, int64_t count, int64_t* node) {
   *node = 0;
   if (parent[0] != -1) return kCandidateRoot;
   for (int64_t i = 0; i < count; ++i) {
     *node = i;
-    if (!score_finite(scores[i])) return kCandidateScore;
-    if (i == 0) continue;
-    if (parent[i] < 0 || parent[i] >= i) return kCandidateParent;
-    if (scores[i] > scores[parent[i]]) return kCandidateScore;
+    const int32_t code = check_candidate(parent, scores, i);
+    if (code != kBuildOk) return code;
   }
   return kBuildOk;
 }
