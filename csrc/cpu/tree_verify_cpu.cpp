@@ -146,13 +146,7 @@ void verify_greedy_request(const TreeView& v, const OutputView& out, int64_t b) 
     int64_t best_index = 0;
     if (!row_argmax(row, v.vocab, &best_index))
       return tree::set_error(out.errors, b, tree::kTargetNaN, cur, best_index);
-    int64_t accepted = -1;
-    for (int64_t j = tree::next_child(parent, n, cur, cur); j >= 0; j = tree::next_child(parent, n, cur, j)) {
-      if (tokens[j] == best_index) {
-        accepted = j;
-        break;
-      }
-    }
+    const int64_t accepted = tree::child_with_token(parent, tokens, n, cur, best_index);
     if (accepted < 0) {
       emitted[count] = best_index;
       break;
