@@ -5,6 +5,10 @@
 # exit whatever happens (a stage timing out, a failed build, Ctrl-C), and the logs stay in $OUT.
 #   bash cuda_tests/run_gpu.sh                       (about 5 minutes on an H200; OUT=dir, default build/gpu-run)
 #   PEAGLE_GPU_TIMINGS=1 bash cuda_tests/run_gpu.sh  (also the long timing cases)
+#   PEAGLE_GPU_MUTATION=1 PEAGLE_GPU_BUDGET=1200 bash cuda_tests/run_gpu.sh
+#       (also the mutation check, outside the default budget: cuda_tests/mutation_check.sh applies a deliberate
+#       off-by-one to the verification walk in a scratch copy, builds it and expects test_tree_verify_cuda.py to
+#       fail; it can also run on its own, after or without this script)
 # The whole run stays within PEAGLE_GPU_BUDGET seconds (default 540): each stage gets at most what is left, and a
 # stage that no longer fits is recorded as not run. summary.txt in $OUT is rewritten after every stage, so even a kill
 # from outside leaves the summary so far. Exits non-zero when any stage failed, timed out or did not fit.
@@ -136,3 +140,10 @@ fi
 stage "GPU benchmarks" 120 bench.log "$PY" -m pytest benchmarks -q -p no:cacheprovider -k cuda \
   --benchmark-json "$OUT/bench_gpu.json"
 [ -f "$OUT/bench.log" ] && record "  benchmark counts" "$(pytest_counts "$OUT/bench.log")"
+
+# Opt-in (a second full build): the deliberately wrong kernel must fail cuda_tests.
+if [ "${PEAGLE_GPU_MUTATION:-0}" = 1 ]; then
+  rm -f "$OUT/mutation/result.txt"
+  stage "mutation check (opt-in)" 600 mutation.log env OUT="$OUT" bash cuda_tests/mutation_check.sh
+  [ -f "$OUT/mutation/result.txt" ] && record "  mutation" "$(cat "$OUT/mutation/result.txt")"
+fi
