@@ -49,8 +49,11 @@ Outputs run(const char* op, bool sampling, const at::Tensor& parent, const at::T
     return at::empty({partials * static_cast<int64_t>(bytes)}, long_opts.dtype(at::kByte));
   };
   at::Tensor argmax_parts, target_parts, draft_parts, residual;
-  if (!sampling) argmax_parts = scratch(sizeof(tree::ArgmaxPartial));
-  if (sampling) target_parts = scratch(sizeof(tree::SumPartial));
+  if (sampling) {
+    target_parts = scratch(sizeof(tree::SumPartial));
+  } else {
+    argmax_parts = scratch(sizeof(tree::ArgmaxPartial));
+  }
   if (draft.defined()) {
     draft_parts = scratch(sizeof(tree::SumPartial));
     residual = at::empty({s.batch, s.vocab}, long_opts);
