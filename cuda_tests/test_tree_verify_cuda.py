@@ -163,7 +163,7 @@ def chunk_edge_tree(batch: int, vocab: int):
 def test_sampling_on_chunk_edges(generator):
     """Rejections of children whose tokens lie on chunk edges, then the correction sample: with deterministic drafts
     it comes from the chunk sums less the rejected tokens (no residual row), with stochastic drafts from the residual.
-    One request per uniform in a sweep over [0, 1), so every sampling target is reached, chunk boundaries included."""
+    One request per final uniform in a sweep over [0, 1): the samples spread over the row, next to chunk edges too."""
     vocab = 3 * CHUNK + 5
     batch = 512
     parent, tokens, num_nodes = chunk_edge_tree(batch, vocab)
