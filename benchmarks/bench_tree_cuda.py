@@ -37,9 +37,13 @@ def tree_inputs(batch: int, n_max: int, vocab: int, chain: bool = False, device:
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-n{}-V{}".format(*s))
-@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+@pytest.mark.parametrize("mode", ["greedy", "sampled", "sampled-topk"])
 def test_cuda_tree_verify(benchmark, mode, shape):
+    """sampled: stochastic drafts (a residual row where a child is rejected); sampled-topk: deterministic drafts (no
+    residual row: the final sample comes from the row's chunk sums)."""
     args, draft, _ = tree_inputs(*shape)
+    if mode != "sampled":
+        draft = None
     if mode == "greedy":
         op = lambda: tree_verify_greedy(*args)  # noqa: E731
     else:
@@ -47,7 +51,7 @@ def test_cuda_tree_verify(benchmark, mode, shape):
     baselines = {}
     if LONG:
         baselines["pytorch reference (GPU)"] = cuda_time(
-            lambda: tree_rejection_sample_reference(*args, None if mode == "greedy" else draft, seed=1), repeat=2
+            lambda: tree_rejection_sample_reference(*args, draft, seed=1), repeat=2
         )
     benchmark.extra_info.update(impl="peagle", case=f"cuda tree {mode} B,n,V={shape}", baselines=baselines)
     benchmark.pedantic(lambda: (op(), torch.cuda.synchronize()), rounds=10, warmup_rounds=1)

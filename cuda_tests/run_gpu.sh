@@ -6,6 +6,10 @@
 #   bash cuda_tests/run_gpu.sh                       (about 5 minutes on an H200; OUT=dir, default build/gpu-run)
 #   PEAGLE_GPU_TIMINGS=1 bash cuda_tests/run_gpu.sh  (also the long timing cases and the side-by-side comparisons with
 #                                                     the public peers installed here: benchmarks/bench_peers_cuda.py)
+#   PEAGLE_GPU_MUTATION=1 PEAGLE_GPU_BUDGET=1200 bash cuda_tests/run_gpu.sh
+#       (also the mutation check, outside the default budget: cuda_tests/mutation_check.sh applies a deliberate
+#       off-by-one to the verification walk in a scratch copy, builds it and expects test_tree_verify_cuda.py to
+#       fail; it can also run on its own, after or without this script)
 # The whole run stays within PEAGLE_GPU_BUDGET seconds (default 540): each stage gets at most what is left, and a
 # stage that no longer fits is recorded as not run. summary.txt in $OUT is rewritten after every stage, so even a kill
 # from outside leaves the summary so far. Exits non-zero when any stage failed, timed out or did not fit.
@@ -154,3 +158,10 @@ case "${PEAGLE_GPU_TIMINGS:-0}" in
     [ -f "$OUT/bench_peers.log" ] && record "  peer benchmark counts" "$(pytest_counts "$OUT/bench_peers.log")"
     ;;
 esac
+
+# Opt-in (a second full build): the deliberately wrong kernel must fail cuda_tests.
+if [ "${PEAGLE_GPU_MUTATION:-0}" = 1 ]; then
+  rm -f "$OUT/mutation/result.txt"
+  stage "mutation check (opt-in)" 600 mutation.log env OUT="$OUT" bash cuda_tests/mutation_check.sh
+  [ -f "$OUT/mutation/result.txt" ] && record "  mutation" "$(cat "$OUT/mutation/result.txt")"
+fi

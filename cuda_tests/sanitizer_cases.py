@@ -80,14 +80,19 @@ def gdn(generator):
 
 @case("tree_verify_greedy", "tree_rejection_sample")
 def tree_verify(generator):
-    for chain in (False, True):
-        tree = random_tree_batch(generator, 4, 7, 50, chain=chain)
-        target = random_tree_probs(generator, tree, 50)
-        draft = random_tree_probs(generator, tree, 50)
+    # One vocabulary chunk, then three (the CUDA row phase reduces 4096 entries per block): both phases, the walk's
+    # chunk-located correction sample (deterministic drafts) and its residual row (stochastic drafts).
+    for chain, vocab in [(False, 50), (True, 50), (False, 2 * 4096 + 7)]:
+        tree = random_tree_batch(generator, 4, 7, vocab, chain=chain)
+        target = random_tree_probs(generator, tree, vocab)
+        draft = random_tree_probs(generator, tree, vocab)
         args = dev(tree.parent, tree.tokens, tree.num_nodes, target)
+        uniforms = torch.rand(4, 7, generator=generator).to(DEVICE)
         OPS.tree_verify_greedy(*args)
         OPS.tree_rejection_sample(*args, draft.to(DEVICE), None, 3, 0)
         OPS.tree_rejection_sample(*args, None, None, 3, 0)
+        OPS.tree_rejection_sample(*args, draft.to(DEVICE), uniforms, 0, 0)
+        OPS.tree_rejection_sample(*args, None, uniforms, 0, 0)
 
 
 @case("tree_select", "tree_build_parallel", "tree_expand_topk")

@@ -6,6 +6,7 @@ opt-in stage of their own."""
 from __future__ import annotations
 
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -129,3 +130,41 @@ def test_peer_benchmarks_are_an_opt_in_stage(tmp_path, timings):
     assert f"--benchmark-json {out}/bench_peers.json" in peers[0] and "-rs" in peers[0], peers
     assert peers[0].endswith(f"summary={out}/bench_peers.md"), peers
     assert "peer benchmark counts" in summary and "1 passed" in summary, summary
+
+
+MUTATION = ROOT / "cuda_tests" / "mutation.py"
+
+
+def test_mutation_still_applies_to_the_verification_walk(tmp_path):
+    """The deliberately wrong kernel of mutation_check.sh: its one line is still in the current source, exactly once and
+    inside the CUDA greedy walk, and applying it (to a copy) changes exactly that line."""
+    spec = runpy.run_path(str(MUTATION))
+    source = (ROOT / spec["FILE"]).read_text()
+    start = source.index(f"void __launch_bounds__(kWalkThreads) {spec['KERNEL']}(")
+    end = source.index("\n}\n", start)
+    assert source.count(spec["BEFORE"]) == 1
+    assert start < source.index(spec["BEFORE"]) < end, "the mutated line left the greedy walk"
+    copy = tmp_path / spec["FILE"]
+    copy.parent.mkdir(parents=True)
+    copy.write_text(source)
+    run = subprocess.run([sys.executable, str(MUTATION), str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    changed = [(a, b) for a, b in zip(source.splitlines(), copy.read_text().splitlines(), strict=True) if a != b]
+    assert changed == [(spec["BEFORE"].rstrip("\n"), spec["AFTER"].rstrip("\n"))]
+    run = subprocess.run([sys.executable, str(MUTATION), str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0 and "exactly once, found it 0 times" in run.stderr  # a stale patch is an error
+
+
+def test_mutation_check_is_opt_in_and_needs_a_device(tmp_path):
+    """run_gpu.sh documents the check and runs it only when asked; without a CUDA device the check reports that it did
+    not run (exit 2), and the checkout stays unmutated."""
+    script = SCRIPT.read_text()
+    assert "cuda_tests/mutation_check.sh" in script.split("set -uo pipefail")[0]  # in the header comment
+    assert 'if [ "${PEAGLE_GPU_MUTATION:-0}" = 1 ]; then' in script
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run(
+        ["bash", str(ROOT / "cuda_tests" / "mutation_check.sh")], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert run.returncode == 2, run.stderr
+    assert "NOT RUN (no CUDA device" in (tmp_path / "mutation" / "result.txt").read_text()
+    assert "MUTATION" not in (ROOT / "csrc" / "cuda" / "tree_verify_kernels.cu").read_text()

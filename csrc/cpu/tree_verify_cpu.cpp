@@ -146,13 +146,7 @@ void verify_greedy_request(const TreeView& v, const OutputView& out, int64_t b) 
     int64_t best_index = 0;
     if (!row_argmax(row, v.vocab, &best_index))
       return tree::set_error(out.errors, b, tree::kTargetNaN, cur, best_index);
-    int64_t accepted = -1;
-    for (int64_t j = tree::next_child(parent, n, cur, cur); j >= 0; j = tree::next_child(parent, n, cur, j)) {
-      if (tokens[j] == best_index) {
-        accepted = j;
-        break;
-      }
-    }
+    const int64_t accepted = tree::child_with_token(parent, tokens, n, cur, best_index);
     if (accepted < 0) {
       emitted[count] = best_index;
       break;
@@ -176,17 +170,17 @@ int64_t row_sum(const float* row, int64_t vocab, int32_t value_error, int32_t su
     bad |= !ok;
     sum += tree::fixed(ok ? p : 0.0f);
   }
+  tree::SumPartial whole{sum, tree::kNoIndex};
   if (bad) {
     int64_t y = 0;
     while (tree::prob_ok(row[y])) ++y;
-    tree::set_error(out.errors, b, value_error, node, y);
-    return -1;
+    whole.first_bad = y;
   }
-  if (!tree::sum_ok(sum)) {
-    tree::set_error(out.errors, b, sum_error, node, sum);
-    return -1;
-  }
-  return sum;
+  int64_t detail = 0;
+  const int32_t code = tree::row_check(whole, value_error, sum_error, &detail);
+  if (code == tree::kOk) return sum;
+  tree::set_error(out.errors, b, code, node, detail);
+  return -1;
 }
 
 void rejection_sample_request(const TreeView& v, const OutputView& out, int64_t b, std::vector<int64_t>& residual,

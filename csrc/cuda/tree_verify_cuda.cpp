@@ -17,6 +17,12 @@ namespace {
 
 using Outputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
+// A byte scratch tensor as an array of partials (nullptr when not allocated).
+template <typename Partial>
+Partial* part_ptr(const at::Tensor& bytes) {
+  return bytes.defined() ? reinterpret_cast<Partial*>(bytes.data_ptr<uint8_t>()) : nullptr;
+}
+
 Outputs run(const char* op, bool sampling, const at::Tensor& parent, const at::Tensor& tokens,
             const at::Tensor& num_nodes, const at::Tensor& target_probs, const c10::optional<at::Tensor>& draft_probs,
             const c10::optional<at::Tensor>& uniforms, int64_t seed, int64_t offset) {
@@ -37,8 +43,21 @@ Outputs run(const char* op, bool sampling, const at::Tensor& parent, const at::T
   at::Tensor num_accepted = at::zeros({s.batch}, long_opts);
   at::Tensor last = at::zeros({s.batch}, long_opts);
   at::Tensor errors = at::zeros({s.batch, 3}, long_opts);
-  at::Tensor residual;
-  if (sampling) residual = at::empty({s.batch, s.vocab}, long_opts);
+  // Phase 1 partials (one kind per mode) and, for stochastic drafts only, one residual row per request.
+  const int64_t partials = cuda::tree_verify_partials(s.batch, s.nodes, s.vocab);
+  const auto scratch = [&](size_t bytes) {
+    return at::empty({partials * static_cast<int64_t>(bytes)}, long_opts.dtype(at::kByte));
+  };
+  at::Tensor argmax_parts, target_parts, draft_parts, residual;
+  if (sampling) {
+    target_parts = scratch(sizeof(tree::SumPartial));
+  } else {
+    argmax_parts = scratch(sizeof(tree::ArgmaxPartial));
+  }
+  if (draft.defined()) {
+    draft_parts = scratch(sizeof(tree::SumPartial));
+    residual = at::empty({s.batch, s.vocab}, long_opts);
+  }
   cuda::TreeVerifyArgs args{par.data_ptr<int64_t>(),
                             tok.data_ptr<int64_t>(),
                             cnt.data_ptr<int64_t>(),
@@ -52,6 +71,9 @@ Outputs run(const char* op, bool sampling, const at::Tensor& parent, const at::T
                             s.batch,
                             s.nodes,
                             s.vocab,
+                            part_ptr<tree::ArgmaxPartial>(argmax_parts),
+                            part_ptr<tree::SumPartial>(target_parts),
+                            part_ptr<tree::SumPartial>(draft_parts),
                             residual.defined() ? residual.data_ptr<int64_t>() : nullptr,
                             path.data_ptr<int64_t>(),
                             num_accepted.data_ptr<int64_t>(),

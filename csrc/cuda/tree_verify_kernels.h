@@ -1,11 +1,14 @@
 // Raw-pointer entry points of the tree verification CUDA kernels. Implemented in tree_verify_kernels.cu, which includes
 // no torch header; the torch-facing launcher (tree_verify_cuda.cpp) checks arguments, allocates and calls these on the
-// current stream. One block per request; vocabulary-parallel reductions; the math is csrc/include/peagle/tree.h.
+// current stream. Two phases: row statistics parallel over (request, node, vocabulary chunk), then one block per
+// request walks its tree from those statistics; the math is csrc/include/peagle/tree.h.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+
+#include "peagle/tree.h"
 
 namespace peagle {
 namespace cuda {
@@ -24,13 +27,22 @@ struct TreeVerifyArgs {
   int64_t batch;
   int64_t n_max;
   int64_t vocab;
-  int64_t* residual;  // [B, V] scratch (sampling only)
-  int64_t* path;      // [B, n_max], pre-filled with -1
+  // Phase 1 output, [B, n_max, verify_chunks(V)] partials per row chunk (tree_verify_partials says which are used).
+  tree::ArgmaxPartial* argmax_parts;  // greedy: every target row of a node < num_nodes
+  tree::SumPartial* target_parts;     // sampling: every target row of a node < num_nodes
+  tree::SumPartial* draft_parts;      // stochastic sampling: the draft rows of nodes with a child
+  int64_t* residual;                  // [B, V] scratch, stochastic drafts only, written where a child is rejected
+  int64_t* path;                      // [B, n_max], pre-filled with -1
   int64_t* num_accepted;
   int64_t* emitted;  // [B, n_max], pre-filled with -1
   int64_t* last;
   int64_t* errors;  // [B, 3], zeroed: (code, node, detail) as in csrc/checks/tree.h
 };
+
+// Number of partials each of argmax_parts / target_parts / draft_parts holds (B * n_max * chunks).
+inline int64_t tree_verify_partials(int64_t batch, int64_t n_max, int64_t vocab) {
+  return batch * n_max * tree::verify_chunks(vocab);
+}
 
 cudaError_t tree_verify_greedy(const TreeVerifyArgs& args, cudaStream_t stream);
 cudaError_t tree_rejection_sample(const TreeVerifyArgs& args, cudaStream_t stream);

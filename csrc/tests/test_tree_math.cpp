@@ -416,3 +416,123 @@ TEST(TreeBuildChecks, RadixKeysOrderLikeTheValues) {
     }
   }
 }
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Chunked row statistics (the CUDA kernels' first phase): any reduction order within a chunk, then the chunks in order,
+// must give the CPU's sequential row pass exactly.
+
+namespace {
+
+struct RowPass {
+  int64_t argmax, first_nan, sum, first_bad;
+};
+
+// The sequential reference: the first index of the largest non-NaN entry, the first NaN, the fixed-point sum of the
+// valid entries and the first invalid entry (kNoIndex where there is none).
+RowPass sequential_pass(const std::vector<float>& row) {
+  RowPass r{tree::kNoIndex, tree::kNoIndex, 0, tree::kNoIndex};
+  float best = -std::numeric_limits<float>::infinity();
+  for (size_t y = 0; y < row.size(); ++y) {
+    if (std::isnan(row[y])) continue;
+    if (r.argmax == tree::kNoIndex || row[y] > best) {
+      best = row[y];
+      r.argmax = static_cast<int64_t>(y);
+    }
+  }
+  for (size_t y = 0; y < row.size(); ++y) {
+    const auto i = static_cast<int64_t>(y);
+    if (std::isnan(row[y]) && r.first_nan == tree::kNoIndex) r.first_nan = i;
+    if (tree::prob_ok(row[y])) {
+      r.sum += exact_floor_scaled(row[y], 40);
+    } else if (r.first_bad == tree::kNoIndex) {
+      r.first_bad = i;
+    }
+  }
+  return r;
+}
+
+// One chunk as a block reduces it: 256 strided per-thread partials, folded in a random order.
+template <typename Partial, typename Start, typename Add, typename Combine>
+Partial chunk_partial(const std::vector<float>& row, int64_t chunk, std::mt19937& rng, Start start, Add add,
+                      Combine combine) {
+  constexpr int64_t kThreads = 256;
+  const int64_t begin = chunk * tree::kVerifyChunk;
+  const int64_t end = std::min<int64_t>(begin + tree::kVerifyChunk, static_cast<int64_t>(row.size()));
+  std::vector<Partial> parts(kThreads, start());
+  for (int64_t y = begin; y < end; ++y) add(parts[(y - begin) % kThreads], row[y], y);
+  while (parts.size() > 1) {
+    std::shuffle(parts.begin(), parts.end(), rng);
+    const Partial merged = combine(parts[parts.size() - 2], parts.back());
+    parts.pop_back();
+    parts.back() = merged;
+  }
+  return parts[0];
+}
+
+}  // namespace
+
+TEST(TreeChunks, ChunkedPartialsEqualTheSequentialRowPass) {
+  std::mt19937 rng(23);
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const int64_t vocabs[] = {1, 3, 255, 4096, 4097, 3 * 4096 + 5, 151936};
+  for (const int64_t vocab : vocabs) {
+    for (int trial = 0; trial < 12; ++trial) {
+      std::vector<float> row(static_cast<size_t>(vocab));
+      for (float& p : row) p = unit(rng) / static_cast<float>(vocab);
+      std::uniform_int_distribution<int64_t> pick(0, vocab - 1);
+      if (trial % 3 == 0) {  // ties of the maximum, +0 / -0 ties, across chunks
+        for (int k = 0; k < 4; ++k) row[pick(rng)] = 1.0f;
+      }
+      if (trial == 1) std::fill(row.begin(), row.end(), -0.0f);
+      if (trial == 2) std::fill(row.begin(), row.end(), -inf);
+      if (trial == 4) {
+        row[pick(rng)] = 0.0f;
+        row[0] = -0.0f;
+      }
+      if (trial == 5 || trial == 6) row[pick(rng)] = nan;
+      if (trial == 6) row[pick(rng)] = -1e-3f;
+      if (trial == 7) row[pick(rng)] = 1.5f;
+      if (trial == 8) std::fill(row.begin(), row.end(), nan);
+      const RowPass want = sequential_pass(row);
+      const int64_t chunks = tree::verify_chunks(vocab);
+      ASSERT_EQ(chunks, (vocab + 4095) / 4096);
+      std::vector<tree::ArgmaxPartial> argmax_parts;
+      std::vector<tree::SumPartial> sum_parts;
+      for (int64_t c = 0; c < chunks; ++c) {
+        argmax_parts.push_back(chunk_partial<tree::ArgmaxPartial>(row, c, rng, tree::argmax_start, tree::argmax_add,
+                                                                  tree::argmax_combine));
+        sum_parts.push_back(
+            chunk_partial<tree::SumPartial>(row, c, rng, tree::sum_start, tree::sum_add, tree::sum_combine));
+      }
+      const tree::ArgmaxPartial argmax = tree::combine_argmax_chunks(argmax_parts.data(), chunks);
+      const tree::SumPartial sum = tree::combine_sum_chunks(sum_parts.data(), chunks);
+      ASSERT_EQ(argmax.index, want.argmax) << vocab << " " << trial;
+      ASSERT_EQ(argmax.first_nan, want.first_nan) << vocab << " " << trial;
+      ASSERT_EQ(sum.first_bad, want.first_bad) << vocab << " " << trial;
+      ASSERT_EQ(sum.sum, want.sum) << vocab << " " << trial;
+      int64_t detail = -1;
+      const int32_t code = tree::row_check(sum, tree::kTargetValue, tree::kTargetSum, &detail);
+      if (want.first_bad != tree::kNoIndex) {
+        EXPECT_EQ(code, tree::kTargetValue);
+        EXPECT_EQ(detail, want.first_bad);
+      } else {
+        EXPECT_EQ(code, tree::sum_ok(want.sum) ? tree::kOk : tree::kTargetSum);
+        EXPECT_EQ(detail, want.sum);
+      }
+    }
+  }
+}
+
+TEST(TreeChunks, ChildWithToken) {
+  // Root 0 with children 1 (token 7) and 3 (token 9); node 2 (token 9) is a child of 1.
+  const int64_t parent[4] = {-1, 0, 1, 0};
+  const int64_t tokens[4] = {5, 7, 9, 9};
+  EXPECT_EQ(tree::child_with_token(parent, tokens, 4, 0, 9), 3);
+  EXPECT_EQ(tree::child_with_token(parent, tokens, 4, 0, 7), 1);
+  EXPECT_EQ(tree::child_with_token(parent, tokens, 3, 0, 9), -1);  // node 3 is past num_nodes
+  EXPECT_EQ(tree::child_with_token(parent, tokens, 4, 1, 9), 2);
+  EXPECT_EQ(tree::child_with_token(parent, tokens, 4, 2, 9), -1);
+  EXPECT_TRUE(tree::is_child_token(parent, tokens, 4, 0, 7));
+  EXPECT_FALSE(tree::is_child_token(parent, tokens, 4, 0, 5));
+}

@@ -191,6 +191,20 @@ PEAGLE_HD int64_t next_child(const int64_t* parent, int64_t n, int64_t node, int
   return -1;
 }
 
+// First child of `node` whose token is `token` (greedy acceptance), or -1.
+PEAGLE_HD int64_t child_with_token(const int64_t* parent, const int64_t* tokens, int64_t n, int64_t node,
+                                   int64_t token) {
+  for (int64_t j = next_child(parent, n, node, node); j >= 0; j = next_child(parent, n, node, j)) {
+    if (tokens[j] == token) return j;
+  }
+  return -1;
+}
+
+// Whether `token` is the token of a child of `node` (siblings are distinct, so at most one is).
+PEAGLE_HD bool is_child_token(const int64_t* parent, const int64_t* tokens, int64_t n, int64_t node, int64_t token) {
+  return child_with_token(parent, tokens, n, node, token) >= 0;
+}
+
 // 24-bit uniform of draw `index` of request b: uniforms[b * n_max + index] when explicit uniforms are given (nullptr:
 // the Philox stream). False when that explicit uniform is outside [0, 1) (the caller records kUniform).
 PEAGLE_HD bool draw_uniform24(const float* uniforms, int64_t n_max, int64_t seed, int64_t offset, int64_t b,
@@ -203,6 +217,87 @@ PEAGLE_HD bool draw_uniform24(const float* uniforms, int64_t n_max, int64_t seed
   if (!uniform_ok(u)) return false;
   *value = uniform24(u);
   return true;
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Row statistics in vocabulary chunks (the CUDA kernels' first phase: parallel over (request, node, chunk)). A chunk's
+// partial is reduced in any order and the partials of a row are combined in chunk order; every reduction below is
+// exact (integer sums, minima, a total order for the argmax), so the combined row equals the CPU kernels' row pass.
+
+constexpr int64_t kVerifyChunk = 4096;   // vocabulary entries per chunk
+constexpr int64_t kNoIndex = INT64_MAX;  // "no such entry" in a partial (no NaN, no bad value)
+constexpr float kNegInfinity = -__builtin_huge_valf();
+
+PEAGLE_HD int64_t verify_chunks(int64_t vocab) { return (vocab + kVerifyChunk - 1) / kVerifyChunk; }
+
+PEAGLE_HD int64_t min_index(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// Greedy: the argmax of the non-NaN entries (argmax_better order) and the first NaN's index.
+struct ArgmaxPartial {
+  float value;
+  int64_t index;
+  int64_t first_nan;
+};
+
+PEAGLE_HD ArgmaxPartial argmax_start() { return ArgmaxPartial{kNegInfinity, kNoIndex, kNoIndex}; }
+
+PEAGLE_HD void argmax_add(ArgmaxPartial& acc, float value, int64_t index) {
+  if (value != value) {
+    acc.first_nan = min_index(acc.first_nan, index);
+  } else if (argmax_better(value, index, acc.value, acc.index)) {
+    acc.value = value;
+    acc.index = index;
+  }
+}
+
+PEAGLE_HD ArgmaxPartial argmax_combine(const ArgmaxPartial& a, const ArgmaxPartial& b) {
+  ArgmaxPartial r = argmax_better(b.value, b.index, a.value, a.index) ? b : a;
+  r.first_nan = min_index(a.first_nan, b.first_nan);
+  return r;
+}
+
+// Sampling: the fixed-point sum of the valid entries (prob_ok) and the first invalid entry's index.
+struct SumPartial {
+  int64_t sum;
+  int64_t first_bad;
+};
+
+PEAGLE_HD SumPartial sum_start() { return SumPartial{0, kNoIndex}; }
+
+PEAGLE_HD void sum_add(SumPartial& acc, float p, int64_t index) {
+  if (prob_ok(p)) {
+    acc.sum += fixed(p);
+  } else {
+    acc.first_bad = min_index(acc.first_bad, index);
+  }
+}
+
+PEAGLE_HD SumPartial sum_combine(const SumPartial& a, const SumPartial& b) {
+  return SumPartial{a.sum + b.sum, min_index(a.first_bad, b.first_bad)};
+}
+
+// The partials of one row, combined in chunk order.
+PEAGLE_HD ArgmaxPartial combine_argmax_chunks(const ArgmaxPartial* parts, int64_t chunks) {
+  ArgmaxPartial acc = argmax_start();
+  for (int64_t c = 0; c < chunks; ++c) acc = argmax_combine(acc, parts[c]);
+  return acc;
+}
+
+PEAGLE_HD SumPartial combine_sum_chunks(const SumPartial* parts, int64_t chunks) {
+  SumPartial acc = sum_start();
+  for (int64_t c = 0; c < chunks; ++c) acc = sum_combine(acc, parts[c]);
+  return acc;
+}
+
+// Check of a probability row from its combined partial, as the CPU's row pass makes it: kOk (the sum is the row's
+// mass), value_error at the first invalid entry, or sum_error with the sum. `detail` gets the error's detail.
+PEAGLE_HD int32_t row_check(const SumPartial& row, int32_t value_error, int32_t sum_error, int64_t* detail) {
+  if (row.first_bad != kNoIndex) {
+    *detail = row.first_bad;
+    return value_error;
+  }
+  *detail = row.sum;
+  return sum_ok(row.sum) ? kOk : sum_error;
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
