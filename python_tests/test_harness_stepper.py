@@ -3,9 +3,10 @@ the graph chain's host loop on the CPU) builds, round after round, exactly the t
 written the way the harness drafted before: state allocated per round, the frontier cut to the widest request's width
 (a host read per depth), only the depths that ran concatenated. Checked over many rounds of several generate calls,
 batch sizes whose rounds have padding rows (requests finishing at different rounds), rounds stopping at different
-depths, greedy and sampled-top-k drafts; the emitted tokens are the target's own greedy ones. Equal trees (tokens,
-parents) verify to equal tokens, so the engine emits what it emitted before; path scores agree up to float rounding.
-cuda_tests/test_harness_chain_cuda.py runs the same rounds as CUDA graphs chained on the device."""
+depths, greedy and sampled-top-k drafts, and the shapes a GPU uses; the emitted tokens are the target's own greedy
+ones. Equal trees (tokens, parents) verify to equal tokens, so the engine emits what it emitted before; path scores
+agree up to float rounding. cuda_tests/test_harness_chain_cuda.py runs the same rounds as CUDA graphs chained on the
+device."""
 
 from __future__ import annotations
 
@@ -14,13 +15,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from peagle.decode import SpeculativeDecoder
+from peagle.decode import SpeculativeDecoder, drafting
 from peagle.decode.drafting import _HarnessRound, _Steps
 from peagle.decode.harness import CostTable
 from peagle.decode.harness.graphs import padded_batch_size
 from peagle.decode.harness.policy import harness_budget, predicted_acceptance, select_candidates, sharpen
 from peagle.decode.sampling import draft_distribution
-from peagle.ops import HarnessState, TreeSpec, harness_decide, tree_expand_topk
+from peagle.ops import HarnessState, TreeSpec, harness_decide, tree_expand_topk, tree_expand_topk_reference
 from testkit import greedy_reference, self_distilled_rows, tiny_target, train_tiny_drafter
 
 PROMPTS = [[3, 9, 1], [5, 6, 7, 8, 9, 10, 11, 40, 2, 17, 33], [20], [30, 31, 2, 7, 50], [12, 13], [44, 4, 8]]
@@ -113,10 +114,24 @@ def reference_tree(
     return tree, predicted_acceptance(tree, calibration), len(levels)
 
 
-@pytest.mark.parametrize(("temperature", "draft_sampling"), [(0.0, "gumbel"), (1.0, "topk")])
-def test_preallocated_rounds_build_the_reference_trees(setup, monkeypatch, temperature, draft_sampling):
-    seen = []  # (requests, padded batch size) of every round
+@pytest.mark.parametrize(
+    ("temperature", "draft_sampling", "gpu_shapes"),
+    [(0.0, "gumbel", False), (1.0, "topk", False), (0.0, "gumbel", True)],
+)
+def test_preallocated_rounds_build_the_reference_trees(setup, monkeypatch, temperature, draft_sampling, gpu_shapes):
+    """``gpu_shapes``: the steps as a GPU runs them (the whole cache capacity as context in every round, the
+    reference of tree_expand_topk), on the CPU."""
+    seen = []  # (requests, padded batch size, depths run) of every round
     draft = _HarnessRound.draft
+    if gpu_shapes:
+        init = _HarnessRound.__init__
+
+        def static_init(self, *args) -> None:
+            init(self, *args)
+            self.static = True
+
+        monkeypatch.setattr(_HarnessRound, "__init__", static_init)
+        monkeypatch.setattr(drafting, "_expand_topk", tree_expand_topk_reference)
 
     def checked(self, rows, host_rows, root_probs, root_hidden):
         want, want_predicted, depths = reference_tree(self, rows, host_rows, root_probs, root_hidden)
@@ -127,6 +142,7 @@ def test_preallocated_rounds_build_the_reference_trees(setup, monkeypatch, tempe
         # (float32), and elementwise float64 ops vectorise differently over rows of another length.
         torch.testing.assert_close(got.scores, want.scores, rtol=1e-4, atol=0)
         torch.testing.assert_close(self.harness.predicted[rows], want_predicted, rtol=1e-4, atol=0)
+        assert self.context_len == (self.max_context if gpu_shapes else self.owner.cache.padded_len(host_rows))
         seen.append((rows.numel(), self.padded, depths))
         return got
 
