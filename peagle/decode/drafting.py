@@ -614,7 +614,9 @@ class _HarnessRound:
             fallback = self.stepper.fallback
             self.harness.chain_report = self.stepper.mode + (f" ({fallback})" if fallback else "")
         self.stepper.run()
-        return self.round.tree(*self.kept)
+        tree = self.round.tree(*self.kept)  # on CUDA, tree_select copies to the host: the round waits here anyway
+        self.stepper.check()
+        return tree
 
     def close(self) -> None:
         if self.stepper is not None:

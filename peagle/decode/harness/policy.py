@@ -419,6 +419,10 @@ class DepthStepper:
         """Runs one round; on ``"device"`` it only launches it (no synchronisation)."""
         self.chain.run()
 
+    def check(self) -> None:
+        """Raises if a device tail launch failed (reads the chain's status: call it where the host waits anyway)."""
+        self.chain.check()
+
     def close(self) -> None:
         self.chain.close()
 
