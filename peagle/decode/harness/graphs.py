@@ -42,15 +42,15 @@ from torch import Tensor
 import peagle  # noqa: F401  (loads peagle._C: the graph chain ops of a CUDA build)
 
 Step = Callable[[], None]
+Mode = Literal["auto", "device", "host_graphs", "host"]
+MODES: tuple[str, ...] = ("auto", "device", "host_graphs", "host")
 
 
 class _Closable(Protocol):
     def close(self) -> None: ...
 
 
-C = TypeVar("C", bound=_Closable)
-Mode = Literal["auto", "device", "host_graphs", "host"]
-MODES: tuple[str, ...] = ("auto", "device", "host_graphs", "host")
+C = TypeVar("C", bound=_Closable)  # what a GraphChainCache holds per padded batch size
 
 # status[1] value the tail kernel records when a graph handle is missing (csrc/cuda/graph_chain_kernels.h).
 _NO_HANDLE = -1
