@@ -52,8 +52,10 @@ def generate(setup, device: str, chain_mode: str, batch: int, temperature: float
 
 
 @needs_device_launch
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_graph_chain_equals_host_loop_and_cpu(setup, monkeypatch, temperature):
+@pytest.mark.parametrize(("temperature", "batch"), [(0.0, 3), (0.0, 6), (1.0, 3)])
+def test_graph_chain_equals_host_loop_and_cpu(setup, monkeypatch, temperature, batch):
+    """Batch 3: the harness drafts trees (several candidates per depth); batch 6: chains. Requests finish at different
+    rounds, so later rounds run at smaller padded batch sizes with padding rows."""
     replays = []
     run = DepthStepper.run
 
@@ -69,17 +71,15 @@ def test_graph_chain_equals_host_loop_and_cpu(setup, monkeypatch, temperature):
             run(self)
 
     monkeypatch.setattr(DepthStepper, "run", no_sync_run)
-    for batch in (1, 6):
-        graphs = generate(setup, "cuda", "auto", batch, temperature)
-        host = generate(setup, "cuda", "host", batch, temperature)
-        assert graphs.metrics.depth_chain == "device" and host.metrics.depth_chain == "host"
-        assert graphs.tokens == host.tokens
-        assert [r.accepted for r in graphs.requests] == [r.accepted for r in host.requests]
-        assert graphs.metrics.rounds >= 20
-        if temperature == 0:  # greedy: the target's tokens on any device
-            assert graphs.tokens == generate(setup, "cpu", "auto", batch).tokens
-    assert len({id(stepper) for stepper in replays}) >= 3  # chains of several padded batch sizes were replayed
-    assert len(replays) > 40
+    graphs = generate(setup, "cuda", "auto", batch, temperature)
+    host = generate(setup, "cuda", "host", batch, temperature)
+    assert graphs.metrics.depth_chain == "device" and host.metrics.depth_chain == "host"
+    assert graphs.tokens == host.tokens
+    assert [r.accepted for r in graphs.requests] == [r.accepted for r in host.requests]
+    if temperature == 0:  # greedy: the target's tokens on any device
+        assert graphs.tokens == generate(setup, "cpu", "auto", batch).tokens
+    assert len({id(stepper) for stepper in replays}) >= 2  # chains of several padded batch sizes were replayed
+    assert len(replays) == graphs.metrics.rounds >= 20  # every round after prefill drafted through the chain
 
 
 def test_step_that_synchronises_falls_back_to_the_host_loop():
