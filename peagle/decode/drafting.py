@@ -29,18 +29,27 @@ probabilities. A draft vocabulary (d2t) maps drafted ids to target ids.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
-from peagle.decode.harness.policy import DepthStepper
+from peagle.decode.harness.graphs import GraphChainCache
+from peagle.decode.harness.policy import DepthRound, DepthStepper
 from peagle.decode.kv_cache import PagedKVCache
 from peagle.decode.sampling import draft_distribution, gumbel_order
 from peagle.model import PEagleDrafter
 from peagle.model.drafter import window_visible
-from peagle.ops import HarnessState, TreeSpec, ancestor_mask, tree_build_parallel, tree_expand_topk, tree_select
+from peagle.ops import (
+    TreeSpec,
+    ancestor_mask,
+    tree_build_parallel,
+    tree_expand_topk,
+    tree_expand_topk_reference,
+    tree_select,
+)
 
 __all__ = ["DraftTree", "Eagle3Drafting", "PEagleDrafting", "eagle2_dynamic_tree", "root_tree"]
 
@@ -73,17 +82,14 @@ class DepthPlanner(Protocol):
     """What autoregressive drafting asks a harness (:class:`peagle.decode.harness.DepthHarness` implements it)."""
 
     max_width: int
-    state: HarnessState
+    chain_mode: str
+    chain_report: str
 
-    def start(self, rows: Tensor) -> None: ...
+    def padded(self, rows: Tensor) -> int: ...
+
+    def start(self, rows: Tensor) -> DepthRound: ...
 
     def chain_depth(self, rows: Tensor) -> int: ...
-
-    def frontier_width(self, cap: int) -> int: ...
-
-    def decide(self, candidate_scores: Tensor, depth: int) -> None: ...
-
-    def finalize(self, tokens: Tensor, parent: Tensor, scores: Tensor, chosen: Tensor) -> TreeSpec: ...
 
 
 class Sampling(NamedTuple):
@@ -254,15 +260,18 @@ class _CachedDrafter:
         for r, c in zip(host_rows, counts, strict=True):
             self.host_pending[r] = c
 
-    def _context(self, rows: Tensor, host_rows: list[int]) -> tuple[list[tuple[Tensor, Tensor]], Tensor, Tensor]:
+    def _context(
+        self, rows: Tensor, host_rows: list[int] | None, length: int | None = None
+    ) -> tuple[list[tuple[Tensor, Tensor]], Tensor, Tensor]:
         """Committed keys/values of every layer [b, C, ...], which of the C slots are committed [b, C] and their
         positions [b, C]. With a sliding window W only the blocks of the last max(W - 1, 1) committed positions are
         read (all a new element or a drafted node can see: keys after its position - W, and its anchor), so a pass
-        costs the same at any context length."""
+        costs the same at any context length. Without one, C = ``length`` (a multiple of the block size; default the
+        longest of ``host_rows``, padded to whole blocks)."""
         seq = self.cache.seq_len[rows]
         window = self.config.sliding_window
         if window is None:
-            length = self.cache.padded_len(host_rows)
+            length = self.cache.padded_len(host_rows) if length is None else length
             blocks = self.cache.context_blocks(rows, length)
             positions = torch.arange(length, device=self.device)[None, :].expand(rows.numel(), -1)
         else:
@@ -388,6 +397,27 @@ class PEagleDrafting(_CachedDrafter):
 class Eagle3Drafting(_CachedDrafter):
     """EAGLE-3: autoregressive drafting of a K = 1 drafter; chain of ``depth`` drafts or EAGLE-2 dynamic tree."""
 
+    _rounds: GraphChainCache[_HarnessRound] | None = None  # harness rounds per padded batch size, of one harness
+    _rounds_harness: DepthPlanner | None = None
+
+    def allocate(self, num_requests: int, capacity: int, pending_width: int, block_size: int) -> None:
+        self._close_rounds()  # their buffers and graphs belong to the old cache
+        super().allocate(num_requests, capacity, pending_width, block_size)
+
+    def _close_rounds(self) -> None:
+        if self._rounds is not None:
+            self._rounds.close()
+        self._rounds, self._rounds_harness = None, None
+
+    def _harness_round(self, harness: DepthPlanner, rows: Tensor, temperature: float) -> _HarnessRound:
+        """The round buffers and stepper of ``rows``'s padded batch size (built on first use; one generate call's
+        harness and temperature)."""
+        if self._rounds_harness is not harness:
+            self._close_rounds()
+            self._rounds = GraphChainCache(lambda padded: _HarnessRound(self, harness, padded, temperature))
+            self._rounds_harness = harness
+        return self._rounds.get(harness.padded(rows))
+
     @torch.no_grad()
     def draft(
         self, rows: Tensor, host_rows: list[int], roots: Tensor, sampling: Sampling, harness: DepthPlanner | None = None
@@ -396,13 +426,15 @@ class Eagle3Drafting(_CachedDrafter):
         depth by depth under its decisions, and sampled rounds draft the chain length it fixed last round."""
         logits, hidden = self._pass(rows, host_rows, 0, 1)
         root_probs = draft_distribution(logits[:, 0], sampling.temperature)
+        if harness is not None and not sampling.gumbel:
+            spec = self._harness_round(harness, rows, sampling.temperature).draft(
+                rows, host_rows, root_probs, hidden[:, 0]
+            )
+            return self._from_spec(roots, spec)
         steps = _Steps(self, rows, host_rows, hidden[:, 0])
         if harness is not None:
-            harness.start(rows)
-            if sampling.gumbel:
-                length = harness.chain_depth(rows)
-                return steps.grow(roots, root_probs, 1, length + 1, sampling, max_depth=length)
-            return self._from_spec(roots, steps.harness_stepper(root_probs, harness, sampling.temperature).run())
+            length = harness.chain_depth(rows)
+            return steps.grow(roots, root_probs, 1, length + 1, sampling, max_depth=length)
         if self.mode == "tree" and not sampling.gumbel:
             step = steps.eagle2_step(root_probs, self.topk, sampling.temperature)
             spec = eagle2_dynamic_tree(root_probs, step, self.depth, self.topk, self.num_nodes)
@@ -410,6 +442,185 @@ class Eagle3Drafting(_CachedDrafter):
         # Chains (a tree of top-1 children) and sampled trees: shapes decided depth by depth, never pruned later.
         topk, budget = (1, self.depth + 1) if self.mode == "chain" else (self.topk, self.num_nodes)
         return steps.grow(roots, root_probs, topk, budget, sampling)
+
+
+def _node_forward(
+    owner: _CachedDrafter,
+    context: list[tuple[Tensor, Tensor]],
+    committed: Tensor,
+    key_positions: Tensor,
+    root_position: Tensor,
+    tokens: Tensor,
+    feats: Tensor,
+    depth: int,
+    sees: Tensor,
+) -> tuple[Tensor, Tensor, list[tuple[Tensor, Tensor]]]:
+    """The drafter on w drafted nodes (draft ids [b, w], features [b, w, H]) at ``depth`` below the root element at
+    ``root_position`` [b]. ``context`` per layer: the C committed keys/values (``committed`` [b, C] marks the real ones,
+    at ``key_positions`` [b, C]) then the T temporary entries of earlier drafted nodes, of which ``sees`` [b, w, T]
+    marks each node's ancestors. Returns logits [b, w, Vd], hidden [b, w, H] and the nodes' keys/values per layer."""
+    batch, width = tokens.shape
+    eye = torch.eye(width, dtype=torch.bool, device=tokens.device).expand(batch, -1, -1)
+    positions = (root_position + depth)[:, None].expand(-1, width)
+    # A node sees its ancestors, and of the committed keys those in its window and the root's element (its anchor).
+    anchor = root_position[:, None].expand(-1, width)
+    window = owner.config.sliding_window
+    visible = committed[:, None, :] & window_visible(positions, key_positions, anchor, window)
+    mask = torch.cat([visible, sees, eye], dim=2)
+    return owner.drafter.forward_cached(owner.draft_ids[tokens], feats, positions, context, mask)
+
+
+def _expand_topk(scores: Tensor, probs: Tensor, topk: int) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`tree_expand_topk`; on CUDA its reference (the same candidates from device ops a CUDA graph can capture:
+    outside deferred checks (peagle.ops.errors) the op's CUDA kernel reads its error table back, a synchronisation)."""
+    if probs.device.type == "cuda":
+        return tree_expand_topk_reference(scores, probs, topk)
+    return tree_expand_topk(scores, probs, topk)
+
+
+class _HarnessRound:
+    """The harness's depth-by-depth drafting at one padded batch size: every buffer its steps read or write,
+    preallocated once and reset in place each round (:meth:`load`), and the
+    :class:`~peagle.decode.harness.DepthStepper` over those steps (CUDA graphs chained on the device on a GPU, captured
+    on the first round; the host loop on the CPU).
+
+    Step d runs the drafter on the ``cap`` candidates step d - 1 expanded (those the harness did not choose are
+    padding: score 0; step 0 knows the root's distribution), expands their top children by path score
+    (:func:`tree_expand_topk`) and lets the harness decide how many of the best become depth d + 1's nodes. The
+    finalize step keeps the verify budget of the chosen candidates; the tree is laid out after the chain
+    (:meth:`DepthRound.tree`). Keys/values: the committed context (``context_len`` slots; on the GPU always the
+    cache capacity or the window, so shapes never change), then ``cap`` temporary entries per drafted depth.
+    """
+
+    def __init__(self, owner: Eagle3Drafting, harness: DepthPlanner, padded: int, temperature: float) -> None:
+        cfg, cache, device = owner.config, owner.cache, owner.device
+        self.owner, self.harness, self.padded, self.temperature = owner, harness, padded, temperature
+        self.cap = cap = min(harness.max_width, cfg.draft_vocab_size)
+        self.depths = depths = owner.depth
+        self.static = device.type == "cuda"  # one context length for every round: graphs can be captured
+        if cfg.sliding_window is None:
+            self.max_context = cache.capacity
+        else:
+            self.max_context = (max(cfg.sliding_window - 1, 1) // cache.block_size + 2) * cache.block_size
+        self.context_len = self.max_context
+        temp = (depths - 1) * cap
+        zeros = functools.partial(torch.zeros, device=device)
+        kv = (padded, self.max_context + temp, cfg.num_kv_heads, cfg.head_dim)
+        self.keys = [zeros(kv, dtype=owner.dtype) for _ in range(cfg.num_layers)]
+        self.values = [zeros(kv, dtype=owner.dtype) for _ in range(cfg.num_layers)]
+        self.committed = zeros(padded, self.max_context, dtype=torch.bool)
+        self.key_positions = zeros(padded, self.max_context, dtype=torch.long)
+        self.root_position = zeros(padded, dtype=torch.long)
+        self.root_probs = zeros(padded, cfg.draft_vocab_size, dtype=torch.float32)
+        self.root_hidden = zeros(padded, cfg.hidden_size, dtype=owner.dtype)
+        # Level d: the candidates step d expanded, and what step d + 1 needs of their parents.
+        self.tokens = zeros(padded, depths, cap, dtype=torch.long)
+        self.parent = zeros(padded, depths, cap, dtype=torch.long)
+        self.scores = zeros(padded, depths, cap, dtype=torch.float64)
+        self.chosen = zeros(padded, depths, cap, dtype=torch.bool)
+        self.feats = zeros(padded, depths, cap, cfg.hidden_size, dtype=owner.dtype)
+        self.sees = zeros(padded, depths, cap, temp, dtype=torch.bool)  # ancestors among the temporary entries
+        nodes = 1 + depths * cap
+        # What finalize keeps: the arguments of tree_select.
+        self.kept = (
+            zeros(padded, nodes, dtype=torch.long),
+            zeros(padded, nodes, dtype=torch.long),
+            zeros(padded, nodes, dtype=torch.float64),
+            zeros(padded, dtype=torch.long),
+        )
+        self.round: DepthRound | None = None
+        self.stepper: DepthStepper | None = None
+
+    def load(self, rows: Tensor, host_rows: list[int], root_probs: Tensor, root_hidden: Tensor) -> None:
+        """Resets every buffer for a round of ``rows`` whose root pass gave ``root_probs`` / ``root_hidden``."""
+        owner, count = self.owner, rows.numel()
+        self.round = self.harness.start(rows)
+        padded_rows = self.round.rows
+        length = self.max_context if self.static else owner.cache.padded_len(host_rows)
+        context, committed, positions = owner._context(padded_rows, host_rows, length)
+        self.context_len = width = committed.shape[1]
+        for (k, v), keys, values in zip(context, self.keys, self.values, strict=True):
+            keys[:, :width].copy_(k)
+            values[:, :width].copy_(v)
+        self.committed[:, :width].copy_(committed)
+        self.key_positions[:, :width].copy_(positions)
+        self.root_position.copy_(owner.cache.seq_len[padded_rows] - 1)
+        for buffer, value in ((self.root_probs, root_probs), (self.root_hidden, root_hidden)):
+            buffer[:count].copy_(value)
+            buffer[count:].copy_(value[:1].expand(self.padded - count, -1))
+        self.chosen.zero_()  # levels this round does not reach stay unchosen
+        self.scores.zero_()
+
+    def step(self, depth: int) -> None:
+        padded, cap, device = self.padded, self.cap, self.root_probs.device
+        if depth == 0:
+            probs = self.root_probs[:, None]
+            scores = torch.ones(padded, 1, dtype=torch.float64, device=device)
+            hidden = self.root_hidden[:, None]
+            sees = torch.zeros(padded, 1, 0, dtype=torch.bool, device=device)
+            index = torch.zeros(padded, 1, dtype=torch.long, device=device)
+        else:
+            level, context = depth - 1, self.context_len
+            start = context + level * cap  # this depth's temporary entries
+            sees = self.sees[:, level, :, : level * cap]
+            scores = torch.where(self.chosen[:, level], self.scores[:, level], 0.0)
+            logits, hidden, new_kv = _node_forward(
+                self.owner,
+                [(k[:, :start], v[:, :start]) for k, v in zip(self.keys, self.values, strict=True)],
+                self.committed[:, :context],
+                self.key_positions[:, :context],
+                self.root_position,
+                self.tokens[:, level],
+                self.feats[:, level],
+                depth,
+                sees,
+            )
+            for (k, v), keys, values in zip(new_kv, self.keys, self.values, strict=True):
+                keys[:, start : start + cap].copy_(k)
+                values[:, start : start + cap].copy_(v)
+            probs = draft_distribution(logits, self.temperature)
+            own = torch.eye(cap, dtype=torch.bool, device=device).expand(padded, -1, -1)
+            sees = torch.cat([sees, own], dim=2)
+            index = (1 + level * cap + torch.arange(cap, device=device)).expand(padded, cap)
+        tokens, slot, cand = _expand_topk(scores, probs, cap)
+        tokens, slot, cand = tokens[:, :cap], slot[:, :cap], cand[:, :cap]
+        self.round.decide(torch.where(cand > 0, cand, -torch.inf), depth + 1)
+        self.tokens[:, depth].copy_(tokens)
+        self.parent[:, depth].copy_(index.gather(1, slot))
+        self.scores[:, depth].copy_(cand)
+        self.chosen[:, depth].copy_(torch.arange(cap, device=device)[None, :] < self.round.state.width[:, None])
+        if depth + 1 < self.depths:
+            self.feats[:, depth].copy_(hidden.gather(1, slot[..., None].expand(-1, -1, hidden.shape[2])))
+            self.sees[:, depth, :, : depth * cap].copy_(sees.gather(1, slot[..., None].expand(-1, -1, sees.shape[2])))
+
+    def finalize(self) -> None:
+        padded, device = self.padded, self.root_probs.device
+        none = torch.full((padded, 1), -1, dtype=torch.long, device=device)
+        tokens = torch.cat([none, self.tokens.flatten(1)], 1)
+        parent = torch.cat([none, self.parent.flatten(1)], 1)
+        chosen = torch.cat([torch.ones(padded, 1, dtype=torch.bool, device=device), self.chosen.flatten(1)], 1)
+        root = torch.ones(padded, 1, dtype=torch.float64, device=device)
+        scores = torch.where(chosen, torch.cat([root, self.scores.flatten(1)], 1), 0.0)
+        for buffer, value in zip(self.kept, self.round.select(tokens, parent, scores, chosen), strict=True):
+            buffer.copy_(value)
+
+    def draft(self, rows: Tensor, host_rows: list[int], root_probs: Tensor, root_hidden: Tensor) -> TreeSpec:
+        """The round's candidate tree (draft ids) of ``rows``."""
+        self.load(rows, host_rows, root_probs, root_hidden)
+        if self.stepper is None:
+            steps = [functools.partial(self.step, d) for d in range(self.depths)]
+            self.stepper = DepthStepper(steps, self.finalize, self.round.state.go, self.harness.chain_mode)
+            self.load(rows, host_rows, root_probs, root_hidden)  # building a graph chain ran every step once
+            fallback = self.stepper.fallback
+            self.harness.chain_report = self.stepper.mode + (f" ({fallback})" if fallback else "")
+        self.stepper.run()
+        tree = self.round.tree(*self.kept)  # on CUDA, tree_select copies to the host: the round waits here anyway
+        self.stepper.check()
+        return tree
+
+    def close(self) -> None:
+        if self.stepper is not None:
+            self.stepper.close()
 
 
 class _Steps:
@@ -427,86 +638,17 @@ class _Steps:
         """Drafter on w new nodes (draft ids [b, w], features [b, w, H]) at ``depth``; ``sees`` [b, w, T] marks the
         temporary entries of their ancestors. Returns logits [b, w, Vd] and hidden [b, w, H]; their entries join the
         temporary ones."""
-        owner = self.owner
-        batch, width = tokens.shape
-        eye = torch.eye(width, dtype=torch.bool, device=tokens.device).expand(batch, -1, -1)
-        positions = (self.root_position + depth)[:, None].expand(-1, width)
-        # A node sees its ancestors, and of the committed keys those in its window and the root's element (its anchor).
-        anchor = self.root_position[:, None].expand(-1, width)
-        window = owner.config.sliding_window
-        committed = self.committed[:, None, :] & window_visible(positions, self.key_positions, anchor, window)
-        mask = torch.cat([committed, sees, eye], dim=2)
         context = [
             (torch.cat([k, tk], 1), torch.cat([v, tv], 1))
             for (k, v), (tk, tv) in zip(self.context, self.temp, strict=True)
         ]
-        logits, hidden, new_kv = owner.drafter.forward_cached(owner.draft_ids[tokens], feats, positions, context, mask)
+        logits, hidden, new_kv = _node_forward(
+            self.owner, context, self.committed, self.key_positions, self.root_position, tokens, feats, depth, sees
+        )
         self.temp = [
             (torch.cat([tk, k], 1), torch.cat([tv, v], 1)) for (tk, tv), (k, v) in zip(self.temp, new_kv, strict=True)
         ]
         return logits, hidden
-
-    def harness_stepper(self, root_probs: Tensor, harness: DepthPlanner, temperature: float) -> DepthStepper:
-        """The harness's depth-by-depth drafting as a :class:`~peagle.decode.harness.DepthStepper`.
-
-        Step d runs the drafter on the nodes depth d chose (step 0: the root's distribution is known), expands their
-        top children by path score (:func:`tree_expand_topk`; children of slots a request did not choose score 0 and
-        are padding), and lets ``harness.decide`` choose how many of the best candidates become depth d + 1's nodes.
-        The finalize step keeps the verify budget of the chosen nodes."""
-        batch, device = root_probs.shape[0], root_probs.device
-        cap = min(harness.max_width, root_probs.shape[1])
-        levels: list[dict[str, Tensor]] = []
-        state = {"count": 1}
-
-        def step(depth: int) -> None:
-            if depth == 0:
-                probs, scores = root_probs[:, None], torch.ones(batch, 1, dtype=torch.float64, device=device)
-                hidden, sees = self.root_hidden[:, None], torch.zeros(batch, 1, 0, dtype=torch.bool, device=device)
-                index = torch.zeros(batch, 1, dtype=torch.long, device=device)
-            else:
-                level = levels[-1]
-                width = harness.frontier_width(cap)
-                tokens, feats, sees = level["tokens"][:, :width], level["feats"][:, :width], level["sees"][:, :width]
-                scores = torch.where(level["chosen"][:, :width], level["scores"][:, :width], 0.0)
-                logits, hidden = self.run(tokens, feats, depth, sees)
-                probs = draft_distribution(logits, temperature)
-                own = torch.eye(width, dtype=torch.bool, device=device).expand(batch, -1, -1)
-                sees = torch.cat([sees, own], dim=2)
-                index = level["index"][:, :width]
-            tokens, slot, cand = tree_expand_topk(scores, probs, cap)
-            tokens, slot, cand = tokens[:, :cap], slot[:, :cap], cand[:, :cap]
-            harness.decide(torch.where(cand > 0, cand, -torch.inf), depth + 1)
-            chosen = torch.arange(cand.shape[1], device=device)[None, :] < harness.state.width[:, None]
-            width = cand.shape[1]
-            levels.append(
-                {
-                    "tokens": tokens,
-                    "parent": index.gather(1, slot),
-                    "scores": cand,
-                    "chosen": chosen,
-                    "index": state["count"] + torch.arange(width, device=device).expand(batch, width),
-                    "feats": hidden.gather(1, slot[..., None].expand(-1, -1, hidden.shape[2])),
-                    "sees": sees.gather(1, slot[..., None].expand(-1, -1, sees.shape[2])),
-                }
-            )
-            state["count"] += width
-
-        def finalize() -> TreeSpec:
-            root = torch.ones(batch, 1, dtype=torch.bool, device=device)
-            tokens = torch.cat(
-                [torch.full((batch, 1), -1, dtype=torch.long, device=device)] + [lv["tokens"] for lv in levels], 1
-            )
-            parent = torch.cat(
-                [torch.full((batch, 1), -1, dtype=torch.long, device=device)] + [lv["parent"] for lv in levels], 1
-            )
-            scores = torch.cat(
-                [torch.ones(batch, 1, dtype=torch.float64, device=device)] + [lv["scores"] for lv in levels], 1
-            )
-            chosen = torch.cat([root] + [lv["chosen"] for lv in levels], 1)
-            return harness.finalize(tokens, parent, torch.where(chosen, scores, 0.0), chosen)
-
-        steps = [lambda d=d: step(d) for d in range(self.owner.depth)]
-        return DepthStepper(steps, finalize, harness.state.go)
 
     def eagle2_step(self, root_probs: Tensor, topk: int, temperature: float):
         """The ``draft_step`` of :func:`eagle2_dynamic_tree`. It is told the new frontier's tokens only, so

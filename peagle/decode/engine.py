@@ -92,6 +92,9 @@ class GenerateMetrics:
     other_s: float  # commit, read-back, bookkeeping
     total_s: float
     tokens_per_s: float  # new tokens / total_s
+    # How EAGLE-3 harness rounds ran their depth steps (DepthStepper mode: "device" = CUDA graphs chained on the
+    # device, "host" = the host loop; a fallback to the host loop on a GPU says why in parentheses); "" if none ran.
+    depth_chain: str = ""
 
 
 @dataclass
@@ -170,6 +173,8 @@ class SpeculativeDecoder:
             target, aux, block_size=block_size, prefill_chunk=prefill_chunk, dtype=dtype, device=device
         )
         self.mode, self.draft_sampling, self.block_size = mode, draft_sampling, block_size
+        # Debug: the DepthStepper mode of EAGLE-3 harness rounds ("auto"; "host" forces the host loop on a GPU).
+        self.depth_chain_mode = "auto"
         self.drafting: PEagleDrafting | Eagle3Drafting | None = None
         if drafter is not None:
             if mode == "harness":
@@ -386,6 +391,8 @@ class _Generation:
             kind = PassHarness if isinstance(self.drafting, PEagleDrafting) else DepthHarness
             vocab = self.drafting.config.draft_vocab_size
             self.harness = kind(decoder.policy, batch, self.drafting.depth, longest, vocab, self.device)
+            if isinstance(self.harness, DepthHarness):
+                self.harness.chain_mode = decoder.depth_chain_mode
             if not self.harness.speculate:  # the cost table says speculation loses at this batch size
                 self.drafting, self.harness = None, None
 
@@ -519,5 +526,6 @@ class _Generation:
             other_s=self.clock.total("other"),
             total_s=total,
             tokens_per_s=new_tokens / total if total > 0 else 0.0,
+            depth_chain=getattr(self.harness, "chain_report", ""),
         )
         return GenerateOutput(self.tokens, requests, metrics)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Generic, Literal, Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -44,6 +44,13 @@ import peagle  # noqa: F401  (loads peagle._C: the graph chain ops of a CUDA bui
 Step = Callable[[], None]
 Mode = Literal["auto", "device", "host_graphs", "host"]
 MODES: tuple[str, ...] = ("auto", "device", "host_graphs", "host")
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+C = TypeVar("C", bound=_Closable)  # what a GraphChainCache holds per padded batch size
 
 # status[1] value the tail kernel records when a graph handle is missing (csrc/cuda/graph_chain_kernels.h).
 _NO_HANDLE = -1
@@ -213,14 +220,16 @@ class DepthGraphChain:
         self._closed = True
 
 
-class GraphChainCache:
-    """One :class:`DepthGraphChain` per padded batch size, built on first use by ``build(padded_batch)``."""
+class GraphChainCache(Generic[C]):
+    """One chain per padded batch size (:func:`padded_batch_size`), built on first use by ``build(padded_batch)``:
+    a :class:`DepthGraphChain`, or an object that owns one together with the buffers its steps read (anything with
+    ``close()``)."""
 
-    def __init__(self, build: Callable[[int], DepthGraphChain]) -> None:
+    def __init__(self, build: Callable[[int], C]) -> None:
         self._build = build
-        self._chains: dict[int, DepthGraphChain] = {}
+        self._chains: dict[int, C] = {}
 
-    def get(self, padded_batch: int) -> DepthGraphChain:
+    def get(self, padded_batch: int) -> C:
         if isinstance(padded_batch, bool) or not isinstance(padded_batch, int) or padded_batch <= 0:
             raise ValueError(f"padded_batch must be a positive int, got {padded_batch!r}")
         chain = self._chains.get(padded_batch)
@@ -235,3 +244,11 @@ class GraphChainCache:
         for chain in self._chains.values():
             chain.close()
         self._chains.clear()
+
+
+def padded_batch_size(rows: int, limit: int) -> int:
+    """The batch size a round of ``rows`` requests runs at: the next power of two, at most ``limit`` (the generate
+    call's batch), so that a shrinking batch reuses a few captured chains instead of capturing one per size."""
+    if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= limit:
+        raise ValueError(f"rows must be an int in [1, limit={limit}], got {rows!r}")
+    return min(1 << (rows - 1).bit_length(), limit)

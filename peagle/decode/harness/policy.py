@@ -16,7 +16,9 @@ for n nodes (root included, from the cost table row of the batch-size bucket and
 * **Depth by depth (autoregressive drafters).** At each depth the candidates are the children of the frontier; the
   ``harness_decide`` op adds the best w of them for the w of the cost table's widths that maximises the ratio after
   paying that depth's drafter forward t_d(w) and the larger verify, and stops a request when no w raises its ratio;
-  go = some request continues. :class:`DepthStepper` is that loop as per-depth step functions.
+  go = some request continues. :class:`DepthStepper` runs that loop as per-depth step functions over buffers
+  preallocated per padded batch size (:class:`DepthRound`): CUDA graphs chained on the device on a GPU, a host loop on
+  the CPU.
 * **Verify budget.** :func:`harness_budget`: the best n nodes by path score (parent-closed: scores never grow along a
   path and ties go to the smaller index) with n maximising (1 + S_(n-1)) / (T_draft + V[n]).
 * **P-EAGLE.** One pass drafts K depths at cost pass(K); the budget is chosen over the parallel candidate tree as
@@ -34,6 +36,7 @@ for n nodes (root included, from the cost table row of the batch-size bucket and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -41,22 +44,26 @@ import torch
 from torch import Tensor
 
 from peagle.decode.harness.cost import CostTable
+from peagle.decode.harness.graphs import DepthGraphChain, device_launch_available, padded_batch_size
 from peagle.ops import HarnessState, TreeSpec, calibration_scale, harness_decide, harness_pass_decide, tree_select
 from peagle.ops.harness import best_candidates, budget_ratios
 
 __all__ = [
     "CALIBRATION_DECAY",
     "DepthHarness",
+    "DepthRound",
     "DepthStepper",
     "HarnessPolicy",
     "PassHarness",
     "Plan",
     "harness_budget",
+    "kept_first",
     "pass_budget",
     "predicted_acceptance",
     "select_budget",
     "select_candidates",
     "sharpen",
+    "tree_width",
     "update_calibration",
     "update_sharpness",
 ]
@@ -126,8 +133,26 @@ def select_candidates(
     tokens: Tensor, parent: Tensor, scores: Tensor, valid: Tensor, budget: Tensor, max_nodes: int
 ) -> TreeSpec:
     """The best ``budget[b]`` of the valid candidates (candidate 0 = the root, parents before children, scores never
-    growing along a path) as a tree: they move to the front in their order, so parents still come first, and
-    :func:`tree_select` lays them out."""
+    growing along a path) as a tree: :func:`kept_first` moves them to the front and :func:`tree_select` lays them
+    out."""
+    tokens, parent, scores, count = kept_first(tokens, parent, scores, valid, budget)
+    return tree_select(tokens, parent, scores, count, tree_width(count, tokens.shape[1], max_nodes))
+
+
+def tree_width(count: Tensor, candidates: int, max_nodes: int) -> int:
+    """Slots of a verified tree of ``count[b]`` nodes per request: as many as its largest request, not ``max_nodes``
+    (the target verifies every slot, padding included). The host read that finds it is free on the CPU; on a GPU the
+    candidates' width bounds it without one."""
+    width = min(max_nodes, candidates)
+    return min(width, int(count.max())) if count.device.type == "cpu" else width
+
+
+def kept_first(
+    tokens: Tensor, parent: Tensor, scores: Tensor, valid: Tensor, budget: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The best ``budget[b]`` valid candidates moved to the front in their order (so parents still come first, parent
+    indices remapped): (tokens, parent, float64 scores, count), the arguments of :func:`tree_select`. Device work
+    only (a CUDA graph can capture it)."""
     batch, nodes = tokens.shape
     index = torch.arange(nodes, device=tokens.device).expand(batch, nodes)
     keep = best_candidates(scores, valid, budget)
@@ -136,12 +161,7 @@ def select_candidates(
     parent = parent.gather(1, perm)
     parent = torch.where(parent >= 0, inverse.gather(1, parent.clamp(min=0)), -1)
     count = keep.sum(1).clamp(min=1)
-    # The tree is as wide as its largest request, not max_nodes: the target verifies every slot, padding included. The
-    # host read that finds that width is free on the CPU; on a GPU the candidates' width bounds it without one.
-    width = min(max_nodes, nodes)
-    if tokens.device.type == "cpu":
-        width = min(width, int(count.max()))
-    return tree_select(tokens.gather(1, perm), parent, scores.gather(1, perm).double(), count, width)
+    return tokens.gather(1, perm), parent, scores.gather(1, perm).double(), count
 
 
 def update_calibration(calibration: Tensor, predicted: Tensor, accepted: Tensor) -> None:
@@ -317,8 +337,7 @@ class PassHarness:
         use = self.budget[rows] if sampled else torch.maximum(budget, floor)
         if self.chain_round:  # a chain's best n nodes are its first n: tree_select lays them out as they are
             count = torch.minimum(use, spec.num_nodes)
-            width = min(self.max_nodes, spec.tokens.shape[1])
-            width = min(width, int(count.max())) if spec.tokens.device.type == "cpu" else width
+            width = tree_width(count, spec.tokens.shape[1], self.max_nodes)
             tree = tree_select(spec.tokens, spec.parent, spec.scores, count, width)
         else:
             tree = select_budget(spec, use, self.max_nodes)
@@ -359,33 +378,118 @@ class PassHarness:
 
 
 class DepthStepper:
-    """Depth-by-depth drafting under :func:`harness_decide`: the seam a CUDA graph runner plugs into.
+    """A round's depth steps and finalize run through a :class:`~peagle.decode.harness.graphs.DepthGraphChain`.
 
-    ``steps[d]`` (d = 0 .. depth - 1) runs the drafter for depth d (on the nodes depth d - 1 chose; depth 0 runs the
-    pending elements and gives the root's distribution), expands the candidates and calls :func:`harness_decide`,
-    which writes ``state.width`` / ``state.stop`` / ``state.go`` on the device. ``finalize`` chooses the budget and
-    builds the tree. :meth:`run` is the host loop (reads ``go`` after each depth); a graph runner instead captures each
-    step and tail-launches the next one or ``finalize`` from ``go`` on the device, with the same callables.
+    ``steps[d]`` drafts depth d and ends with :func:`harness_decide` writing ``go``; ``finalize`` runs after the last
+    depth that ran. The steps read and write only buffers that outlive the stepper (a :class:`DepthRound` and the
+    drafter's round buffers, reset in place before each :meth:`run`) and never read the device from the host, so the
+    same callables are captured as CUDA graphs chained by device tail launch (``mode="auto"`` on a GPU: capture here,
+    replay every round) or called in the chain's host loop (the CPU; a GPU without device graph launch). A capture
+    that fails falls back to the host loop, with the reason in :attr:`fallback`.
     """
 
-    def __init__(self, steps: list, finalize, go: Tensor) -> None:
-        self.steps, self.finalize, self.go = steps, finalize, go
+    def __init__(self, steps: list[Callable[[], None]], finalize: Callable[[], None], go: Tensor, mode: str = "auto"):
+        self.fallback = ""
+        if mode == "auto" and go.device.type == "cuda" and not device_launch_available(go.device):
+            self.fallback = "device graph launch unavailable (CPU build of peagle, PEAGLE_NO_DLINK=1 or an old torch)"
+        try:
+            self.chain = DepthGraphChain(steps, finalize, go, mode=mode)
+        except RuntimeError as error:  # e.g. a step that synchronises cannot be captured
+            if mode != "auto" or go.device.type != "cuda":
+                raise
+            self.fallback = f"capture failed: {error}".splitlines()[0]
+            self.chain = DepthGraphChain(steps, finalize, go, mode="host")
 
-    def run(self):
-        for step in self.steps:
-            step()
-            if not int(self.go[0]):
-                break
-        return self.finalize()
+    @property
+    def mode(self) -> str:
+        """``"device"``, ``"host_graphs"`` or ``"host"`` (see :class:`DepthGraphChain`)."""
+        return self.chain.mode
+
+    def run(self) -> None:
+        """Runs one round; on ``"device"`` it only launches it (no synchronisation)."""
+        self.chain.run()
+
+    def check(self) -> None:
+        """Raises if a device tail launch failed (reads the chain's status: call it where the host waits anyway)."""
+        self.chain.check()
+
+    def close(self) -> None:
+        self.chain.close()
+
+
+class DepthRound:
+    """The harness's state of one round at one padded batch size, in buffers reset in place by :meth:`reset`.
+
+    Rows past the round's requests are padding: they repeat the first request's row (harmless device work) and start
+    stopped, so :func:`harness_decide` gives them width 0 and they never keep ``go`` up. :meth:`decide` and
+    :meth:`select` read only these buffers and the harness's per-call tensors (device work, no host reads), so a CUDA
+    graph captures them once per padded batch size.
+    """
+
+    def __init__(self, harness: DepthHarness, padded: int) -> None:
+        device = harness.device
+        self.harness, self.padded, self.count = harness, padded, 0
+        self.rows = torch.zeros(padded, dtype=torch.long, device=device)  # request of each row
+        self.gamma = torch.ones(padded, dtype=torch.float64, device=device)
+        self.calibration = torch.zeros(padded, 2, dtype=torch.float64, device=device)
+        self.state = HarnessState.start(padded, device, harness.root_cost)
+        self._index = torch.arange(padded, device=device)
+
+    def reset(self, rows: Tensor) -> None:
+        """Starts a round of ``rows`` (request indices, at most ``padded``): the root alone, the root pass spent."""
+        count = rows.numel()
+        if not 1 <= count <= self.padded:
+            raise ValueError(f"rows must hold 1 to {self.padded} requests, got {count}")
+        self.count = count
+        self.rows[:count].copy_(rows)
+        self.rows[count:].copy_(rows[:1].expand(self.padded - count))
+        torch.index_select(self.harness.gamma, 0, self.rows, out=self.gamma)
+        torch.index_select(self.harness.calibration, 0, self.rows, out=self.calibration)
+        state = self.state
+        state.expected.zero_()
+        state.draft_time.fill_(self.harness.root_cost)
+        state.num_nodes.fill_(1)
+        state.width.zero_()
+        state.stop.copy_(self._index >= count)
+        state.go.fill_(1)
+
+    def decide(self, candidate_scores: Tensor, depth: int) -> None:
+        """:func:`harness_decide` for the candidates of ``depth`` (path scores [padded, F], -inf = padding)."""
+        harness = self.harness
+        cost = harness.draft_cost[min(depth, len(harness.draft_cost)) - 1]
+        scores = sharpen(candidate_scores, self.gamma).contiguous()
+        harness_decide(scores, self.calibration, harness.widths, cost, harness.verify_cost, self.state)
+
+    def select(
+        self, tokens: Tensor, parent: Tensor, scores: Tensor, chosen: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The verify budget of the chosen candidates (root first; ``scores`` 0 where not chosen): the kept ones first
+        (:func:`kept_first`), for :meth:`tree`."""
+        scores = sharpen(scores, self.gamma)
+        drafted = torch.where(chosen, scores, -1.0)[:, 1:]
+        budget = harness_budget(drafted, self.calibration, self.state.draft_time, self.harness.verify_cost)
+        return kept_first(tokens, parent, scores, chosen, budget)
+
+    def tree(self, tokens: Tensor, parent: Tensor, scores: Tensor, count: Tensor) -> TreeSpec:
+        """The round's trees from :meth:`select`'s output (the real rows only); records their predicted acceptance.
+        Runs after the chain, where the round waits for its tokens anyway."""
+        rows = slice(0, self.count)
+        width = tree_width(count[rows], tokens.shape[1], self.harness.max_nodes)
+        tree = tree_select(tokens[rows], parent[rows], scores[rows], count[rows], width)
+        harness = self.harness
+        harness.predicted[self.rows[rows]] = predicted_acceptance(tree, self.calibration[rows])
+        return tree
 
 
 class DepthHarness:
-    """The harness of autoregressive drafting over one generate call (the planner :class:`DepthStepper` steps ask).
+    """The harness of autoregressive drafting over one generate call (the planner the drafting steps ask).
 
-    Per round: :meth:`start` resets the running state (the root pass already spent), each depth calls :meth:`decide`
-    (the ``harness_decide`` op with this depth's drafter costs), :meth:`finalize` keeps the verify budget of the
-    chosen nodes and :meth:`observe` folds the verified acceptance into the calibration. Sampled rounds draft a chain
-    whose length was fixed after the previous round (:meth:`chain_depth`).
+    Per round: :meth:`start` resets the :class:`DepthRound` of the round's padded batch size (the root pass already
+    spent); each depth step calls its :meth:`DepthRound.decide` (the ``harness_decide`` op with this depth's drafter
+    costs), the finalize step its :meth:`DepthRound.select` (the verify budget of the chosen nodes), and
+    :meth:`observe` folds the verified acceptance into the calibration. Sampled rounds draft a chain whose length was
+    fixed after the previous round (:meth:`chain_depth`). ``chain_mode`` is the :class:`DepthStepper` mode of the
+    drafting steps (``"auto"``: CUDA graphs chained on the device where available); ``chain_report`` says which ran.
     """
 
     def __init__(
@@ -407,47 +511,31 @@ class DepthHarness:
         self.gamma, self.calibration = policy.start_state(batch, self.device)
         self.predicted = torch.zeros(batch, dtype=torch.float64, device=self.device)
         self.acceptance = [0.0, 0.0]  # accepted drafts, drafts verified (sampled chains)
-        self.rows = torch.zeros(0, dtype=torch.long, device=self.device)
-        self.state = HarnessState.start(0, self.device)
+        self.rounds: dict[int, DepthRound] = {}
+        self.chain_mode = "auto"
+        self.chain_report = ""
 
     @property
     def speculate(self) -> bool:
         return self.plan.kind != "plain"
 
-    def start(self, rows: Tensor) -> None:
-        self.rows = rows
-        self.state = HarnessState.start(rows.numel(), self.device, self.root_cost)
+    def padded(self, rows: Tensor) -> int:
+        """The padded batch size of a round of ``rows``."""
+        return padded_batch_size(rows.numel(), self.batch)
+
+    def start(self, rows: Tensor) -> DepthRound:
+        """The round of ``rows``: the :class:`DepthRound` of their padded batch size, reset."""
+        padded = self.padded(rows)
+        if padded not in self.rounds:
+            self.rounds[padded] = DepthRound(self, padded)
+        self.rounds[padded].reset(rows)
+        return self.rounds[padded]
 
     def chain_depth(self, rows: Tensor) -> int:
         """Sampled rounds: the chain length of the table at the acceptance rate observed so far (prior 0.7)."""
         accepted, trials = self.acceptance
         rate = (accepted + 1.4) / (trials + 2.0)
         return max(1, self.policy.chain_length(self.batch, self.context, rate))
-
-    def frontier_width(self, cap: int) -> int:
-        """Nodes the next drafter forward runs: the widest request's width on the CPU (one host read); the full cap
-        on a GPU, where the step must not synchronise (requests' unused slots are padding)."""
-        return int(self.state.width.max()) if self.device.type == "cpu" else cap
-
-    def decide(self, candidate_scores: Tensor, depth: int) -> None:
-        cost = self.draft_cost[min(depth, len(self.draft_cost)) - 1]
-        harness_decide(
-            sharpen(candidate_scores, self.gamma[self.rows]).contiguous(),
-            self.calibration[self.rows].contiguous(),
-            self.widths,
-            cost,
-            self.verify_cost,
-            self.state,
-        )
-
-    def finalize(self, tokens: Tensor, parent: Tensor, scores: Tensor, chosen: Tensor) -> TreeSpec:
-        calibration = self.calibration[self.rows]
-        scores = sharpen(scores, self.gamma[self.rows])
-        drafted = torch.where(chosen, scores, -1.0)[:, 1:]
-        budget = harness_budget(drafted, calibration, self.state.draft_time, self.verify_cost)
-        tree = select_candidates(tokens, parent, scores, chosen, budget, self.max_nodes)
-        self.predicted[self.rows] = predicted_acceptance(tree, calibration)
-        return tree
 
     def observe(self, rows: Tensor, num_accepted: Tensor, num_nodes: Tensor, parent=None, accepted_path=None) -> None:
         """Folds the verified acceptance of ``rows`` into their calibration and the chain acceptance rate."""
