@@ -248,14 +248,37 @@ def test_tree_plan_drafts_chains_while_acceptance_stays_on_the_top1_chain():
         harness.observe(rows, torch.tensor([2]), None, parent, torch.tensor([[0, 1, 3, -1, -1]]))
     assert harness.off_chain == [0.0, 40.0]
     shapes = [harness.topk(3) for _ in range(16)]
-    assert shapes.count([1, 1, 1]) == 14 and shapes.count([4, 2, 2]) == 2  # every 8th round explores the tree
-    assert shapes[-1] == [1, 1, 1] and harness.chain_round  # a chain round's accepted drafts are all on the chain
+    assert [i for i, shape in enumerate(shapes) if shape != [1, 1, 1]] == [7, 15]  # every 8th round explores the tree
+    assert shapes[15] == [4, 2, 2] and harness.exploring
+    assert harness.topk(3) == [1, 1, 1] and harness.chain_round  # a chain round's accepted drafts are all on the chain
     harness.observe(rows, torch.tensor([3]), None, torch.tensor([[-1, 0, 1, 2]]), torch.tensor([[0, 1, 2, 3]]))
     assert harness.off_chain == [0.0, 43.0]
     harness.chain_round = False  # the rounds below verify trees (exploring rounds)
     for _ in range(20):  # now through the second child
         harness.observe(rows, torch.tensor([2]), None, parent, torch.tensor([[0, 2, 4, -1, -1]]))
     assert harness.off_chain == [20.0, 83.0] and harness.topk(3) == [4, 2, 2]
+
+
+def test_exploring_backs_off_while_it_finds_nothing_off_the_chain():
+    """An exploring tree round whose accepted drafts all stay on the chain doubles the interval to the next one (up to
+    MAX_EXPLORE_EVERY); one that finds an accepted draft off the chain starts it over at EXPLORE_EVERY."""
+    harness = PassHarness(HarnessPolicy(FLAT, MAX_NODES), 1, DEPTH, 0, VOCAB, "cpu")
+    harness.off_chain = [0.0, 1000.0]  # long evidence that chains suffice
+    parent, rows = torch.tensor([[-1, 0, 0, 1, 2]]), torch.tensor([0])
+    on_chain, off_chain = torch.tensor([[0, 1, 3, -1, -1]]), torch.tensor([[0, 2, 4, -1, -1]])
+    gaps = []
+    for path in [on_chain] * 5 + [off_chain, on_chain]:
+        rounds = 1
+        while harness.topk(3) == [1, 1, 1]:
+            harness.observe(rows, torch.tensor([2]), None, torch.tensor([[-1, 0, 1]]), torch.tensor([[0, 1, 2]]))
+            rounds += 1
+        assert harness.exploring
+        gaps.append(rounds)
+        harness.observe(rows, torch.tensor([2]), None, parent, path)
+    assert gaps == [8, 16, 32, 64, 64, 64, 8]
+    assert harness.off_chain[0] == 1.0  # the round that left the chain: node 2, a second child (4 is an only child)
+    harness.finish()
+    assert harness.policy.learnt_explore_every == 16  # the next call starts from it
 
 
 def test_cost_table_round_trip_and_errors(tmp_path):

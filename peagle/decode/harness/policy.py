@@ -69,7 +69,8 @@ __all__ = [
 ]
 
 OFF_CHAIN_RATE = 0.05  # below this share of accepted drafts off the top-1 chain, a tree plan drafts chains
-EXPLORE_EVERY = 8  # ... except every 8th round
+EXPLORE_EVERY = 8  # ... except every 8th round, an interval that doubles (up to 64) while exploring finds nothing
+MAX_EXPLORE_EVERY = 64
 CALIBRATION_DECAY = 0.9  # weight of the past in the observed / predicted sums (about the last 10 rounds)
 SHARPNESS_RANGE = (0.02, 1.5)  # bounds of the exponent gamma of the path scores
 
@@ -232,6 +233,7 @@ class HarnessPolicy:
         # requests start from it instead of from scratch.
         self.learnt_gamma, self.learnt_calibration = 1.0, (0.0, 0.0)
         self.learnt_off_chain = (0.0, 0.0)
+        self.learnt_explore_every = EXPLORE_EVERY
 
     def start_state(self, batch: int, device) -> tuple[Tensor, Tensor]:
         """(gamma [B], calibration [B, 2]) for the requests of a new generate call."""
@@ -302,8 +304,9 @@ class PassHarness:
         self.next_depth = torch.full((batch,), max_depth, dtype=torch.long, device=device)
         self.predicted = torch.zeros(batch, dtype=torch.float64, device=device)
         self.off_chain = list(policy.learnt_off_chain)  # accepted drafts off the top-1 chain, accepted drafts
-        self.rounds = 0
+        self.explore_every, self.since_tree = policy.learnt_explore_every, 0
         self.chain_round = False  # this round's candidates form a chain (set by topk)
+        self.exploring = False  # ... or a tree drafted only to look for accepted drafts off the chain
 
     @property
     def speculate(self) -> bool:
@@ -318,10 +321,16 @@ class PassHarness:
 
         A tree plan drafts chains while the accepted paths almost never leave the drafter's top-1 chain (fewer than
         OFF_CHAIN_RATE of the accepted drafts, with a prior of 1 in 10): siblings would only cost verify time. Every
-        EXPLORE_EVERY-th round still drafts the tree, so a change is noticed."""
-        self.rounds += 1
+        ``explore_every``-th round still drafts the tree, so a change is noticed; that interval starts at
+        EXPLORE_EVERY, doubles after each exploring round whose accepted drafts all stayed on the chain (up to
+        MAX_EXPLORE_EVERY) and starts over when one left it (:meth:`observe`)."""
+        self.since_tree += 1
         off, accepted = self.off_chain
-        chain = (off + 1.0) / (accepted + 10.0) < OFF_CHAIN_RATE and self.rounds % EXPLORE_EVERY != 0
+        on_chain = (off + 1.0) / (accepted + 10.0) < OFF_CHAIN_RATE
+        chain = on_chain and self.since_tree < self.explore_every
+        self.exploring = on_chain and not chain
+        if not chain:
+            self.since_tree = 0
         top = 1 if chain else self.plan.topk
         deeper = min(2, top)
         self.chain_round = top == 1 or self.draft_vocab == 1 or depth == 0
@@ -369,12 +378,16 @@ class PassHarness:
             off = (rank.gather(1, path.clamp(min=0)) > 0) & (path >= 0)
             self.off_chain[0] += float(off.sum())
             self.off_chain[1] += float(num_accepted.sum())
+            if self.exploring:
+                found = bool(off.any())
+                self.explore_every = EXPLORE_EVERY if found else min(2 * self.explore_every, MAX_EXPLORE_EVERY)
         recalibrate(self.calibration, self.gamma, self.predicted, rows, num_accepted)
 
     def finish(self) -> None:
         """Hands what this call learnt to the policy (the next call starts from it)."""
         self.policy.learn(self.gamma, self.calibration)
         self.policy.learnt_off_chain = tuple(self.off_chain)
+        self.policy.learnt_explore_every = self.explore_every
 
 
 class DepthStepper:
