@@ -193,6 +193,23 @@ def test_pass_harness_lays_out_a_chain_as_select_budget_does(generator):
     assert torch.equal(harness[0].predicted, harness[1].predicted)
 
 
+def test_every_request_verifies_the_widest_budget(generator):
+    """In a batch the target verifies the widest request's node count for everyone, so each request verifies that
+    many of its best nodes (or all it has): its own budget would only leave free nodes unverified."""
+
+    def select(batch_probs: torch.Tensor):
+        harness = PassHarness(HarnessPolicy(FLAT, MAX_NODES), len(batch_probs), DEPTH, 0, VOCAB, "cpu")
+        spec = tree_build_parallel(batch_probs, harness.topk(DEPTH), MAX_NODES)
+        return spec, harness.select(torch.arange(len(batch_probs)), spec, DEPTH, sampled=False)
+
+    probs = torch.softmax(torch.randn(3, DEPTH, VOCAB, generator=generator) * 0.01, -1)  # unsure: p ~ 1/8
+    probs[0] = torch.softmax(torch.randn(DEPTH, VOCAB, generator=generator) * 30, -1)  # a confident request
+    alone = [int(select(probs[b : b + 1])[1].num_nodes[0]) for b in range(3)]
+    assert len(set(alone)) > 1, alone  # the requests' own budgets differ
+    spec, tree = select(probs)
+    assert tree.num_nodes.tolist() == [min(max(alone), int(n)) for n in spec.num_nodes]
+
+
 def test_calibration_tracks_observed_acceptance():
     calibration = torch.zeros(2, 2, dtype=torch.float64)
     for _ in range(40):  # request 0 accepts half of what was predicted, request 1 twice as much

@@ -344,13 +344,17 @@ class PassHarness:
         # a drafter whose scores start far too low).
         floor = torch.clamp(spec.num_nodes, max=2)
         use = self.budget[rows] if sampled else torch.maximum(budget, floor)
+        # The target verifies as many slots for every request as for the widest (padding included), so nodes up to
+        # the widest budget cost nothing more: every request verifies that many of its best (fixed before a sampled
+        # round's draws too, as the budgets it widens were).
+        use = torch.minimum(use.max(), spec.num_nodes)
         if self.chain_round:  # a chain's best n nodes are its first n: tree_select lays them out as they are
             count = torch.minimum(use, spec.num_nodes)
             width = tree_width(count, spec.tokens.shape[1], self.max_nodes)
             tree = tree_select(spec.tokens, spec.parent, spec.scores, count, width)
         else:
             tree = select_budget(spec, use, self.max_nodes)
-        if sampled or bool((budget < floor).any()):  # the op's prediction is that of the greedy budget
+        if sampled or bool((use != budget).any()):  # the op's prediction is that of the greedy budget
             predicted = predicted_acceptance(tree, calibration)
         self.budget[rows] = torch.maximum(budget, floor)
         self.next_depth[rows] = next_depth
