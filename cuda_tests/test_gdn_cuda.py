@@ -14,7 +14,7 @@ from peagle.ops import (
     gdn_tree_verify_reference,
 )
 from peagle.ops.gdn import tree_path
-from testkit import random_gdn_inputs, random_tree
+from testkit import random_gdn_inputs, random_tree, strided_gdn_inputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -225,3 +225,23 @@ def test_verify_and_commit_in_a_cuda_graph(generator):
         assert rel_rms(o, o_eager) <= 1e-6
         gdn_commit(eager.k, eager.g, u_eager, eager.parent, last, pool_before, eager.slots, True)
         assert rel_rms(static.state_pool, pool_before) <= 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_splits_cuda_equal_contiguous_bit_for_bit(generator, dtype):
+    """Strided q/k/v (slices of a fused projection) and a pool sliced from a larger cache, read in place on CUDA."""
+    batch, nodes = 3, 19
+    x = to_cuda(random_gdn_inputs(generator, batch, nodes, 2, 8, 64, 96, kind="random", dtype=dtype))
+    strided = strided_gdn_inputs(x)
+    o, u = gdn_tree_verify(*x, use_qk_l2norm=True, validate=False)
+    o_s, u_s = gdn_tree_verify(*strided, use_qk_l2norm=True, validate=False)
+    assert torch.equal(o_s, o) and torch.equal(u_s, u)
+    last = torch.tensor([nodes - 1, -1, 4], device="cuda")
+    pool = x.state_pool.clone()
+    gdn_commit(x.k, x.g, u, x.parent, last, pool, x.slots, True, validate=False)
+    gdn_commit(strided.k, strided.g, u, strided.parent, last, strided.state_pool, strided.slots, True, validate=False)
+    assert torch.equal(strided.state_pool, pool)
+    cache = strided.state_pool._base
+    outside = torch.ones_like(cache, dtype=torch.bool)
+    outside[:, 1, :, :, 2 : 2 + x.v.shape[3]] = False
+    assert torch.isnan(cache[outside]).all()

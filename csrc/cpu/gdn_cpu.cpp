@@ -38,7 +38,8 @@ std::tuple<at::Tensor, at::Tensor> gdn_tree_verify_cpu(const at::Tensor& q, cons
   check_index_values(op, "slots", slots, 0, d.pool);
   const int64_t B = d.batch, n = d.nodes, H = d.qk_heads, HV = d.value_heads, K = d.key_dim, V = d.value_dim;
   const float q_scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(K))));
-  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  const at::Tensor qc = with_contiguous_rows(q), kc = with_contiguous_rows(k), vc = with_contiguous_rows(v);
+  const gdn::RowStrides qs = row_strides(qc), ks = row_strides(kc), vs = row_strides(vc), ps = row_strides(state_pool);
   const at::Tensor gc = g.to(at::kFloat).contiguous(), bc = beta.to(at::kFloat).contiguous();
   const at::Tensor pc = parent.to(at::kLong).contiguous(), sc = slots.to(at::kLong).contiguous();
   at::Tensor o = at::empty({B, n, HV, V}, v.options());
@@ -64,11 +65,10 @@ std::tuple<at::Tensor, at::Tensor> gdn_tree_verify_cpu(const at::Tensor& q, cons
       for (int64_t task = begin; task < end; ++task) {
         const int64_t b = task / HV, hv = task % HV, h = hv / group;
         for (int64_t i = 0; i < n; ++i) {
-          const int64_t row = ((b * n + i) * H + h) * K;
-          load_row(q_ptr + row, K, use_qk_l2norm, q_scale, qf.data() + i * K);
-          load_row(k_ptr + row, K, use_qk_l2norm, 1.0f, kf.data() + i * K);
-          const int64_t vrow = ((b * n + i) * HV + hv) * V;
-          for (int64_t c = 0; c < V; ++c) vf[i * V + c] = static_cast<float>(v_ptr[vrow + c]);
+          load_row(q_ptr + qs.at(b, i, h), K, use_qk_l2norm, q_scale, qf.data() + i * K);
+          load_row(k_ptr + ks.at(b, i, h), K, use_qk_l2norm, 1.0f, kf.data() + i * K);
+          const scalar_t* vrow = v_ptr + vs.at(b, i, hv);
+          for (int64_t c = 0; c < V; ++c) vf[i * V + c] = static_cast<float>(vrow[c]);
           gate[i] = g_ptr[(b * n + i) * HV + hv];
           bet[i] = b_ptr[(b * n + i) * HV + hv];
         }
@@ -92,7 +92,7 @@ std::tuple<at::Tensor, at::Tensor> gdn_tree_verify_cpu(const at::Tensor& q, cons
           }
         }
         // Projections of the committed state: row i of uf = S0^T k_i, of of = S0^T q_i.
-        const float* s0 = pool + (slot_ptr[b] * HV + hv) * K * V;
+        const float* s0 = pool + ps.at(slot_ptr[b], hv, 0);
         std::fill(uf.begin(), uf.end(), 0.0f);
         std::fill(of.begin(), of.end(), 0.0f);
         for (int64_t i = 0; i < n; ++i) {
@@ -100,7 +100,7 @@ std::tuple<at::Tensor, at::Tensor> gdn_tree_verify_cpu(const at::Tensor& q, cons
           float* orow = of.data() + i * V;
           for (int64_t r = 0; r < K; ++r) {
             const float a = kf[i * K + r], c2 = qf[i * K + r];
-            const float* srow = s0 + r * V;
+            const float* srow = s0 + r * ps.inner;
             for (int64_t c = 0; c < V; ++c) {
               ur[c] += a * srow[c];
               orow[c] += c2 * srow[c];
@@ -132,7 +132,8 @@ void gdn_commit_cpu(const at::Tensor& k, const at::Tensor& g, const at::Tensor& 
   check_index_values(op, "slots", slots.to(at::kLong).masked_select(last_accepted.to(at::kLong) >= 0), 0, d.pool);
   check_distinct_active_slots(op, slots, last_accepted);
   const int64_t B = d.batch, n = d.nodes, H = d.qk_heads, HV = d.value_heads, K = d.key_dim, V = d.value_dim;
-  const at::Tensor kc = k.contiguous(), uc = u.contiguous(), gc = g.to(at::kFloat).contiguous();
+  const at::Tensor kc = with_contiguous_rows(k), uc = u.contiguous(), gc = g.to(at::kFloat).contiguous();
+  const gdn::RowStrides ks = row_strides(kc), ps = row_strides(state_pool);
   const at::Tensor pc = parent.to(at::kLong).contiguous(), sc = slots.to(at::kLong).contiguous();
   const at::Tensor ac = last_accepted.to(at::kLong).contiguous();
   float* pool = state_pool.data_ptr<float>();
@@ -153,18 +154,20 @@ void gdn_commit_cpu(const at::Tensor& k, const at::Tensor& g, const at::Tensor& 
         if (a < 0) continue;
         for (int64_t i = 0; i < n; ++i) gate[i] = g_ptr[(b * n + i) * HV + hv];
         gdn::build_tree(parent_ptr + b * n, static_cast<int>(n), gate.data(), 1, anc.data(), nullptr, gate_sum.data());
-        float* s = pool + (slot_ptr[b] * HV + hv) * K * V;
+        float* s = pool + ps.at(slot_ptr[b], hv, 0);
         const float root = std::exp(gate_sum[a]);
-        for (int64_t e = 0; e < K * V; ++e) s[e] *= root;
+        for (int64_t r = 0; r < K; ++r) {
+          for (int64_t c = 0; c < V; ++c) s[r * ps.inner + c] *= root;
+        }
         uint64_t bits = anc[a];
         while (bits != 0) {
           const int64_t j = __builtin_ctzll(bits);
           bits &= bits - 1;
-          load_row(k_ptr + ((b * n + j) * H + h) * K, K, use_qk_l2norm, std::exp(gate_sum[a] - gate_sum[j]), kf.data());
+          load_row(k_ptr + ks.at(b, j, h), K, use_qk_l2norm, std::exp(gate_sum[a] - gate_sum[j]), kf.data());
           const float* uj = u_ptr + ((b * n + j) * HV + hv) * V;
           for (int64_t r = 0; r < K; ++r) {
             const float coef = kf[r];
-            float* srow = s + r * V;
+            float* srow = s + r * ps.inner;
             for (int64_t c = 0; c < V; ++c) srow[c] += coef * uj[c];
           }
         }

@@ -61,14 +61,15 @@ std::tuple<at::Tensor, at::Tensor> gdn_tree_verify_cuda(const at::Tensor& q, con
     check_index_values(op, "slots", slots, 0, d.pool);
   }
   const float q_scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(d.key_dim))));
-  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  const at::Tensor qc = with_contiguous_rows(q), kc = with_contiguous_rows(k), vc = with_contiguous_rows(v);
+  const cuda::GdnStrides strides{row_strides(qc), row_strides(kc), row_strides(vc), row_strides(state_pool)};
   const at::Tensor gc = g.to(at::kFloat).contiguous(), bc = beta.to(at::kFloat).contiguous();
   const at::Tensor pc = parent.to(at::kLong).contiguous(), sc = slots.to(at::kLong).contiguous();
   at::Tensor o = at::empty({d.batch, d.nodes, d.value_heads, d.value_dim}, v.options());
   at::Tensor u = at::empty({d.batch, d.nodes, d.value_heads, d.value_dim}, v.options().dtype(at::kFloat));
   check_cuda(cuda::gdn_tree_verify(gdn_type(q.scalar_type()), qc.data_ptr(), kc.data_ptr(), vc.data_ptr(),
                                    gc.data_ptr<float>(), bc.data_ptr<float>(), pc.data_ptr<int64_t>(),
-                                   state_pool.data_ptr<float>(), sc.data_ptr<int64_t>(), gdn_shape(d), q_scale,
+                                   state_pool.data_ptr<float>(), sc.data_ptr<int64_t>(), gdn_shape(d), strides, q_scale,
                                    use_qk_l2norm, o.data_ptr(), u.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()),
              op);
   return {o, u};
@@ -86,13 +87,15 @@ void gdn_commit_cuda(const at::Tensor& k, const at::Tensor& g, const at::Tensor&
     check_index_values(op, "slots", slots.to(at::kLong).masked_select(last_accepted.to(at::kLong) >= 0), 0, d.pool);
     check_distinct_active_slots(op, slots, last_accepted);
   }
-  const at::Tensor kc = k.contiguous(), uc = u.contiguous(), gc = g.to(at::kFloat).contiguous();
+  const at::Tensor kc = with_contiguous_rows(k), uc = u.contiguous(), gc = g.to(at::kFloat).contiguous();
+  const cuda::GdnStrides strides{{}, row_strides(kc), {}, row_strides(state_pool)};
   const at::Tensor pc = parent.to(at::kLong).contiguous(), sc = slots.to(at::kLong).contiguous();
   const at::Tensor ac = last_accepted.to(at::kLong).contiguous();
-  check_cuda(cuda::gdn_commit(gdn_type(k.scalar_type()), kc.data_ptr(), gc.data_ptr<float>(), uc.data_ptr<float>(),
-                              pc.data_ptr<int64_t>(), ac.data_ptr<int64_t>(), state_pool.data_ptr<float>(),
-                              sc.data_ptr<int64_t>(), gdn_shape(d), use_qk_l2norm, c10::cuda::getCurrentCUDAStream()),
-             op);
+  check_cuda(
+      cuda::gdn_commit(gdn_type(k.scalar_type()), kc.data_ptr(), gc.data_ptr<float>(), uc.data_ptr<float>(),
+                       pc.data_ptr<int64_t>(), ac.data_ptr<int64_t>(), state_pool.data_ptr<float>(),
+                       sc.data_ptr<int64_t>(), gdn_shape(d), strides, use_qk_l2norm, c10::cuda::getCurrentCUDAStream()),
+      op);
 }
 
 at::Tensor causal_conv1d_tree_cuda(const at::Tensor& x, const at::Tensor& parent, const at::Tensor& conv_state,

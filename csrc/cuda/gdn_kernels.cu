@@ -36,8 +36,8 @@ __global__ void __launch_bounds__(kColumns)
     gdn_tree_verify_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                            const float* __restrict__ g, const float* __restrict__ beta,
                            const int64_t* __restrict__ parent, const float* __restrict__ state_pool,
-                           const int64_t* __restrict__ slots, GdnShape s, float scale, bool l2norm, T* __restrict__ o,
-                           float* __restrict__ u, int64_t batch_offset) {
+                           const int64_t* __restrict__ slots, GdnShape s, GdnStrides st, float scale, bool l2norm,
+                           T* __restrict__ o, float* __restrict__ u, int64_t batch_offset) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int n = static_cast<int>(s.nodes);
   const int64_t K = s.key_dim, V = s.value_dim, H = s.qk_heads, HV = s.value_heads;
@@ -82,15 +82,14 @@ __global__ void __launch_bounds__(kColumns)
     return;
   }
 
-  const float* s0 = state_pool + (slots[b] * HV + hv) * K * V + (active ? col : 0);
+  const float* s0 = state_pool + st.pool.at(slots[b], hv, 0) + (active ? col : 0);
   for (int64_t r0 = 0; r0 < K; r0 += kChunk) {
     const int width = static_cast<int>(K - r0 < kChunk ? K - r0 : kChunk);
     // Stage raw q/k rows [r0, r0 + kChunk) of every node (zero-padded), coalesced along K.
     for (int idx = tid; idx < n * kChunk; idx += blockDim.x) {
       const int i = idx / kChunk, r = idx - (idx / kChunk) * kChunk;
-      const int64_t row = ((b * n + i) * H + h) * K + r0 + r;
-      q_c[i * kStride + r] = r < width ? to_acc(q[row]) : 0.0f;
-      k_c[i * kStride + r] = r < width ? to_acc(k[row]) : 0.0f;
+      q_c[i * kStride + r] = r < width ? to_acc(q[st.q.at(b, i, h) + r0 + r]) : 0.0f;
+      k_c[i * kStride + r] = r < width ? to_acc(k[st.k.at(b, i, h) + r0 + r]) : 0.0f;
     }
     __syncthreads();
     for (int i = tid; i < n; i += blockDim.x) {
@@ -119,7 +118,7 @@ __global__ void __launch_bounds__(kColumns)
     if (active) {
       float sv[kChunk];
 #pragma unroll
-      for (int r = 0; r < kChunk; ++r) sv[r] = r < width ? s0[(r0 + r) * V] : 0.0f;
+      for (int r = 0; r < kChunk; ++r) sv[r] = r < width ? s0[(r0 + r) * st.pool.inner] : 0.0f;
       for (int i = 0; i < n; ++i) {
         float pk = 0.0f, pq = 0.0f;
 #pragma unroll
@@ -147,7 +146,7 @@ __global__ void __launch_bounds__(kColumns)
     for (int i = 0; i < n; ++i) {
       u_s[i * kColumns + tid] *= inv_k[i];
       o_s[i * kColumns + tid] *= inv_q[i];
-      v_s[i * kColumns + tid] = to_acc(v[((b * n + i) * HV + hv) * V + col]);
+      v_s[i * kColumns + tid] = to_acc(v[st.v.at(b, i, hv) + col]);
     }
   }
   __syncthreads();
@@ -167,8 +166,8 @@ template <typename T>
 __global__ void __launch_bounds__(kCommitThreads)
     gdn_commit_kernel(const T* __restrict__ k, const float* __restrict__ g, const float* __restrict__ u,
                       const int64_t* __restrict__ parent, const int64_t* __restrict__ last_accepted,
-                      float* __restrict__ state_pool, const int64_t* __restrict__ slots, GdnShape s, bool l2norm,
-                      int64_t batch_offset) {
+                      float* __restrict__ state_pool, const int64_t* __restrict__ slots, GdnShape s, GdnStrides st,
+                      bool l2norm, int64_t batch_offset) {
   __shared__ uint64_t anc[gdn::kMaxNodes];
   __shared__ float gate_sum[gdn::kMaxNodes];
   __shared__ float coef[gdn::kMaxNodes];  // exp(G_a - G_j) / |k_j| for path nodes j
@@ -187,24 +186,25 @@ __global__ void __launch_bounds__(kCommitThreads)
   const uint64_t path = anc[a];
   for (int j = threadIdx.x; j < n; j += blockDim.x) {
     if (((path >> j) & 1ull) == 0) continue;
-    const T* kj = k + ((b * n + j) * H + h) * K;
+    const T* kj = k + st.k.at(b, j, h);
     float sk = 0.0f;
     for (int64_t r = 0; r < K; ++r) sk += to_acc(kj[r]) * to_acc(kj[r]);
     coef[j] = expf(gate_sum[a] - gate_sum[j]) * gdn::inv_l2(sk, l2norm);
   }
   __syncthreads();
   const float root = expf(gate_sum[a]);
-  float* state = state_pool + (slots[b] * HV + hv) * K * V;
+  float* state = state_pool + st.pool.at(slots[b], hv, 0);
   for (int64_t e = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < K * V; e += int64_t{gridDim.x} * blockDim.x) {
     const int64_t r = e / V, c = e - r * V;
-    float value = root * state[e];
+    float& element = state[r * st.pool.inner + c];
+    float value = root * element;
     uint64_t bits = path;
     while (bits != 0) {
       const int j = __ffsll(static_cast<long long>(bits)) - 1;
       bits &= bits - 1;
-      value += coef[j] * to_acc(k[((b * n + j) * H + h) * K + r]) * u[((b * n + j) * HV + hv) * V + c];
+      value += coef[j] * to_acc(k[st.k.at(b, j, h) + r]) * u[((b * n + j) * HV + hv) * V + c];
     }
-    state[e] = value;
+    element = value;
   }
 }
 
@@ -285,7 +285,8 @@ cudaError_t over_batch(int64_t batch, Launch&& launch) {
 
 cudaError_t gdn_tree_verify(GdnType type, const void* q, const void* k, const void* v, const float* g,
                             const float* beta, const int64_t* parent, const float* state_pool, const int64_t* slots,
-                            GdnShape shape, float scale, bool use_qk_l2norm, void* o, float* u, cudaStream_t stream) {
+                            GdnShape shape, GdnStrides strides, float scale, bool use_qk_l2norm, void* o, float* u,
+                            cudaStream_t stream) {
   if (shape.batch == 0) return cudaSuccess;
   const size_t smem = verify_smem_bytes(shape.nodes);
   const unsigned column_tiles = grid_dim((shape.value_dim + kColumns - 1) / kColumns);
@@ -307,14 +308,14 @@ cudaError_t gdn_tree_verify(GdnType type, const void* q, const void* k, const vo
       const dim3 grid(column_tiles, grid_dim(shape.value_heads), requests);
       kernel<<<grid, kColumns, smem, stream>>>(static_cast<const T*>(q), static_cast<const T*>(k),
                                                static_cast<const T*>(v), g, beta, parent, state_pool, slots, shape,
-                                               scale, use_qk_l2norm, static_cast<T*>(o), u, offset);
+                                               strides, scale, use_qk_l2norm, static_cast<T*>(o), u, offset);
     });
   });
 }
 
 cudaError_t gdn_commit(GdnType type, const void* k, const float* g, const float* u, const int64_t* parent,
                        const int64_t* last_accepted, float* state_pool, const int64_t* slots, GdnShape shape,
-                       bool use_qk_l2norm, cudaStream_t stream) {
+                       GdnStrides strides, bool use_qk_l2norm, cudaStream_t stream) {
   if (shape.batch == 0) return cudaSuccess;
   const int64_t elements = shape.key_dim * shape.value_dim;
   int64_t tiles = (elements + kCommitThreads - 1) / kCommitThreads;
@@ -324,7 +325,8 @@ cudaError_t gdn_commit(GdnType type, const void* k, const float* g, const float*
     return over_batch(shape.batch, [&](int64_t offset, unsigned requests) {
       const dim3 grid(grid_dim(tiles), grid_dim(shape.value_heads), requests);
       gdn_commit_kernel<T><<<grid, kCommitThreads, 0, stream>>>(static_cast<const T*>(k), g, u, parent, last_accepted,
-                                                                state_pool, slots, shape, use_qk_l2norm, offset);
+                                                                state_pool, slots, shape, strides, use_qk_l2norm,
+                                                                offset);
     });
   });
 }

@@ -71,6 +71,9 @@ def gdn_tree_verify(
         parent: [B, n] int, parent[b, i] in [-1, i); -1 starts from the committed state (node 0, or padding).
             1 <= n <= 64.
         state_pool: [P, HV, K, V] float32 committed states; slots: [B] the pool row of each request.
+            Layouts: q, k, v with a contiguous last dim are read through their strides (the splits of a fused qkv
+            projection need no copy; other layouts are copied); state_pool needs contiguous rows of V and
+            non-overlapping outer strides (a slice of a larger cache is fine; it is never copied).
         scale: multiplies q (default K^-0.5). use_qk_l2norm: L2-normalise q and k first (eps 1e-6).
         validate: check parent/slot values (on CUDA this synchronises with the host, unless deferred checks are on:
             :mod:`peagle.ops.errors`). Pass False, or turn deferred checks on, inside CUDA graphs:
@@ -98,7 +101,8 @@ def gdn_commit(
 
     Equal to running the sequential recurrence over the accepted path root..last_accepted[b] from the committed state.
     ``k, g, parent, slots, use_qk_l2norm`` are those given to :func:`gdn_tree_verify`, ``u`` its second output.
-    last_accepted[b] = -1 leaves request b's state unchanged. Active requests must use distinct slots.
+    last_accepted[b] = -1 leaves request b's state unchanged. Active requests must use distinct slots. Layouts as in
+    :func:`gdn_tree_verify` (k and the pool are used in place).
     validate=False skips the host-synchronising value checks (CUDA graphs; deferred checks, :mod:`peagle.ops.errors`,
     keep them on the device instead); a request with bad indices is then skipped.
     """

@@ -28,6 +28,13 @@ constexpr int kMaxNodes = 64;        // ancestor sets are 64-bit masks
 constexpr int kMaxConvWidth = 64;    // conv windows live in a fixed-size array on the GPU
 constexpr float kL2NormEps = 1e-6f;  // as FLA / transformers: x * rsqrt(sum(x^2) + eps)
 
+// Element strides of a [B, n, H, D] (or pool [P, HV, K, V]) tensor whose last dim is contiguous: the row of
+// (b, i, h) starts at at(b, i, h). The strided q/k/v splits of a fused projection (vLLM, FLA) need no copy.
+struct RowStrides {
+  int64_t outer, middle, inner;
+  PEAGLE_HD int64_t at(int64_t b, int64_t i, int64_t h) const { return b * outer + i * middle + h * inner; }
+};
+
 // Validates a tree's parent array and derives, per node, its ancestor-or-self bitmask, its depth and the cumulative
 // gate G. Returns the first bad node index, or -1 when the tree is valid (parent[i] in [-1, i)).
 template <typename Index>
