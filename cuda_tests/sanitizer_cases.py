@@ -174,6 +174,14 @@ def deferred(generator):
         expect_error(lambda: OPS.tree_verify_greedy(parent, tokens, num_nodes, target), "sibling tokens must be")
         verify = (q, k, v, g, beta, gdn_parent, pool, slots, None, False, True)
         expect_error(lambda: OPS.gdn_tree_verify(*verify), "parent")
+        u, last, shared = (
+            torch.zeros(2, 5, 2, 8, device=DEVICE),
+            torch.tensor([2, 0], device=DEVICE),
+            slots[:1].repeat(2),
+        )
+        chain = torch.arange(-1, 4, device=DEVICE).repeat(2, 1)
+        commit = (k, g, u, chain, last, pool, shared, False, False)  # unvalidated: the device slot claim
+        expect_error(lambda: OPS.gdn_commit(*commit), "more than once")
         expect_error(
             lambda: OPS.cod_gather(torch.arange(6, device=DEVICE), hidden, hidden[0], anchors, depths, 7, None),
             "out of range",

@@ -8,6 +8,8 @@ import torch
 from peagle.ops import (
     causal_conv1d_commit,
     causal_conv1d_tree,
+    check_errors,
+    deferred_checks,
     gdn_commit,
     gdn_recurrence_reference,
     gdn_tree_verify,
@@ -245,3 +247,39 @@ def test_strided_splits_cuda_equal_contiguous_bit_for_bit(generator, dtype):
     outside = torch.ones_like(cache, dtype=torch.bool)
     outside[:, 1, :, :, 2 : 2 + x.v.shape[3]] = False
     assert torch.isnan(cache[outside]).all()
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_unvalidated_shared_slots_are_claimed_not_raced(generator, deferred):
+    """validate=False (or deferred checks): requests sharing a slot are caught by the device slot claim. The shared
+    slots stay unchanged, the others commit as on the CPU, and check_errors names the smallest shared slot."""
+    batch, nodes = 6, 9
+    x = random_gdn_inputs(generator, batch, nodes, 2, 4, 32, 24, kind="random", pool_extra=4)
+    _, u = gdn_tree_verify(*x, use_qk_l2norm=True)
+    slots = torch.tensor([7, 2, 7, 5, 2, 0])
+    last = torch.tensor([3, 8, 0, 4, 1, -1])  # slot 0: its only request is inactive
+    expected = x.state_pool.clone()
+    alone = torch.tensor([False, False, False, True, False, False])
+    gdn_commit(x.k[alone], x.g[alone], u[alone], x.parent[alone], last[alone], expected, slots[alone], True)
+    pool = x.state_pool.cuda()
+    args = (x.k.cuda(), x.g.cuda(), u.cuda(), x.parent.cuda(), last.cuda(), pool, slots.cuda(), True)
+    check_errors()
+    with deferred_checks(deferred):
+        gdn_commit(*args, validate=deferred)
+        with pytest.raises(RuntimeError, match=r"gdn_commit: slots of requests .* got slot 2 more than once"):
+            check_errors()
+    assert torch.equal(pool.cpu(), expected)  # slots 2 and 7 unchanged, slot 5 committed bit for bit
+    check_errors()  # the record was reset
+    distinct = torch.tensor([7, 2, 1, 5, 3, 0])
+    gdn_commit(*args[:6], distinct.cuda(), True, validate=False)
+    check_errors()  # distinct slots: nothing recorded
+
+
+def test_commit_slot_error_names_the_request(generator):
+    x = to_cuda(random_gdn_inputs(generator, 3, 4, 1, 2, 8, 8))
+    _, u = gdn_tree_verify(*x)
+    last, slots = torch.tensor([-1, -1, 2], device="cuda"), torch.tensor([-3, 77, 99], device="cuda")
+    for deferred in (False, True):
+        with deferred_checks(deferred), pytest.raises(RuntimeError, match=r"got 99 for request 2"):
+            gdn_commit(x.k, x.g, u, x.parent, last, x.state_pool.clone(), slots)
+            check_errors()

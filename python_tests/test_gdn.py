@@ -335,6 +335,8 @@ def test_commit_errors(generator):
     with pytest.raises(RuntimeError, match=r"gdn_commit: slots of requests with last_accepted >= 0 must be distinct"):
         gdn_commit(x.k, x.g, u, x.parent, torch.tensor([1, 2]), pool, torch.tensor([3, 3]))
     gdn_commit(x.k, x.g, u, x.parent, torch.tensor([1, -1]), pool, torch.tensor([3, 3]))  # inactive may share
+    with pytest.raises(RuntimeError, match=r"gdn_commit: slots must be in \[0, 4\), got 99 for request 1"):
+        gdn_commit(x.k, x.g, u, x.parent, torch.tensor([-1, 2]), pool, torch.tensor([-5, 99]))  # inactive may be bad
     with pytest.raises(RuntimeError, match=r"gdn_commit: state_pool must have contiguous rows"):
         gdn_commit(x.k, x.g, u, x.parent, torch.tensor([1, 2]), pool.transpose(2, 3), x.slots)
     with pytest.raises(RuntimeError, match=r"gdn_commit: u must be \[B, n, HV, V\]"):

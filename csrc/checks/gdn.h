@@ -256,6 +256,17 @@ inline void check_distinct_active_slots(const char* op, const at::Tensor& slots,
   raise_shared_slot(op, sorted.slice(0, 1).masked_select(dup)[0].item<int64_t>());
 }
 
+// The slots of the requests that commit (last_accepted >= 0) lie in [0, pool); the error names the request.
+inline void check_active_slot_values(const char* op, const at::Tensor& slots, const at::Tensor& last_accepted,
+                                     int64_t pool) {
+  if (slots.numel() == 0) return;
+  const at::Tensor x = slots.to(at::kLong);
+  const at::Tensor bad = ((x < 0) | (x >= pool)) & (last_accepted.to(at::kLong) >= 0);
+  if (!bad.any().item<bool>()) return;
+  const int64_t b = bad.nonzero().to(at::kCPU)[0][0].item<int64_t>();
+  raise_index_value(op, "slots", 0, pool, x[b].item<int64_t>(), b);
+}
+
 inline void check_index_values(const char* op, const char* name, const at::Tensor& index, int64_t low, int64_t high) {
   if (index.numel() == 0) return;
   const at::Tensor x = index.to(at::kLong);

@@ -129,7 +129,7 @@ void gdn_commit_cpu(const at::Tensor& k, const at::Tensor& g, const at::Tensor& 
   const GdnDims d = check_gdn_commit_args(k, g, u, parent, last_accepted, state_pool, slots);
   check_parent_values(op, parent);
   check_index_values(op, "last_accepted", last_accepted, -1, d.nodes);
-  check_index_values(op, "slots", slots.to(at::kLong).masked_select(last_accepted.to(at::kLong) >= 0), 0, d.pool);
+  check_active_slot_values(op, slots, last_accepted, d.pool);
   check_distinct_active_slots(op, slots, last_accepted);
   const int64_t B = d.batch, n = d.nodes, H = d.qk_heads, HV = d.value_heads, K = d.key_dim, V = d.value_dim;
   const at::Tensor kc = with_contiguous_rows(k), uc = u.contiguous(), gc = g.to(at::kFloat).contiguous();

@@ -81,21 +81,32 @@ void gdn_commit_cuda(const at::Tensor& k, const at::Tensor& g, const at::Tensor&
   const char* op = "gdn_commit";
   const GdnDims d = check_gdn_commit_args(k, g, u, parent, last_accepted, state_pool, slots);
   const c10::cuda::CUDAGuard guard(k.device());
-  if (validate && !validate_on_device(deferred::kGdnCommit, parent, last_accepted, slots, d.pool)) {
+  const bool host_checked = validate && !validate_on_device(deferred::kGdnCommit, parent, last_accepted, slots, d.pool);
+  if (host_checked) {
     check_parent_values(op, parent);
     check_index_values(op, "last_accepted", last_accepted, -1, d.nodes);
-    check_index_values(op, "slots", slots.to(at::kLong).masked_select(last_accepted.to(at::kLong) >= 0), 0, d.pool);
+    check_active_slot_values(op, slots, last_accepted, d.pool);
     check_distinct_active_slots(op, slots, last_accepted);
   }
   const at::Tensor kc = with_contiguous_rows(k), uc = u.contiguous(), gc = g.to(at::kFloat).contiguous();
   const cuda::GdnStrides strides{{}, row_strides(kc), {}, row_strides(state_pool)};
   const at::Tensor pc = parent.to(at::kLong).contiguous(), sc = slots.to(at::kLong).contiguous();
   const at::Tensor ac = last_accepted.to(at::kLong).contiguous();
-  check_cuda(
-      cuda::gdn_commit(gdn_type(k.scalar_type()), kc.data_ptr(), gc.data_ptr<float>(), uc.data_ptr<float>(),
-                       pc.data_ptr<int64_t>(), ac.data_ptr<int64_t>(), state_pool.data_ptr<float>(),
-                       sc.data_ptr<int64_t>(), gdn_shape(d), strides, use_qk_l2norm, c10::cuda::getCurrentCUDAStream()),
-      op);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  // Slots the host has not seen distinct are claimed on the device: requests sharing one never race on it.
+  at::Tensor claims;
+  int64_t* record = nullptr;
+  if (!host_checked && d.batch > 1) {
+    TORCH_CHECK(d.pool < (int64_t{1} << 30), "peagle.", op, ": state_pool must have fewer than 2^30 slots, got ",
+                d.pool);
+    claims = at::zeros({d.pool + 1}, sc.options().dtype(at::kInt));
+    record = deferred_record_if_available(k.get_device(), stream);
+  }
+  check_cuda(cuda::gdn_commit(gdn_type(k.scalar_type()), kc.data_ptr(), gc.data_ptr<float>(), uc.data_ptr<float>(),
+                              pc.data_ptr<int64_t>(), ac.data_ptr<int64_t>(), state_pool.data_ptr<float>(),
+                              sc.data_ptr<int64_t>(), gdn_shape(d), strides, use_qk_l2norm,
+                              claims.defined() ? claims.data_ptr<int32_t>() : nullptr, record, stream),
+             op);
 }
 
 at::Tensor causal_conv1d_tree_cuda(const at::Tensor& x, const at::Tensor& parent, const at::Tensor& conv_state,

@@ -159,15 +159,48 @@ __global__ void __launch_bounds__(kColumns)
   }
 }
 
+__device__ void record_gdn_error(int64_t* record, int64_t op, int64_t code, int64_t row, int64_t index, int64_t value,
+                                 int64_t low, int64_t high) {
+  auto* claimed = reinterpret_cast<unsigned long long*>(record + deferred::kClaimed);
+  if (atomicCAS(claimed, 0ULL, 1ULL) != 0ULL) return;
+  record[deferred::kOp] = op;
+  record[deferred::kCode] = code;
+  record[deferred::kRow] = row;
+  record[deferred::kIndex] = index;
+  record[deferred::kDetail] = value;
+  record[deferred::kDim0] = low;
+  record[deferred::kDim1] = high;
+}
+
 constexpr int kCommitThreads = 256;
 
-// One block per (tile of K x V state elements, value head, request); each thread rebuilds its state elements.
+// Slot claims of unvalidated commits: claims [pool + 1] int32, zero on entry. claims[s] becomes 1 when exactly one
+// committing request targets slot s and 2 when several do (the slot is then left unchanged by all of them: no race, and
+// the same state whichever request came first); claims[pool] = pool - (smallest contested slot), 0 when none.
+__global__ void gdn_claim_slots_kernel(const int64_t* __restrict__ last_accepted, const int64_t* __restrict__ slots,
+                                       int64_t batch, int64_t pool, int32_t* __restrict__ claims) {
+  const int64_t b = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (b >= batch || last_accepted[b] < 0) return;
+  const int64_t slot = slots[b];
+  if (slot < 0 || slot >= pool) return;  // the commit kernel skips it
+  if (atomicCAS(&claims[slot], 0, 1) == 0) return;
+  atomicExch(&claims[slot], 2);
+  atomicMax(&claims[pool], static_cast<int32_t>(pool - slot));
+}
+
+// One block per (tile of K x V state elements, value head, request); each thread rebuilds its state elements. With
+// claims (see gdn_claim_slots_kernel) a contested slot is skipped and the first block reports the smallest one.
 template <typename T>
 __global__ void __launch_bounds__(kCommitThreads)
     gdn_commit_kernel(const T* __restrict__ k, const float* __restrict__ g, const float* __restrict__ u,
                       const int64_t* __restrict__ parent, const int64_t* __restrict__ last_accepted,
                       float* __restrict__ state_pool, const int64_t* __restrict__ slots, GdnShape s, GdnStrides st,
-                      bool l2norm, int64_t batch_offset) {
+                      bool l2norm, const int32_t* __restrict__ claims, int64_t* __restrict__ record,
+                      int64_t batch_offset) {
+  if (claims != nullptr && record != nullptr && batch_offset == 0 && blockIdx.x == 0 && blockIdx.y == 0 &&
+      blockIdx.z == 0 && threadIdx.x == 0 && claims[s.pool] != 0) {
+    record_gdn_error(record, deferred::kGdnCommit, deferred::kGdnSharedSlot, 0, 0, s.pool - claims[s.pool], 0, s.pool);
+  }
   __shared__ uint64_t anc[gdn::kMaxNodes];
   __shared__ float gate_sum[gdn::kMaxNodes];
   __shared__ float coef[gdn::kMaxNodes];  // exp(G_a - G_j) / |k_j| for path nodes j
@@ -178,7 +211,7 @@ __global__ void __launch_bounds__(kCommitThreads)
   const int64_t a = last_accepted[b];
   if (a < 0) return;  // uniform across the block
   if (threadIdx.x == 0) {
-    bad = slots[b] < 0 || slots[b] >= s.pool ||
+    bad = slots[b] < 0 || slots[b] >= s.pool || (claims != nullptr && claims[slots[b]] != 1) ||
           gdn::build_tree(parent + b * n, n, g + b * n * HV + hv, HV, anc, nullptr, gate_sum) >= 0;
   }
   __syncthreads();
@@ -315,8 +348,15 @@ cudaError_t gdn_tree_verify(GdnType type, const void* q, const void* k, const vo
 
 cudaError_t gdn_commit(GdnType type, const void* k, const float* g, const float* u, const int64_t* parent,
                        const int64_t* last_accepted, float* state_pool, const int64_t* slots, GdnShape shape,
-                       GdnStrides strides, bool use_qk_l2norm, cudaStream_t stream) {
+                       GdnStrides strides, bool use_qk_l2norm, int32_t* claims, int64_t* record, cudaStream_t stream) {
   if (shape.batch == 0) return cudaSuccess;
+  if (claims != nullptr) {
+    constexpr int kClaimThreads = 256;
+    gdn_claim_slots_kernel<<<grid_dim((shape.batch + kClaimThreads - 1) / kClaimThreads), kClaimThreads, 0, stream>>>(
+        last_accepted, slots, shape.batch, shape.pool, claims);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
   const int64_t elements = shape.key_dim * shape.value_dim;
   int64_t tiles = (elements + kCommitThreads - 1) / kCommitThreads;
   if (tiles > 65535) tiles = 65535;
@@ -326,7 +366,7 @@ cudaError_t gdn_commit(GdnType type, const void* k, const float* g, const float*
       const dim3 grid(grid_dim(tiles), grid_dim(shape.value_heads), requests);
       gdn_commit_kernel<T><<<grid, kCommitThreads, 0, stream>>>(static_cast<const T*>(k), g, u, parent, last_accepted,
                                                                 state_pool, slots, shape, strides, use_qk_l2norm,
-                                                                offset);
+                                                                claims, record, offset);
     });
   });
 }
@@ -363,19 +403,6 @@ cudaError_t causal_conv1d_commit(GdnType type, const void* x, const int64_t* par
 
 namespace {
 
-__device__ void record_gdn_error(int64_t* record, int64_t op, int64_t code, int64_t row, int64_t index, int64_t value,
-                                 int64_t low, int64_t high) {
-  auto* claimed = reinterpret_cast<unsigned long long*>(record + deferred::kClaimed);
-  if (atomicCAS(claimed, 0ULL, 1ULL) != 0ULL) return;
-  record[deferred::kOp] = op;
-  record[deferred::kCode] = code;
-  record[deferred::kRow] = row;
-  record[deferred::kIndex] = index;
-  record[deferred::kDetail] = value;
-  record[deferred::kDim0] = low;
-  record[deferred::kDim1] = high;
-}
-
 // Sequential on purpose: the first error in the host checks' order (parents row-major, then last_accepted, then the
 // active slots, then the smallest shared slot). Small inputs: B * n parents and B^2 slot pairs.
 __global__ void gdn_validate_kernel(const int64_t* parent, const int64_t* last_accepted, const int64_t* slots,
@@ -393,12 +420,10 @@ __global__ void gdn_validate_kernel(const int64_t* parent, const int64_t* last_a
     }
   }
   if (slots == nullptr) return;
-  int64_t checked = 0;  // position among the checked slots (the host check reports it as the request)
   for (int64_t b = 0; b < batch; ++b) {
     if (last_accepted != nullptr && last_accepted[b] < 0) continue;
     const int64_t s = slots[b];
-    if (s < 0 || s >= pool) return record_gdn_error(record, op, deferred::kGdnSlots, checked, 0, s, 0, pool);
-    ++checked;
+    if (s < 0 || s >= pool) return record_gdn_error(record, op, deferred::kGdnSlots, b, 0, s, 0, pool);
   }
   if (last_accepted == nullptr) return;
   int64_t shared = -1;

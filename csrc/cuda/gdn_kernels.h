@@ -35,9 +35,13 @@ cudaError_t gdn_tree_verify(GdnType type, const void* q, const void* k, const vo
                             cudaStream_t stream);
 
 // state_pool[slots[b]] <- state after node last_accepted[b] (skipped when < 0), from k (type), g fp32, u fp32.
+// Slot claim, for unvalidated slots: with claims ([pool + 1] int32, zeroed by the caller) the committing requests
+// first claim their slots on the device; a slot claimed by several of them is left unchanged, and the smallest such
+// slot is recorded in `record` (the deferred error record, nullable) as the shared-slot error of the host check.
+// claims == nullptr: the slots are known to be distinct.
 cudaError_t gdn_commit(GdnType type, const void* k, const float* g, const float* u, const int64_t* parent,
                        const int64_t* last_accepted, float* state_pool, const int64_t* slots, GdnShape shape,
-                       GdnStrides strides, bool use_qk_l2norm, cudaStream_t stream);
+                       GdnStrides strides, bool use_qk_l2norm, int32_t* claims, int64_t* record, cudaStream_t stream);
 
 // out [B, n, C] = act(bias + sum_w weight[c, w] * window_w) over each node's (committed state, ancestors, self) window.
 // x, conv_state [B, C, W - 1] and out in `type`; weight [C, W] and bias [C] (nullable) fp32; activation 1 = silu.

@@ -104,7 +104,9 @@ def gdn_commit(
     last_accepted[b] = -1 leaves request b's state unchanged. Active requests must use distinct slots. Layouts as in
     :func:`gdn_tree_verify` (k and the pool are used in place).
     validate=False skips the host-synchronising value checks (CUDA graphs; deferred checks, :mod:`peagle.ops.errors`,
-    keep them on the device instead); a request with bad indices is then skipped.
+    keep them on the device instead); a request with bad indices is then skipped. Without the host checks, CUDA claims
+    the slots on the device: a slot that several committing requests share is left unchanged (they never race on it)
+    and :func:`peagle.ops.check_errors` raises the host check's error for the smallest such slot.
     """
     torch.ops.peagle.gdn_commit(k, g, u, parent, last_accepted, state_pool, slots, use_qk_l2norm, validate)
 
