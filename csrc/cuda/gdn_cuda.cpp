@@ -67,10 +67,12 @@ std::tuple<at::Tensor, at::Tensor> gdn_tree_verify_cuda(const at::Tensor& q, con
   const at::Tensor pc = parent.to(at::kLong).contiguous(), sc = slots.to(at::kLong).contiguous();
   at::Tensor o = at::empty({d.batch, d.nodes, d.value_heads, d.value_dim}, v.options());
   at::Tensor u = at::empty({d.batch, d.nodes, d.value_heads, d.value_dim}, v.options().dtype(at::kFloat));
+  at::Tensor scratch = at::empty({cuda::gdn_verify_scratch_floats(gdn_shape(d))}, u.options());
   check_cuda(cuda::gdn_tree_verify(gdn_type(q.scalar_type()), qc.data_ptr(), kc.data_ptr(), vc.data_ptr(),
                                    gc.data_ptr<float>(), bc.data_ptr<float>(), pc.data_ptr<int64_t>(),
                                    state_pool.data_ptr<float>(), sc.data_ptr<int64_t>(), gdn_shape(d), strides, q_scale,
-                                   use_qk_l2norm, o.data_ptr(), u.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()),
+                                   use_qk_l2norm, scratch.data_ptr<float>(), o.data_ptr(), u.data_ptr<float>(),
+                                   c10::cuda::getCurrentCUDAStream()),
              op);
   return {o, u};
 }

@@ -1,14 +1,16 @@
 // CUDA kernels of the Gated DeltaNet family. No torch headers here (compile time); see gdn_kernels.h for the
-// contracts and peagle/gdn.h for the closed form over the tree that both backends share.
+// contracts and peagle/gdn.h for the closed form over the tree and the fp32 operation order both backends share (the
+// results are bit-identical to the CPU kernels').
 //
-// Verification: one block per (tile of 64 value columns, value head, request), one thread per value column. The block
-// derives the tree (ancestor masks, cumulative gates) and then walks K in chunks of 32 rows: the chunk's q/k rows of
-// all nodes are staged in shared memory (coalesced), from which the block accumulates the q/k norms, the ancestor Gram
-// entries q_i.k_j, k_i.k_j, and each thread the projections of its committed-state column onto every k_i and q_i
-// (S0 is read exactly once per block, coalesced along its rows). Then each thread runs the shared forward
-// substitution gdn::tree_delta_columns for its column. No per-node state is ever formed. The work is
-// 2 n K V + n^2 (K + V) multiply-adds per head, on CUDA cores (tensor-core tiles are a later step, once GPU profiles
-// show where the time goes).
+// Verification runs in two kernels:
+//   1. gdn_qk_kernel, one block per (request, q/k head): the q/k norm factors and the normalised Gram entries
+//      q_i.k_j, k_i.k_j of ancestor-or-self pairs. They depend on the q/k head only, so they are computed once and
+//      shared (through a global scratch buffer) by every value head of the group and every column tile.
+//   2. gdn_tree_verify_kernel, one block per (tile of 32 value columns, value head, request), 256 threads: each warp
+//      projects the committed state's columns onto the k and q rows of every eighth node (S0 is read exactly once per
+//      block, staged in shared memory with the q/k rows, chunk by chunk along K), the block derives the decayed
+//      coefficients, one warp runs the forward substitution of its 32 columns, and all warps form the outputs.
+// Shared memory is sized to the tree's n (under 40 KB at n = 64, so no opt-in above the 48 KB default is needed).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -21,141 +23,200 @@ namespace peagle {
 namespace cuda {
 namespace {
 
-constexpr int kColumns = 64;  // value columns per verification block (one per thread)
-
-constexpr int kChunk = 32;           // K rows of q/k/S0 staged per step
+constexpr int kThreads = 256;              // both verification kernels
+constexpr int kTile = 32;                  // value columns per verification block (a warp's width)
+constexpr int kGroups = kThreads / kTile;  // node groups (one warp each) of the projections and outputs
+constexpr int kNodesPerGroup = gdn::kMaxNodes / kGroups;
+constexpr int kPairsPerThread = gdn::kMaxNodes * gdn::kMaxNodes / kThreads;  // Gram entries per thread
+constexpr int kChunk = 32;                                                   // K rows of q/k/S0 staged per step
 constexpr int kStride = kChunk + 1;  // padded rows: Gram reads of different nodes hit different banks
 
-size_t verify_smem_bytes(int64_t n) {
-  // anc (u64) | gate_sum, beta, inv_q, inv_k | kk, qk | v, u, o column tiles | q, k chunks
-  return sizeof(uint64_t) * n + sizeof(float) * (4 * n + 2 * n * n + 3 * n * kColumns + 2 * n * kStride);
+// Scratch of one (request, q/k head): f^q [n], f^k [n], qk [n, n], kk [n, n].
+__host__ __device__ constexpr int64_t qk_scratch_floats(int64_t n) { return 2 * n + 2 * n * n; }
+
+constexpr size_t qk_smem_bytes(int64_t n) { return sizeof(uint64_t) * n + sizeof(float) * (2 * n * kStride + 2 * n); }
+
+constexpr size_t max_size(size_t a, size_t b) { return a > b ? a : b; }
+
+// anc (u64) | gate_sum, beta, root, self | u, o column tiles | (q, k, S0 chunks) or (a, b triangles) overlaid.
+constexpr size_t verify_smem_bytes(int64_t n) {
+  return sizeof(uint64_t) * n + sizeof(float) * (4 * n + 2 * n * kTile) +
+         sizeof(float) * max_size(2 * n * kStride + kChunk * kTile, 2 * static_cast<size_t>(n * (n - 1) / 2));
+}
+constexpr size_t kDefaultSmem = 48 * 1024;
+static_assert(verify_smem_bytes(gdn::kMaxNodes) <= kDefaultSmem && qk_smem_bytes(gdn::kMaxNodes) <= kDefaultSmem,
+              "the verification kernels would need a shared-memory opt-in");
+
+// Stages raw rows [r0, r0 + width) of q and k of every node (fp32) at q_c / k_c with row stride kStride.
+template <typename T>
+__device__ void stage_qk(const T* __restrict__ q, const T* __restrict__ k, const GdnStrides& st, int64_t b, int64_t h,
+                         int n, int64_t r0, int width, float* q_c, float* k_c) {
+  for (int idx = threadIdx.x; idx < n * kChunk; idx += blockDim.x) {
+    const int i = idx / kChunk, r = idx - (idx / kChunk) * kChunk;
+    if (r >= width) continue;
+    q_c[i * kStride + r] = to_acc(q[st.q.at(b, i, h) + r0 + r]);
+    k_c[i * kStride + r] = to_acc(k[st.k.at(b, i, h) + r0 + r]);
+  }
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kColumns)
+__global__ void __launch_bounds__(kThreads)
+    gdn_qk_kernel(const T* __restrict__ q, const T* __restrict__ k, const int64_t* __restrict__ parent, GdnShape s,
+                  GdnStrides st, float scale, bool l2norm, float* __restrict__ scratch, int64_t batch_offset) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int n = static_cast<int>(s.nodes);
+  const int64_t K = s.key_dim, b = batch_offset + blockIdx.y, h = blockIdx.x;
+  const int tid = threadIdx.x;
+  uint64_t* anc = reinterpret_cast<uint64_t*>(smem);
+  float* q_c = reinterpret_cast<float*>(anc + n);
+  float* k_c = q_c + n * kStride;
+  float* fq_s = k_c + n * kStride;
+  float* fk_s = fq_s + n;
+  __shared__ int bad;
+  if (tid == 0)
+    bad = gdn::build_tree(parent + b * n, n, static_cast<const float*>(nullptr), 1, anc, nullptr, nullptr) >= 0;
+  __syncthreads();
+  if (bad) return;  // the verification kernel writes NaN for this request
+
+  float raw_qk[kPairsPerThread] = {}, raw_kk[kPairsPerThread] = {};
+  float ssq = 0.0f, ssk = 0.0f;
+  for (int64_t r0 = 0; r0 < K; r0 += kChunk) {
+    const int width = static_cast<int>(K - r0 < kChunk ? K - r0 : kChunk);
+    stage_qk(q, k, st, b, h, n, r0, width, q_c, k_c);
+    __syncthreads();
+    if (tid < n) {
+      for (int r = 0; r < width; ++r) {
+        ssq = gdn::mac(ssq, q_c[tid * kStride + r], q_c[tid * kStride + r]);
+        ssk = gdn::mac(ssk, k_c[tid * kStride + r], k_c[tid * kStride + r]);
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < kPairsPerThread; ++m) {
+      const int idx = tid + m * kThreads, i = idx / n, j = idx - (idx / n) * n;
+      if (idx >= n * n || ((anc[i] >> j) & 1ull) == 0) continue;
+      for (int r = 0; r < width; ++r) {
+        raw_qk[m] = gdn::mac(raw_qk[m], q_c[i * kStride + r], k_c[j * kStride + r]);
+        raw_kk[m] = gdn::mac(raw_kk[m], k_c[i * kStride + r], k_c[j * kStride + r]);
+      }
+    }
+    __syncthreads();  // before the next chunk overwrites q_c / k_c
+  }
+  float* out = scratch + (b * s.qk_heads + h) * qk_scratch_floats(n);
+  if (tid < n) {
+    out[tid] = fq_s[tid] = gdn::row_factor(ssq, l2norm, scale);
+    out[n + tid] = fk_s[tid] = gdn::row_factor(ssk, l2norm, 1.0f);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int m = 0; m < kPairsPerThread; ++m) {
+    const int idx = tid + m * kThreads, i = idx / n, j = idx - (idx / n) * n;
+    if (idx >= n * n || ((anc[i] >> j) & 1ull) == 0) continue;
+    out[2 * n + idx] = gdn::gram_entry(raw_qk[m], fq_s[i], fk_s[j]);
+    out[2 * n + n * n + idx] = gdn::gram_entry(raw_kk[m], fk_s[i], fk_s[j]);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
     gdn_tree_verify_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                            const float* __restrict__ g, const float* __restrict__ beta,
                            const int64_t* __restrict__ parent, const float* __restrict__ state_pool,
-                           const int64_t* __restrict__ slots, GdnShape s, GdnStrides st, float scale, bool l2norm,
-                           T* __restrict__ o, float* __restrict__ u, int64_t batch_offset) {
+                           const int64_t* __restrict__ slots, GdnShape s, GdnStrides st,
+                           const float* __restrict__ scratch, T* __restrict__ o, float* __restrict__ u,
+                           int64_t batch_offset) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int n = static_cast<int>(s.nodes);
   const int64_t K = s.key_dim, V = s.value_dim, H = s.qk_heads, HV = s.value_heads;
   const int64_t b = batch_offset + blockIdx.z, hv = blockIdx.y, h = hv / (HV / H);
-  const int tid = threadIdx.x;
-  const int64_t col = int64_t{blockIdx.x} * kColumns + tid;
+  const int tid = threadIdx.x, lane = tid % kTile, group = tid / kTile;
+  const int64_t col0 = int64_t{blockIdx.x} * kTile, col = col0 + lane;
   const bool active = col < V;
 
   uint64_t* anc = reinterpret_cast<uint64_t*>(smem);
   float* gate_sum = reinterpret_cast<float*>(anc + n);
   float* beta_s = gate_sum + n;
-  float* inv_q = beta_s + n;  // sums of squares until the norms are final
-  float* inv_k = inv_q + n;
-  float* kk = inv_k + n;
-  float* qk = kk + n * n;
-  float* v_s = qk + n * n;
-  float* u_s = v_s + n * kColumns;
-  float* o_s = u_s + n * kColumns;
-  float* q_c = o_s + n * kColumns;
+  float* root = beta_s + n;
+  float* self = root + n;
+  float* u_s = self + n;
+  float* o_s = u_s + n * kTile;
+  float* q_c = o_s + n * kTile;  // staging of the projections ...
   float* k_c = q_c + n * kStride;
+  float* s0_c = k_c + n * kStride;
+  float* coef_a = q_c;  // ... overlaid by the coefficients afterwards
+  float* coef_b = coef_a + gdn::triangle_size(n);
   __shared__ int bad;
 
   if (tid == 0) {
     bad = slots[b] < 0 || slots[b] >= s.pool ||
           gdn::build_tree(parent + b * n, n, g + b * n * HV + hv, HV, anc, nullptr, gate_sum) >= 0;
   }
-  for (int i = tid; i < n; i += blockDim.x) {
-    beta_s[i] = beta[(b * n + i) * HV + hv];
-    inv_q[i] = inv_k[i] = 0.0f;
-  }
-  for (int idx = tid; idx < n * n; idx += blockDim.x) kk[idx] = qk[idx] = 0.0f;
-  for (int i = 0; i < n; ++i) u_s[i * kColumns + tid] = o_s[i * kColumns + tid] = 0.0f;
+  for (int i = tid; i < n; i += blockDim.x) beta_s[i] = beta[(b * n + i) * HV + hv];
   __syncthreads();
   if (bad) {  // bad indices: NaN outputs, nothing read out of bounds
-    if (active) {
-      for (int i = 0; i < n; ++i) {
-        const int64_t out = ((b * n + i) * HV + hv) * V + col;
-        u[out] = __int_as_float(0x7fc00000);
-        o[out] = from_acc<T>(__int_as_float(0x7fc00000));
-      }
+    for (int idx = tid; idx < n * kTile; idx += blockDim.x) {
+      const int64_t i = idx / kTile, c = col0 + idx % kTile;
+      if (c >= V) continue;
+      const int64_t out = ((b * n + i) * HV + hv) * V + c;
+      u[out] = __int_as_float(0x7fc00000);
+      o[out] = from_acc<T>(__int_as_float(0x7fc00000));
     }
     return;
   }
+  const float* products = scratch + (b * H + h) * qk_scratch_floats(n);
+  const float *fq = products, *fk = products + n, *qk = products + 2 * n, *kk = qk + n * n;
 
-  const float* s0 = state_pool + st.pool.at(slots[b], hv, 0) + (active ? col : 0);
+  // Projections of the committed state's columns onto the raw k and q rows, every sum in increasing r.
+  const float* s0 = state_pool + st.pool.at(slots[b], hv, 0);
+  float pk[kNodesPerGroup] = {}, pq[kNodesPerGroup] = {};
   for (int64_t r0 = 0; r0 < K; r0 += kChunk) {
     const int width = static_cast<int>(K - r0 < kChunk ? K - r0 : kChunk);
-    // Stage raw q/k rows [r0, r0 + kChunk) of every node (zero-padded), coalesced along K.
-    for (int idx = tid; idx < n * kChunk; idx += blockDim.x) {
-      const int i = idx / kChunk, r = idx - (idx / kChunk) * kChunk;
-      q_c[i * kStride + r] = r < width ? to_acc(q[st.q.at(b, i, h) + r0 + r]) : 0.0f;
-      k_c[i * kStride + r] = r < width ? to_acc(k[st.k.at(b, i, h) + r0 + r]) : 0.0f;
+    stage_qk(q, k, st, b, h, n, r0, width, q_c, k_c);
+    for (int idx = tid; idx < kChunk * kTile; idx += blockDim.x) {
+      const int r = idx / kTile, c = idx % kTile;
+      s0_c[idx] = r < width && col0 + c < V ? s0[(r0 + r) * st.pool.inner + col0 + c] : 0.0f;
     }
     __syncthreads();
-    for (int i = tid; i < n; i += blockDim.x) {
-      float sq = 0.0f, sk = 0.0f;
-      for (int r = 0; r < kChunk; ++r) {
-        sq += q_c[i * kStride + r] * q_c[i * kStride + r];
-        sk += k_c[i * kStride + r] * k_c[i * kStride + r];
-      }
-      inv_q[i] += sq;
-      inv_k[i] += sk;
-    }
-    // Raw Gram entries of ancestor-or-self pairs.
-    for (int idx = tid; idx < n * n; idx += blockDim.x) {
-      const int i = idx / n, j = idx - (idx / n) * n;
-      if (((anc[i] >> j) & 1ull) == 0) continue;
-      float dq = 0.0f, dk = 0.0f;
-      for (int r = 0; r < kChunk; ++r) {
-        const float x = k_c[j * kStride + r];
-        dq += q_c[i * kStride + r] * x;
-        dk += k_c[i * kStride + r] * x;
-      }
-      qk[idx] += dq;
-      kk[idx] += dk;
-    }
-    // Raw projections of this thread's committed-state column: S0 is read exactly once per block.
-    if (active) {
-      float sv[kChunk];
 #pragma unroll
-      for (int r = 0; r < kChunk; ++r) sv[r] = r < width ? s0[(r0 + r) * st.pool.inner] : 0.0f;
-      for (int i = 0; i < n; ++i) {
-        float pk = 0.0f, pq = 0.0f;
-#pragma unroll
-        for (int r = 0; r < kChunk; ++r) {
-          pk += k_c[i * kStride + r] * sv[r];
-          pq += q_c[i * kStride + r] * sv[r];
-        }
-        u_s[i * kColumns + tid] += pk;
-        o_s[i * kColumns + tid] += pq;
+    for (int m = 0; m < kNodesPerGroup; ++m) {
+      const int i = group + m * kGroups;
+      if (i >= n) continue;
+      for (int r = 0; r < width; ++r) {
+        pk[m] = gdn::mac(pk[m], k_c[i * kStride + r], s0_c[r * kTile + lane]);
+        pq[m] = gdn::mac(pq[m], q_c[i * kStride + r], s0_c[r * kTile + lane]);
       }
     }
-    __syncthreads();  // before the next chunk overwrites q_c / k_c
+    __syncthreads();  // before the next chunk (or the coefficients) overwrite the staging
+  }
+#pragma unroll
+  for (int m = 0; m < kNodesPerGroup; ++m) {
+    const int i = group + m * kGroups;
+    if (i >= n) continue;
+    u_s[i * kTile + lane] = gdn::mul_rn(pk[m], fk[i]);
+    o_s[i * kTile + lane] = gdn::mul_rn(pq[m], fq[i]);
   }
   for (int i = tid; i < n; i += blockDim.x) {
-    inv_q[i] = gdn::inv_l2(inv_q[i], l2norm) * scale;
-    inv_k[i] = gdn::inv_l2(inv_k[i], l2norm);
+    root[i] = gdn::exp_rn(gate_sum[i]);
+    self[i] = qk[i * n + i];
   }
-  __syncthreads();
   for (int idx = tid; idx < n * n; idx += blockDim.x) {
     const int i = idx / n, j = idx - (idx / n) * n;
-    qk[idx] *= inv_q[i] * inv_k[j];
-    kk[idx] *= inv_k[i] * inv_k[j];
+    if (j >= i || ((anc[i] >> j) & 1ull) == 0) continue;
+    coef_a[gdn::triangle_index(i, j)] = gdn::decayed(gate_sum[i], gate_sum[j], kk[idx]);
+    coef_b[gdn::triangle_index(i, j)] = gdn::decayed(gate_sum[i], gate_sum[j], qk[idx]);
   }
-  if (active) {
-    for (int i = 0; i < n; ++i) {
-      u_s[i * kColumns + tid] *= inv_k[i];
-      o_s[i * kColumns + tid] *= inv_q[i];
-      v_s[i * kColumns + tid] = to_acc(v[st.v.at(b, i, hv) + col]);
-    }
+  __syncthreads();
+  if (group == 0 && active) {
+    const T* v_col = v + st.v.at(b, 0, hv) + col0;
+    const auto v_at = [&](int i, int c) { return to_acc(v_col[i * st.v.middle + c]); };
+    gdn::solve_delta_columns(n, anc, root, beta_s, coef_a, v_at, u_s, kTile, lane, lane + 1);
   }
   __syncthreads();
   if (!active) return;
-  gdn::tree_delta_columns(n, anc, gate_sum, beta_s, kk, qk, v_s, kColumns, u_s, kColumns, o_s, kColumns, tid, tid + 1);
-  for (int i = 0; i < n; ++i) {
+  for (int i = group; i < n; i += kGroups) {
+    gdn::output_columns(i, anc, root, coef_b, self, u_s, kTile, o_s + i * kTile, lane, lane + 1);
     const int64_t out = ((b * n + i) * HV + hv) * V + col;
-    u[out] = u_s[i * kColumns + tid];
-    o[out] = from_acc<T>(o_s[i * kColumns + tid]);
+    u[out] = u_s[i * kTile + lane];
+    o[out] = from_acc<T>(o_s[i * kTile + lane]);
   }
 }
 
@@ -221,21 +282,19 @@ __global__ void __launch_bounds__(kCommitThreads)
     if (((path >> j) & 1ull) == 0) continue;
     const T* kj = k + st.k.at(b, j, h);
     float sk = 0.0f;
-    for (int64_t r = 0; r < K; ++r) sk += to_acc(kj[r]) * to_acc(kj[r]);
-    coef[j] = expf(gate_sum[a] - gate_sum[j]) * gdn::inv_l2(sk, l2norm);
+    for (int64_t r = 0; r < K; ++r) sk = gdn::mac(sk, to_acc(kj[r]), to_acc(kj[r]));
+    coef[j] = gdn::commit_coefficient(gate_sum[a], gate_sum[j], gdn::row_factor(sk, l2norm, 1.0f));
   }
   __syncthreads();
-  const float root = expf(gate_sum[a]);
+  const float root = gdn::exp_rn(gate_sum[a]);
   float* state = state_pool + st.pool.at(slots[b], hv, 0);
   for (int64_t e = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < K * V; e += int64_t{gridDim.x} * blockDim.x) {
     const int64_t r = e / V, c = e - r * V;
     float& element = state[r * st.pool.inner + c];
-    float value = root * element;
-    uint64_t bits = path;
-    while (bits != 0) {
-      const int j = __ffsll(static_cast<long long>(bits)) - 1;
-      bits &= bits - 1;
-      value += coef[j] * to_acc(k[st.k.at(b, j, h) + r]) * u[((b * n + j) * HV + hv) * V + c];
+    float value = gdn::mul_rn(root, element);
+    for (uint64_t bits = path; bits != 0; bits &= bits - 1) {
+      const int j = gdn::lowest_bit(bits);
+      value = gdn::commit_step(value, coef[j], to_acc(k[st.k.at(b, j, h) + r]), u[((b * n + j) * HV + hv) * V + c]);
     }
     element = value;
   }
@@ -297,8 +356,6 @@ cudaError_t dispatch(GdnType type, F&& f) {
   return cudaErrorInvalidValue;
 }
 
-constexpr int kMaxDevices = 64;
-
 unsigned grid_dim(int64_t x) { return static_cast<unsigned>(x < 1 ? 1 : x); }
 
 // The y and z grid dimensions stop at 65535: requests go in launches of at most that many, each with its offset.
@@ -316,32 +373,30 @@ cudaError_t over_batch(int64_t batch, Launch&& launch) {
 
 }  // namespace
 
+int64_t gdn_verify_scratch_floats(GdnShape shape) {
+  return shape.batch * shape.qk_heads * qk_scratch_floats(shape.nodes);
+}
+
 cudaError_t gdn_tree_verify(GdnType type, const void* q, const void* k, const void* v, const float* g,
                             const float* beta, const int64_t* parent, const float* state_pool, const int64_t* slots,
-                            GdnShape shape, GdnStrides strides, float scale, bool use_qk_l2norm, void* o, float* u,
-                            cudaStream_t stream) {
+                            GdnShape shape, GdnStrides strides, float scale, bool use_qk_l2norm, float* scratch,
+                            void* o, float* u, cudaStream_t stream) {
   if (shape.batch == 0) return cudaSuccess;
-  const size_t smem = verify_smem_bytes(shape.nodes);
-  const unsigned column_tiles = grid_dim((shape.value_dim + kColumns - 1) / kColumns);
+  const unsigned column_tiles = grid_dim((shape.value_dim + kTile - 1) / kTile);
   return dispatch(type, [&](auto tag) {
     using T = decltype(tag);
-    auto kernel = gdn_tree_verify_kernel<T>;
-    // Opt in to the largest tree's shared memory once per device (not per call: keeps CUDA graph capture clean).
-    static bool configured[kMaxDevices] = {};
-    int device = 0;
-    cudaError_t err = cudaGetDevice(&device);
+    const cudaError_t err = over_batch(shape.batch, [&](int64_t offset, unsigned requests) {
+      const dim3 grid(grid_dim(shape.qk_heads), requests);
+      gdn_qk_kernel<T><<<grid, kThreads, qk_smem_bytes(shape.nodes), stream>>>(
+          static_cast<const T*>(q), static_cast<const T*>(k), parent, shape, strides, scale, use_qk_l2norm, scratch,
+          offset);
+    });
     if (err != cudaSuccess) return err;
-    if (device >= kMaxDevices || !configured[device]) {
-      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(verify_smem_bytes(gdn::kMaxNodes)));
-      if (err != cudaSuccess) return err;
-      if (device < kMaxDevices) configured[device] = true;
-    }
     return over_batch(shape.batch, [&](int64_t offset, unsigned requests) {
       const dim3 grid(column_tiles, grid_dim(shape.value_heads), requests);
-      kernel<<<grid, kColumns, smem, stream>>>(static_cast<const T*>(q), static_cast<const T*>(k),
-                                               static_cast<const T*>(v), g, beta, parent, state_pool, slots, shape,
-                                               strides, scale, use_qk_l2norm, static_cast<T*>(o), u, offset);
+      gdn_tree_verify_kernel<T><<<grid, kThreads, verify_smem_bytes(shape.nodes), stream>>>(
+          static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), g, beta, parent, state_pool,
+          slots, shape, strides, scratch, static_cast<T*>(o), u, offset);
     });
   });
 }

@@ -27,12 +27,16 @@ struct GdnStrides {
 // Every kernel guards its own indices (the launcher may skip the synchronising host checks, validate=False): a
 // request whose parent array or slot is out of range gets NaN outputs (verify, conv) or is left uncommitted (commits).
 
+// fp32 elements of the scratch buffer gdn_tree_verify needs (the q/k products shared by the value heads).
+int64_t gdn_verify_scratch_floats(GdnShape shape);
+
 // o [B, n, HV, V] (type), u [B, n, HV, V] fp32 from q, k [B, n, H, K], v [B, n, HV, V] (type), g, beta [B, n, HV]
-// fp32, parent [B, n], the committed states state_pool[slots[b]] [HV, K, V] fp32 (read only).
+// fp32, parent [B, n], the committed states state_pool[slots[b]] [HV, K, V] fp32 (read only). scratch: at least
+// gdn_verify_scratch_floats(shape) floats (contents irrelevant). Bit-identical to the CPU kernel.
 cudaError_t gdn_tree_verify(GdnType type, const void* q, const void* k, const void* v, const float* g,
                             const float* beta, const int64_t* parent, const float* state_pool, const int64_t* slots,
-                            GdnShape shape, GdnStrides strides, float scale, bool use_qk_l2norm, void* o, float* u,
-                            cudaStream_t stream);
+                            GdnShape shape, GdnStrides strides, float scale, bool use_qk_l2norm, float* scratch,
+                            void* o, float* u, cudaStream_t stream);
 
 // state_pool[slots[b]] <- state after node last_accepted[b] (skipped when < 0), from k (type), g fp32, u fp32.
 // Slot claim, for unvalidated slots: with claims ([pool + 1] int32, zeroed by the caller) the committing requests
