@@ -21,7 +21,7 @@ from peagle.ops.gdn import tree_path
 from testkit import random_gdn_inputs, random_tree, strided_gdn_inputs
 
 KINDS = ["chain", "star", "deep", "random", "forest"]
-HEADS = [(1, 1, 16, 8), (2, 4, 16, 24), (2, 2, 32, 16), (1, 3, 8, 33)]  # H, HV, K, V
+HEADS = [(1, 1, 16, 8), (2, 4, 16, 24), (2, 2, 32, 16), (1, 3, 8, 33), (2, 16, 8, 12)]  # H, HV, K, V
 
 
 def rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:

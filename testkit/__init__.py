@@ -142,6 +142,18 @@ def strided_gdn_inputs(x: GdnInputs) -> GdnInputs:
     return x._replace(q=q, k=k, v=v, state_pool=pool)
 
 
+def gdn_inputs_to(x: GdnInputs, device: torch.device | str) -> GdnInputs:
+    """``x`` on ``device``; strided views (as from :func:`strided_gdn_inputs`) stay views of a moved copy of their base,
+    with their strides."""
+
+    def move(t: Tensor) -> Tensor:
+        if t.is_contiguous() or t._base is None:
+            return t.to(device)
+        return t._base.to(device).as_strided(t.shape, t.stride(), t.storage_offset())
+
+    return GdnInputs(*(move(t) for t in x))
+
+
 class TreeBatch(NamedTuple):
     parent: Tensor  # [B, n_max] int64, -1 at the root; padding nodes hold garbage
     tokens: Tensor  # [B, n_max] int64, siblings distinct; padding nodes hold garbage
