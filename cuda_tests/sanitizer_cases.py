@@ -75,7 +75,8 @@ def gdn(generator):
         x = random_gdn_inputs(generator, 3, 6, 2, 4, 16, 16, kind=kind, dtype=dtype)
         q, k, v, g, beta, parent, pool, slots = dev(*x)
         strided = strided_gdn_inputs(random_gdn_inputs(generator, 2, 33, 1, 4, 40, 36, kind=kind, dtype=dtype))
-        OPS.gdn_tree_verify(*gdn_inputs_to(strided, DEVICE), None, True, False)  # row strides, two column tiles, n > 32
+        for tensor_cores in (False, True):  # row strides, two column tiles, n > 32; exact and TF32 mma projections
+            OPS.gdn_tree_verify(*gdn_inputs_to(strided, DEVICE), None, True, False, tensor_cores)
         _, u = OPS.gdn_tree_verify(q, k, v, g, beta, parent, pool, slots, None, True, True)
         last = torch.tensor([0, 5, 3], device=DEVICE)
         OPS.gdn_commit(k, g, u, parent, last, pool, slots, True, True)

@@ -309,3 +309,19 @@ def test_commit_slot_error_names_the_request(generator):
         with deferred_checks(deferred), pytest.raises(RuntimeError, match=r"got 99 for request 2"):
             gdn_commit(x.k, x.g, u, x.parent, last, x.state_pool.clone(), slots)
             check_errors()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nodes", [1, 16, 33, 64])
+def test_tensor_core_projections_close_to_the_exact_path(generator, dtype, nodes):
+    """tensor_cores=True (TF32 mma for the state projections) against the exact fp32 path it is measured by."""
+    x = to_cuda(random_gdn_inputs(generator, 3, nodes, 2, 8, 128, 80, kind="random", dtype=dtype))
+    o, u = gdn_tree_verify(*x, use_qk_l2norm=True)
+    o_tc, u_tc = gdn_tree_verify(*x, use_qk_l2norm=True, tensor_cores=True)
+    if torch.equal(u_tc, u):  # the fallback: no CuTe headers in this build, or a GPU without TF32 tensor cores
+        assert torch.equal(o_tc, o)
+        pytest.skip("tensor_cores fell back to the exact path (built without CUTLASS, or below sm_80)")
+    assert rel_rms(u_tc, u) <= 3e-3, rel_rms(u_tc, u)
+    assert rel_rms(o_tc, o) <= (3e-3 if dtype == torch.float32 else 6e-3), rel_rms(o_tc, o)
+    strided_o, strided_u = gdn_tree_verify(*strided_gdn_inputs(x), use_qk_l2norm=True, tensor_cores=True)
+    assert torch.equal(strided_o, o_tc) and torch.equal(strided_u, u_tc)  # deterministic, strides read in place

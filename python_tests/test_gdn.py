@@ -137,6 +137,14 @@ def test_strided_splits_equal_contiguous_bit_for_bit(generator, dtype, l2norm):
     assert torch.isnan(cache[outside]).all()  # the padding around the view is never written
 
 
+def test_tensor_cores_flag_keeps_the_exact_path_on_the_cpu(generator):
+    """tensor_cores selects the TF32 projections on CUDA only: the CPU result stays the exact one, bit for bit."""
+    x = random_gdn_inputs(generator, 2, 17, 1, 2, 8, 8, kind="deep")
+    o, u = gdn_tree_verify(*x, use_qk_l2norm=True)
+    o_tc, u_tc = gdn_tree_verify(*x, use_qk_l2norm=True, tensor_cores=True)
+    assert torch.equal(o_tc, o) and torch.equal(u_tc, u)
+
+
 def test_rows_that_are_not_contiguous_are_copied(generator):
     """q/k/v whose last dim is strided cannot be read in place: they are copied, and the results do not change."""
     x = random_gdn_inputs(generator, 2, 7, 2, 4, 8, 8, kind="chain")

@@ -79,7 +79,8 @@ std::tuple<at::Tensor, at::Tensor> gdn_tree_verify_cpu(const at::Tensor& q, cons
                                                        const at::Tensor& g, const at::Tensor& beta,
                                                        const at::Tensor& parent, const at::Tensor& state_pool,
                                                        const at::Tensor& slots, c10::optional<double> scale,
-                                                       bool use_qk_l2norm, bool /*validate: always on CPU*/) {
+                                                       bool use_qk_l2norm, bool /*validate: always on CPU*/,
+                                                       bool /*tensor_cores: the CPU has the exact path only*/) {
   const char* op = "gdn_tree_verify";
   const GdnDims d = check_gdn_tree_verify_args(q, k, v, g, beta, parent, state_pool, slots);
   check_parent_values(op, parent);

@@ -52,7 +52,7 @@ std::tuple<at::Tensor, at::Tensor> gdn_tree_verify_cuda(const at::Tensor& q, con
                                                         const at::Tensor& g, const at::Tensor& beta,
                                                         const at::Tensor& parent, const at::Tensor& state_pool,
                                                         const at::Tensor& slots, c10::optional<double> scale,
-                                                        bool use_qk_l2norm, bool validate) {
+                                                        bool use_qk_l2norm, bool validate, bool tensor_cores) {
   const char* op = "gdn_tree_verify";
   const GdnDims d = check_gdn_tree_verify_args(q, k, v, g, beta, parent, state_pool, slots);
   const c10::cuda::CUDAGuard guard(q.device());
@@ -71,8 +71,8 @@ std::tuple<at::Tensor, at::Tensor> gdn_tree_verify_cuda(const at::Tensor& q, con
   check_cuda(cuda::gdn_tree_verify(gdn_type(q.scalar_type()), qc.data_ptr(), kc.data_ptr(), vc.data_ptr(),
                                    gc.data_ptr<float>(), bc.data_ptr<float>(), pc.data_ptr<int64_t>(),
                                    state_pool.data_ptr<float>(), sc.data_ptr<int64_t>(), gdn_shape(d), strides, q_scale,
-                                   use_qk_l2norm, scratch.data_ptr<float>(), o.data_ptr(), u.data_ptr<float>(),
-                                   c10::cuda::getCurrentCUDAStream()),
+                                   use_qk_l2norm, tensor_cores, scratch.data_ptr<float>(), o.data_ptr(),
+                                   u.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()),
              op);
   return {o, u};
 }

@@ -14,6 +14,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#if defined(PEAGLE_WITH_CUTLASS)
+#include <cute/arch/mma_sm80.hpp>
+#endif
+
 #include "float_convert.cuh"
 #include "gdn_kernels.h"
 #include "peagle/deferred.h"
@@ -53,11 +57,77 @@ __device__ void stage_qk(const T* __restrict__ q, const T* __restrict__ k, const
                          int n, int64_t r0, int width, float* q_c, float* k_c) {
   for (int idx = threadIdx.x; idx < n * kChunk; idx += blockDim.x) {
     const int i = idx / kChunk, r = idx - (idx / kChunk) * kChunk;
-    if (r >= width) continue;
-    q_c[i * kStride + r] = to_acc(q[st.q.at(b, i, h) + r0 + r]);
-    k_c[i * kStride + r] = to_acc(k[st.k.at(b, i, h) + r0 + r]);
+    q_c[i * kStride + r] = r < width ? to_acc(q[st.q.at(b, i, h) + r0 + r]) : 0.0f;  // zero tail: the mma path reads it
+    k_c[i * kStride + r] = r < width ? to_acc(k[st.k.at(b, i, h) + r0 + r]) : 0.0f;
   }
 }
+
+// The exact projections of one chunk: warp `group` accumulates, in increasing r, the columns of its nodes
+// i = group + m * kGroups (the fp32 order of peagle/gdn.h).
+__device__ void project_chunk_exact(int n, int width, int group, int lane, const float* q_c, const float* k_c,
+                                    const float* s0_c, float* pk, float* pq) {
+#pragma unroll
+  for (int m = 0; m < kNodesPerGroup; ++m) {
+    const int i = group + m * kGroups;
+    if (i >= n) continue;
+    for (int r = 0; r < width; ++r) {
+      pk[m] = gdn::mac(pk[m], k_c[i * kStride + r], s0_c[r * kTile + lane]);
+      pq[m] = gdn::mac(pq[m], q_c[i * kStride + r], s0_c[r * kTile + lane]);
+    }
+  }
+}
+
+#if defined(PEAGLE_WITH_CUTLASS)
+// Tensor-core projections (TF32 inputs, fp32 accumulation; opt-in, tested against the exact path within a
+// tolerance): warp w computes the 16-node tile w % 4 of the k rows (w < 4) or the q rows (w >= 4) times the S0 chunk
+// [kChunk, kTile] with the m16n8k8 TF32 mma of CuTe, four 8-column tiles at a time. Fragment layouts: PTX ISA,
+// mma.m16n8k8 .tf32 (groupID = lane / 4, tig = lane % 4).
+constexpr int kMmaColumnTiles = kTile / 8;
+
+__device__ uint32_t to_tf32(float x) {
+  uint32_t bits;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(x));
+  return bits;
+}
+
+__device__ void project_chunk_mma(int n, int group, int lane, const float* q_c, const float* k_c, const float* s0_c,
+                                  float (&acc)[kMmaColumnTiles][4]) {
+  const int row0 = (group % 4) * 16;
+  if (row0 >= n) return;
+  const float* a = group < 4 ? k_c : q_c;
+  const int gid = lane / 4, tig = lane % 4;
+  // Rows past the tree read the last node (their results are never stored): no read outside the staging.
+  const int r_lo = min(row0 + gid, n - 1), r_hi = min(row0 + gid + 8, n - 1);
+#pragma unroll
+  for (int k8 = 0; k8 < kChunk; k8 += 8) {
+    const uint32_t a0 = to_tf32(a[r_lo * kStride + k8 + tig]), a1 = to_tf32(a[r_hi * kStride + k8 + tig]);
+    const uint32_t a2 = to_tf32(a[r_lo * kStride + k8 + tig + 4]), a3 = to_tf32(a[r_hi * kStride + k8 + tig + 4]);
+#pragma unroll
+    for (int t = 0; t < kMmaColumnTiles; ++t) {
+      const uint32_t b0 = to_tf32(s0_c[(k8 + tig) * kTile + t * 8 + gid]);
+      const uint32_t b1 = to_tf32(s0_c[(k8 + tig + 4) * kTile + t * 8 + gid]);
+      cute::SM80_16x8x8_F32TF32TF32F32_TN::fma(acc[t][0], acc[t][1], acc[t][2], acc[t][3], a0, a1, a2, a3, b0, b1,
+                                               acc[t][0], acc[t][1], acc[t][2], acc[t][3]);
+    }
+  }
+}
+
+// Scales the warp's accumulators by the norm factors and stores them as rows of u_s (k) or o_s (q).
+__device__ void store_mma(int n, int group, int lane, const float (&acc)[kMmaColumnTiles][4], const float* fk,
+                          const float* fq, float* u_s, float* o_s) {
+  const int row0 = (group % 4) * 16, gid = lane / 4, tig = lane % 4;
+  const float* factor = group < 4 ? fk : fq;
+  float* out = group < 4 ? u_s : o_s;
+#pragma unroll
+  for (int t = 0; t < kMmaColumnTiles; ++t) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = row0 + gid + (e >= 2 ? 8 : 0), column = t * 8 + 2 * tig + (e & 1);
+      if (row < n) out[row * kTile + column] = gdn::mul_rn(acc[t][e], factor[row]);
+    }
+  }
+}
+#endif
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
@@ -116,7 +186,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename T>
+template <typename T, bool kTensorCores>
 __global__ void __launch_bounds__(kThreads)
     gdn_tree_verify_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                            const float* __restrict__ g, const float* __restrict__ beta,
@@ -168,6 +238,12 @@ __global__ void __launch_bounds__(kThreads)
   // Projections of the committed state's columns onto the raw k and q rows, every sum in increasing r.
   const float* s0 = state_pool + st.pool.at(slots[b], hv, 0);
   float pk[kNodesPerGroup] = {}, pq[kNodesPerGroup] = {};
+#if defined(PEAGLE_WITH_CUTLASS)
+  float acc[kMmaColumnTiles][4] = {};
+  constexpr bool kUseMma = kTensorCores;
+#else
+  constexpr bool kUseMma = false;  // without the CuTe headers every launch takes the exact path
+#endif
   for (int64_t r0 = 0; r0 < K; r0 += kChunk) {
     const int width = static_cast<int>(K - r0 < kChunk ? K - r0 : kChunk);
     stage_qk(q, k, st, b, h, n, r0, width, q_c, k_c);
@@ -176,23 +252,23 @@ __global__ void __launch_bounds__(kThreads)
       s0_c[idx] = r < width && col0 + c < V ? s0[(r0 + r) * st.pool.inner + col0 + c] : 0.0f;
     }
     __syncthreads();
+#if defined(PEAGLE_WITH_CUTLASS)
+    if constexpr (kTensorCores) project_chunk_mma(n, group, lane, q_c, k_c, s0_c, acc);
+#endif
+    if constexpr (!kUseMma) project_chunk_exact(n, width, group, lane, q_c, k_c, s0_c, pk, pq);
+    __syncthreads();  // before the next chunk (or the coefficients) overwrite the staging
+  }
+#if defined(PEAGLE_WITH_CUTLASS)
+  if constexpr (kTensorCores) store_mma(n, group, lane, acc, fk, fq, u_s, o_s);
+#endif
+  if constexpr (!kUseMma) {
 #pragma unroll
     for (int m = 0; m < kNodesPerGroup; ++m) {
       const int i = group + m * kGroups;
       if (i >= n) continue;
-      for (int r = 0; r < width; ++r) {
-        pk[m] = gdn::mac(pk[m], k_c[i * kStride + r], s0_c[r * kTile + lane]);
-        pq[m] = gdn::mac(pq[m], q_c[i * kStride + r], s0_c[r * kTile + lane]);
-      }
+      u_s[i * kTile + lane] = gdn::mul_rn(pk[m], fk[i]);
+      o_s[i * kTile + lane] = gdn::mul_rn(pq[m], fq[i]);
     }
-    __syncthreads();  // before the next chunk (or the coefficients) overwrite the staging
-  }
-#pragma unroll
-  for (int m = 0; m < kNodesPerGroup; ++m) {
-    const int i = group + m * kGroups;
-    if (i >= n) continue;
-    u_s[i * kTile + lane] = gdn::mul_rn(pk[m], fk[i]);
-    o_s[i * kTile + lane] = gdn::mul_rn(pq[m], fq[i]);
   }
   for (int i = tid; i < n; i += blockDim.x) {
     root[i] = gdn::exp_rn(gate_sum[i]);
@@ -373,15 +449,30 @@ cudaError_t over_batch(int64_t batch, Launch&& launch) {
 
 }  // namespace
 
+bool gdn_tensor_cores_available() {
+#if defined(PEAGLE_WITH_CUTLASS)
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return major >= 8;  // the TF32 mma needs sm_80
+#else
+  return false;
+#endif
+}
+
 int64_t gdn_verify_scratch_floats(GdnShape shape) {
   return shape.batch * shape.qk_heads * qk_scratch_floats(shape.nodes);
 }
 
 cudaError_t gdn_tree_verify(GdnType type, const void* q, const void* k, const void* v, const float* g,
                             const float* beta, const int64_t* parent, const float* state_pool, const int64_t* slots,
-                            GdnShape shape, GdnStrides strides, float scale, bool use_qk_l2norm, float* scratch,
-                            void* o, float* u, cudaStream_t stream) {
+                            GdnShape shape, GdnStrides strides, float scale, bool use_qk_l2norm, bool tensor_cores,
+                            float* scratch, void* o, float* u, cudaStream_t stream) {
   if (shape.batch == 0) return cudaSuccess;
+  const bool mma = tensor_cores && gdn_tensor_cores_available();
   const unsigned column_tiles = grid_dim((shape.value_dim + kTile - 1) / kTile);
   return dispatch(type, [&](auto tag) {
     using T = decltype(tag);
@@ -394,7 +485,8 @@ cudaError_t gdn_tree_verify(GdnType type, const void* q, const void* k, const vo
     if (err != cudaSuccess) return err;
     return over_batch(shape.batch, [&](int64_t offset, unsigned requests) {
       const dim3 grid(column_tiles, grid_dim(shape.value_heads), requests);
-      gdn_tree_verify_kernel<T><<<grid, kThreads, verify_smem_bytes(shape.nodes), stream>>>(
+      auto kernel = mma ? gdn_tree_verify_kernel<T, true> : gdn_tree_verify_kernel<T, false>;
+      kernel<<<grid, kThreads, verify_smem_bytes(shape.nodes), stream>>>(
           static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), g, beta, parent, state_pool,
           slots, shape, strides, scratch, static_cast<T*>(o), u, offset);
     });

@@ -32,11 +32,16 @@ int64_t gdn_verify_scratch_floats(GdnShape shape);
 
 // o [B, n, HV, V] (type), u [B, n, HV, V] fp32 from q, k [B, n, H, K], v [B, n, HV, V] (type), g, beta [B, n, HV]
 // fp32, parent [B, n], the committed states state_pool[slots[b]] [HV, K, V] fp32 (read only). scratch: at least
-// gdn_verify_scratch_floats(shape) floats (contents irrelevant). Bit-identical to the CPU kernel.
+// gdn_verify_scratch_floats(shape) floats (contents irrelevant). Bit-identical to the CPU kernel, unless
+// tensor_cores: the state projections then run on TF32 tensor cores (fp32 accumulation; close to, not equal to, the
+// exact path), where gdn_tensor_cores_available().
 cudaError_t gdn_tree_verify(GdnType type, const void* q, const void* k, const void* v, const float* g,
                             const float* beta, const int64_t* parent, const float* state_pool, const int64_t* slots,
-                            GdnShape shape, GdnStrides strides, float scale, bool use_qk_l2norm, float* scratch,
-                            void* o, float* u, cudaStream_t stream);
+                            GdnShape shape, GdnStrides strides, float scale, bool use_qk_l2norm, bool tensor_cores,
+                            float* scratch, void* o, float* u, cudaStream_t stream);
+
+// True when peagle was built with the CUTLASS (CuTe) headers and the current device has TF32 tensor cores (sm_80+).
+bool gdn_tensor_cores_available();
 
 // state_pool[slots[b]] <- state after node last_accepted[b] (skipped when < 0), from k (type), g fp32, u fp32.
 // Slot claim, for unvalidated slots: with claims ([pool + 1] int32, zeroed by the caller) the committing requests
