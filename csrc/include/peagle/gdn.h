@@ -37,8 +37,8 @@ struct RowStrides {
 
 // Exact fp32 arithmetic, so that the CPU and CUDA kernels compute the same bits. CUDA would contract a * b + c into
 // one fused multiply-add (one rounding instead of two), and its expf / sqrtf / division may differ from the host's in
-// the last bit: every operation of the math below goes through these (host: plain IEEE operations; the CPU build has
-// no FMA contraction on x86-64 without -march flags).
+// the last bit: every operation of the math below goes through these (host: plain IEEE operations, compiled with
+// -ffp-contract=off by setup.py so that the host compiler does not fuse them either).
 PEAGLE_HD float mul_rn(float a, float b) {
 #if defined(__CUDA_ARCH__)
   return __fmul_rn(a, b);
