@@ -61,7 +61,9 @@ def _cutlass_include() -> str | None:
 
 def _extension():
     include_dirs = [os.path.join(ROOT, "csrc"), os.path.join(ROOT, "csrc", "include")]
-    cxx_flags = ["-O3", "-fvisibility=hidden"]
+    # No fused multiply-adds on the host either (GCC contracts a * b + c where the target has FMA, e.g. aarch64): the
+    # CPU kernels must round like the CUDA ones, which pin every operation (peagle/gdn.h, peagle/harness.h).
+    cxx_flags = ["-O3", "-fvisibility=hidden", "-ffp-contract=off"]
     sources = _sources("csrc/ops.cpp") + _sources("csrc/cpu/*.cpp")
     if not _with_cuda():
         return CppExtension("peagle._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx_flags})

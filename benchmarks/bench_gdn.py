@@ -146,6 +146,23 @@ def test_cuda_verify_bandwidth(benchmark, batch):
     )
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("nodes", [16, 64] if not SMOKE else [16])
+def test_cuda_tensor_cores_vs_exact(benchmark, nodes):
+    """gdn_tree_verify(tensor_cores=True) (TF32 mma projections) against the exact fp32 path, side by side."""
+    batch, _, h, hv, kd, vd = SHAPE
+    gen = torch.Generator().manual_seed(6)
+    x = random_gdn_inputs(gen, 8 if not SMOKE else batch, nodes, h, hv, kd, vd, kind="random", dtype=torch.bfloat16)
+    x = type(x)(*(t.cuda() for t in x))
+    exact = cuda_time(lambda: gdn_tree_verify(*x, use_qk_l2norm=True))
+    mma = cuda_time(lambda: gdn_tree_verify(*x, use_qk_l2norm=True, tensor_cores=True))
+    benchmark.extra_info.update(exact_seconds=exact, tensor_core_seconds=mma, speedup=exact / mma)
+    benchmark.pedantic(
+        lambda: (gdn_tree_verify(*x, use_qk_l2norm=True, tensor_cores=True), torch.cuda.synchronize()), rounds=5
+    )
+    print(f"n={nodes}: exact {exact * 1e6:.1f} us, tensor cores {mma * 1e6:.1f} us: {exact / mma:.2f}x")
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_cpu_verify_vs_node_state_recurrence(benchmark, kind):
     x, op, _ = verify_case(kind)

@@ -36,9 +36,12 @@ TORCH_LIBRARY(peagle, m) {
   // validate=False skips the value checks that need a host synchronisation on CUDA (parent/slot/last_accepted
   // ranges; CUDA graph capture cannot synchronise): the kernels then guard themselves (NaN outputs / no commit for a
   // request with bad indices). Shape/dtype/device checks always run; the CPU backend always validates values.
+  // gdn_tree_verify's tensor_cores=True runs the state projections on TF32 tensor cores where CUDA has them (close to
+  // the exact fp32 path, not bit-identical); elsewhere, and on the CPU, it is ignored.
   m.def(
       "gdn_tree_verify(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor parent, Tensor state_pool, "
-      "Tensor slots, float? scale=None, bool use_qk_l2norm=False, bool validate=True) -> (Tensor o, Tensor u)");
+      "Tensor slots, float? scale=None, bool use_qk_l2norm=False, bool validate=True, bool tensor_cores=False) -> "
+      "(Tensor o, Tensor u)");
   m.def(
       "gdn_commit(Tensor k, Tensor g, Tensor u, Tensor parent, Tensor last_accepted, Tensor(a!) state_pool, "
       "Tensor slots, bool use_qk_l2norm=False, bool validate=True) -> ()");

@@ -15,7 +15,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import peagle  # noqa: F401  (registers torch.ops.peagle)
-from testkit import random_gdn_inputs, random_packed_row, random_tree_batch, random_tree_probs
+from testkit import (
+    gdn_inputs_to,
+    random_gdn_inputs,
+    random_packed_row,
+    random_tree_batch,
+    random_tree_probs,
+    strided_gdn_inputs,
+)
 from testkit.depth_chain import ToyDrafter
 
 OPS = torch.ops.peagle
@@ -67,6 +74,9 @@ def gdn(generator):
     for kind, dtype in [("random", torch.float32), ("chain", torch.bfloat16)]:
         x = random_gdn_inputs(generator, 3, 6, 2, 4, 16, 16, kind=kind, dtype=dtype)
         q, k, v, g, beta, parent, pool, slots = dev(*x)
+        strided = strided_gdn_inputs(random_gdn_inputs(generator, 2, 33, 1, 4, 40, 36, kind=kind, dtype=dtype))
+        for tensor_cores in (False, True):  # row strides, two column tiles, n > 32; exact and TF32 mma projections
+            OPS.gdn_tree_verify(*gdn_inputs_to(strided, DEVICE), None, True, False, tensor_cores)
         _, u = OPS.gdn_tree_verify(q, k, v, g, beta, parent, pool, slots, None, True, True)
         last = torch.tensor([0, 5, 3], device=DEVICE)
         OPS.gdn_commit(k, g, u, parent, last, pool, slots, True, True)
@@ -197,6 +207,14 @@ def deferred(generator):
         expect_error(lambda: OPS.tree_verify_greedy(parent, tokens, num_nodes, target), "sibling tokens must be")
         verify = (q, k, v, g, beta, gdn_parent, pool, slots, None, False, True)
         expect_error(lambda: OPS.gdn_tree_verify(*verify), "parent")
+        u, last, shared = (
+            torch.zeros(2, 5, 2, 8, device=DEVICE),
+            torch.tensor([2, 0], device=DEVICE),
+            slots[:1].repeat(2),
+        )
+        chain = torch.arange(-1, 4, device=DEVICE).repeat(2, 1)
+        commit = (k, g, u, chain, last, pool, shared, False, False)  # unvalidated: the device slot claim
+        expect_error(lambda: OPS.gdn_commit(*commit), "more than once")
         expect_error(
             lambda: OPS.cod_gather(torch.arange(6, device=DEVICE), hidden, hidden[0], anchors, depths, 7, None),
             "out of range",

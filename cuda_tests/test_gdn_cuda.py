@@ -1,4 +1,5 @@
-"""Gated DeltaNet tree ops on CUDA: CUDA op == CPU op (which the CPU tests hold to the fp64 per-path reference)."""
+"""Gated DeltaNet tree ops on CUDA: CUDA op == CPU op bit for bit (both follow the fp32 operation order of
+csrc/include/peagle/gdn.h; the CPU tests hold the CPU op to the fp64 per-path reference)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ import torch
 from peagle.ops import (
     causal_conv1d_commit,
     causal_conv1d_tree,
+    check_errors,
+    deferred_checks,
     gdn_commit,
     gdn_recurrence_reference,
     gdn_tree_verify,
     gdn_tree_verify_reference,
 )
 from peagle.ops.gdn import tree_path
-from testkit import random_gdn_inputs, random_tree
+from testkit import gdn_inputs_to, random_gdn_inputs, random_tree, strided_gdn_inputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -29,7 +32,14 @@ def rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def to_cuda(inputs):
-    return type(inputs)(*(t.cuda() for t in inputs))
+    return gdn_inputs_to(inputs, "cuda")
+
+
+def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, *context) -> None:
+    actual = actual.cpu()
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, context
+    same = (actual == expected) | (actual.isnan() & expected.isnan())
+    assert same.all(), (*context, f"{int((~same).sum())} of {same.numel()} differ", rel_rms(actual, expected))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -42,7 +52,24 @@ def test_verify_cuda_equals_cpu(generator, kind, shape, l2norm, nodes):
     o, u = gdn_tree_verify(*x, use_qk_l2norm=l2norm)
     o_cuda, u_cuda = gdn_tree_verify(*to_cuda(x), use_qk_l2norm=l2norm)
     assert o_cuda.device.type == "cuda" and o_cuda.dtype == torch.float32
-    assert rel_rms(o_cuda, o) <= 1e-5 and rel_rms(u_cuda, u) <= 1e-5
+    assert_same_bits(o_cuda, o)
+    assert_same_bits(u_cuda, u)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [(1, 8, 32, 40), (2, 16, 64, 33), (4, 32, 128, 128)])  # H, HV, K, V
+def test_many_value_heads_per_qk_head_every_tree_size(generator, dtype, heads):
+    """The q/k products are shared by HV / H value heads and every column tile: n = 1..64, bit for bit."""
+    h, hv, kd, vd = heads
+    for nodes in range(1, 65):
+        kind = KINDS[nodes % len(KINDS)]
+        x = random_gdn_inputs(generator, 2, nodes, h, hv, kd, vd, kind=kind, dtype=dtype)
+        if nodes % 3 == 0:
+            x = strided_gdn_inputs(x)
+        o, u = gdn_tree_verify(*x, use_qk_l2norm=nodes % 2 == 0)
+        o_cuda, u_cuda = gdn_tree_verify(*to_cuda(x), use_qk_l2norm=nodes % 2 == 0, validate=False)
+        assert_same_bits(o_cuda, o, nodes)
+        assert_same_bits(u_cuda, u, nodes)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -72,7 +99,7 @@ def test_commit_cuda_equals_cpu(generator, kind, dtype):
     gdn_commit(x.k, x.g, u, x.parent, last, pool, x.slots, True)
     pool_cuda = x.state_pool.cuda()
     gdn_commit(x.k.cuda(), x.g.cuda(), u.cuda(), x.parent.cuda(), last.cuda(), pool_cuda, x.slots.cuda(), True)
-    assert rel_rms(pool_cuda, pool) <= 1e-6
+    assert_same_bits(pool_cuda, pool)
 
 
 def test_repeated_rounds_cuda_equal_one_long_run(generator):
@@ -127,12 +154,13 @@ def test_batches_beyond_the_grid_limit(generator):
     x = random_gdn_inputs(generator, batch, nodes, 1, 1, 4, 4, pool_extra=1)
     o, u = gdn_tree_verify(*x, use_qk_l2norm=True)
     o_cuda, u_cuda = gdn_tree_verify(*to_cuda(x), use_qk_l2norm=True)
-    assert rel_rms(o_cuda, o) <= 1e-5 and rel_rms(u_cuda, u) <= 1e-5
+    assert_same_bits(o_cuda, o)
+    assert_same_bits(u_cuda, u)
     last = torch.randint(-1, nodes, (batch,), generator=generator)
     pool, pool_cuda = x.state_pool.clone(), x.state_pool.cuda()
     gdn_commit(x.k, x.g, u, x.parent, last, pool, x.slots, True)
     gdn_commit(x.k.cuda(), x.g.cuda(), u.cuda(), x.parent.cuda(), last.cuda(), pool_cuda, x.slots.cuda(), True)
-    assert rel_rms(pool_cuda, pool) <= 1e-6
+    assert_same_bits(pool_cuda, pool)
     xs = torch.randn(batch, nodes, 2, generator=generator)
     state = torch.randn(batch, 2, 3, generator=generator)
     weight = torch.randn(2, 4, generator=generator)
@@ -222,6 +250,78 @@ def test_verify_and_commit_in_a_cuda_graph(generator):
         graph.replay()
         eager = type(x)(*(getattr(static, f) if f != "state_pool" else pool_before for f in x._fields))
         o_eager, u_eager = gdn_tree_verify(*eager, use_qk_l2norm=True)
-        assert rel_rms(o, o_eager) <= 1e-6
+        assert torch.equal(o, o_eager)
         gdn_commit(eager.k, eager.g, u_eager, eager.parent, last, pool_before, eager.slots, True)
-        assert rel_rms(static.state_pool, pool_before) <= 1e-6
+        assert torch.equal(static.state_pool, pool_before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_splits_cuda_equal_contiguous_bit_for_bit(generator, dtype):
+    """Strided q/k/v (slices of a fused projection) and a pool sliced from a larger cache, read in place on CUDA."""
+    batch, nodes = 3, 19
+    x = to_cuda(random_gdn_inputs(generator, batch, nodes, 2, 8, 64, 96, kind="random", dtype=dtype))
+    strided = strided_gdn_inputs(x)
+    o, u = gdn_tree_verify(*x, use_qk_l2norm=True, validate=False)
+    o_s, u_s = gdn_tree_verify(*strided, use_qk_l2norm=True, validate=False)
+    assert torch.equal(o_s, o) and torch.equal(u_s, u)
+    last = torch.tensor([nodes - 1, -1, 4], device="cuda")
+    pool = x.state_pool.clone()
+    gdn_commit(x.k, x.g, u, x.parent, last, pool, x.slots, True, validate=False)
+    gdn_commit(strided.k, strided.g, u, strided.parent, last, strided.state_pool, strided.slots, True, validate=False)
+    assert torch.equal(strided.state_pool, pool)
+    cache = strided.state_pool._base
+    outside = torch.ones_like(cache, dtype=torch.bool)
+    outside[:, 1, :, :, 2 : 2 + x.v.shape[3]] = False
+    assert torch.isnan(cache[outside]).all()
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_unvalidated_shared_slots_are_claimed_not_raced(generator, deferred):
+    """validate=False (or deferred checks): requests sharing a slot are caught by the device slot claim. The shared
+    slots stay unchanged, the others commit as on the CPU, and check_errors names the smallest shared slot."""
+    batch, nodes = 6, 9
+    x = random_gdn_inputs(generator, batch, nodes, 2, 4, 32, 24, kind="random", pool_extra=4)
+    _, u = gdn_tree_verify(*x, use_qk_l2norm=True)
+    slots = torch.tensor([7, 2, 7, 5, 2, 0])
+    last = torch.tensor([3, 8, 0, 4, 1, -1])  # slot 0: its only request is inactive
+    expected = x.state_pool.clone()
+    alone = torch.tensor([False, False, False, True, False, False])
+    gdn_commit(x.k[alone], x.g[alone], u[alone], x.parent[alone], last[alone], expected, slots[alone], True)
+    pool = x.state_pool.cuda()
+    args = (x.k.cuda(), x.g.cuda(), u.cuda(), x.parent.cuda(), last.cuda(), pool, slots.cuda(), True)
+    check_errors()
+    with deferred_checks(deferred):
+        gdn_commit(*args, validate=deferred)
+        with pytest.raises(RuntimeError, match=r"gdn_commit: slots of requests .* got slot 2 more than once"):
+            check_errors()
+    assert torch.equal(pool.cpu(), expected)  # slots 2 and 7 unchanged, slot 5 committed bit for bit
+    check_errors()  # the record was reset
+    distinct = torch.tensor([7, 2, 1, 5, 3, 0])
+    gdn_commit(*args[:6], distinct.cuda(), True, validate=False)
+    check_errors()  # distinct slots: nothing recorded
+
+
+def test_commit_slot_error_names_the_request(generator):
+    x = to_cuda(random_gdn_inputs(generator, 3, 4, 1, 2, 8, 8))
+    _, u = gdn_tree_verify(*x)
+    last, slots = torch.tensor([-1, -1, 2], device="cuda"), torch.tensor([-3, 77, 99], device="cuda")
+    for deferred in (False, True):
+        with deferred_checks(deferred), pytest.raises(RuntimeError, match=r"got 99 for request 2"):
+            gdn_commit(x.k, x.g, u, x.parent, last, x.state_pool.clone(), slots)
+            check_errors()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nodes", [1, 16, 33, 64])
+def test_tensor_core_projections_close_to_the_exact_path(generator, dtype, nodes):
+    """tensor_cores=True (TF32 mma for the state projections) against the exact fp32 path it is measured by."""
+    x = to_cuda(random_gdn_inputs(generator, 3, nodes, 2, 8, 128, 80, kind="random", dtype=dtype))
+    o, u = gdn_tree_verify(*x, use_qk_l2norm=True)
+    o_tc, u_tc = gdn_tree_verify(*x, use_qk_l2norm=True, tensor_cores=True)
+    if torch.equal(u_tc, u):  # the fallback: no CuTe headers in this build, or a GPU without TF32 tensor cores
+        assert torch.equal(o_tc, o)
+        pytest.skip("tensor_cores fell back to the exact path (built without CUTLASS, or below sm_80)")
+    assert rel_rms(u_tc, u) <= 3e-3, rel_rms(u_tc, u)
+    assert rel_rms(o_tc, o) <= (3e-3 if dtype == torch.float32 else 6e-3), rel_rms(o_tc, o)
+    strided_o, strided_u = gdn_tree_verify(*strided_gdn_inputs(x), use_qk_l2norm=True, tensor_cores=True)
+    assert torch.equal(strided_o, o_tc) and torch.equal(strided_u, u_tc)  # deterministic, strides read in place

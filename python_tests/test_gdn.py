@@ -18,10 +18,10 @@ from peagle.ops import (
     gdn_tree_verify_reference,
 )
 from peagle.ops.gdn import tree_path
-from testkit import random_gdn_inputs, random_tree
+from testkit import random_gdn_inputs, random_tree, strided_gdn_inputs
 
 KINDS = ["chain", "star", "deep", "random", "forest"]
-HEADS = [(1, 1, 16, 8), (2, 4, 16, 24), (2, 2, 32, 16), (1, 3, 8, 33)]  # H, HV, K, V
+HEADS = [(1, 1, 16, 8), (2, 4, 16, 24), (2, 2, 32, 16), (1, 3, 8, 33), (2, 16, 8, 12)]  # H, HV, K, V
 
 
 def rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -113,6 +113,72 @@ def test_commit_matches_sequential_over_accepted_path(generator, kind, l2norm):
             assert rel_rms(pool[slot], expected[slot]) <= 1e-5
     untouched = sorted(set(range(pool.shape[0])) - set(inputs.slots.tolist()))
     assert torch.equal(pool[untouched], inputs.state_pool[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_strided_splits_equal_contiguous_bit_for_bit(generator, dtype, l2norm):
+    """q/k/v sliced from a fused projection and a pool sliced from a larger cache are read in place (no copy): the
+    results equal the contiguous inputs' bit for bit, and commit writes only the pool's view."""
+    batch, nodes = 3, 11
+    x = random_gdn_inputs(generator, batch, nodes, 2, 6, 16, 12, kind="random", dtype=dtype)
+    strided = strided_gdn_inputs(x)
+    o, u = gdn_tree_verify(*x, use_qk_l2norm=l2norm)
+    o_s, u_s = gdn_tree_verify(*strided, use_qk_l2norm=l2norm)
+    assert torch.equal(o_s, o) and torch.equal(u_s, u)
+    last = torch.tensor([nodes - 1, -1, 4])
+    pool = x.state_pool.clone()
+    gdn_commit(x.k, x.g, u, x.parent, last, pool, x.slots, l2norm)
+    gdn_commit(strided.k, strided.g, u, strided.parent, last, strided.state_pool, strided.slots, l2norm)
+    assert torch.equal(strided.state_pool, pool)
+    cache = strided.state_pool._base
+    outside = torch.ones_like(cache, dtype=torch.bool)
+    outside[:, 1, :, :, 2 : 2 + x.v.shape[3]] = False
+    assert torch.isnan(cache[outside]).all()  # the padding around the view is never written
+
+
+def test_tensor_cores_flag_keeps_the_exact_path_on_the_cpu(generator):
+    """tensor_cores selects the TF32 projections on CUDA only: the CPU result stays the exact one, bit for bit."""
+    x = random_gdn_inputs(generator, 2, 17, 1, 2, 8, 8, kind="deep")
+    o, u = gdn_tree_verify(*x, use_qk_l2norm=True)
+    o_tc, u_tc = gdn_tree_verify(*x, use_qk_l2norm=True, tensor_cores=True)
+    assert torch.equal(o_tc, o) and torch.equal(u_tc, u)
+
+
+def test_rows_that_are_not_contiguous_are_copied(generator):
+    """q/k/v whose last dim is strided cannot be read in place: they are copied, and the results do not change."""
+    x = random_gdn_inputs(generator, 2, 7, 2, 4, 8, 8, kind="chain")
+    q_t = x.q.transpose(2, 3).contiguous().transpose(2, 3)  # same values, stride(-1) = H
+    v_t = x.v.transpose(2, 3).contiguous().transpose(2, 3)
+    assert q_t.stride(-1) != 1 and v_t.stride(-1) != 1
+    o, _ = gdn_tree_verify(*x, use_qk_l2norm=True)
+    o_t, u_t = gdn_tree_verify(*x._replace(q=q_t, k=q_t.clone(), v=v_t), use_qk_l2norm=True)
+    o_k, u_k = gdn_tree_verify(*x._replace(k=x.q.clone()), use_qk_l2norm=True)
+    assert torch.equal(o_t, o_k) and torch.equal(u_t, u_k)
+    assert not torch.equal(o_k, o)  # the swap of k above is seen
+
+
+def test_state_pool_layout_errors(generator):
+    x = random_gdn_inputs(generator, 2, 4, 1, 2, 8, 8)
+    _, u = gdn_tree_verify(*x)
+    last = torch.tensor([1, 2])
+    overlapping = x.state_pool[:1].expand(4, -1, -1, -1)  # every slot is the same memory
+    for pool in (x.state_pool.transpose(2, 3), overlapping):
+        with pytest.raises(RuntimeError, match=r"gdn_commit: state_pool must have contiguous rows .* non-overlapping"):
+            gdn_commit(x.k, x.g, u, x.parent, last, pool, x.slots)
+        with pytest.raises(RuntimeError, match=r"gdn_tree_verify: state_pool must have contiguous rows"):
+            gdn_tree_verify(*x._replace(state_pool=pool))
+
+
+def test_opcheck_strided(generator):
+    x = strided_gdn_inputs(random_gdn_inputs(generator, 2, 6, 1, 2, 8, 4, kind="random"))
+    torch.library.opcheck(torch.ops.peagle.gdn_tree_verify.default, (*x, None, True))
+    _, u = gdn_tree_verify(*x, use_qk_l2norm=True)
+    pool = x.state_pool._base.clone()[:, 1, :, :, 2:6]
+    pool.copy_(x.state_pool)
+    torch.library.opcheck(
+        torch.ops.peagle.gdn_commit.default, (x.k, x.g, u, x.parent, torch.tensor([3, -1]), pool, x.slots, True)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -277,7 +343,9 @@ def test_commit_errors(generator):
     with pytest.raises(RuntimeError, match=r"gdn_commit: slots of requests with last_accepted >= 0 must be distinct"):
         gdn_commit(x.k, x.g, u, x.parent, torch.tensor([1, 2]), pool, torch.tensor([3, 3]))
     gdn_commit(x.k, x.g, u, x.parent, torch.tensor([1, -1]), pool, torch.tensor([3, 3]))  # inactive may share
-    with pytest.raises(RuntimeError, match=r"gdn_commit: state_pool must be contiguous"):
+    with pytest.raises(RuntimeError, match=r"gdn_commit: slots must be in \[0, 4\), got 99 for request 1"):
+        gdn_commit(x.k, x.g, u, x.parent, torch.tensor([-1, 2]), pool, torch.tensor([-5, 99]))  # inactive may be bad
+    with pytest.raises(RuntimeError, match=r"gdn_commit: state_pool must have contiguous rows"):
         gdn_commit(x.k, x.g, u, x.parent, torch.tensor([1, 2]), pool.transpose(2, 3), x.slots)
     with pytest.raises(RuntimeError, match=r"gdn_commit: u must be \[B, n, HV, V\]"):
         gdn_commit(x.k, x.g, u[:, :3], x.parent, torch.tensor([1, 2]), pool, x.slots)

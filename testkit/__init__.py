@@ -122,6 +122,38 @@ def random_gdn_inputs(
     return GdnInputs(q, k, v, g.to(dtype), beta.to(dtype), parent, state_pool, slots)
 
 
+def strided_gdn_inputs(x: GdnInputs) -> GdnInputs:
+    """The same values as ``x`` with q, k, v and the state pool as strided views, as vLLM and FLA hand them over: q, k
+    and v are slices of one fused [B, n, 2 H K + HV V + 3] projection (rows of every head contiguous, odd row stride)
+    and the pool is a slice of a larger cache [P, 2, HV, K, V + 3] (every [P, HV, K] stride bigger than dense)."""
+    batch, nodes, heads, key_dim = x.q.shape
+    value_heads, value_dim = x.v.shape[2:]
+    qk_width, v_width = heads * key_dim, value_heads * value_dim
+    fused = torch.full((batch, nodes, 2 * qk_width + v_width + 3), float("nan"), dtype=x.q.dtype, device=x.q.device)
+    q = fused[..., :qk_width].unflatten(-1, (heads, key_dim))
+    k = fused[..., qk_width : 2 * qk_width].unflatten(-1, (heads, key_dim))
+    v = fused[..., 2 * qk_width + 1 : 2 * qk_width + 1 + v_width].unflatten(-1, (value_heads, value_dim))
+    pool_size = x.state_pool.shape[0]
+    cache = torch.full((pool_size, 2, value_heads, key_dim, value_dim + 3), float("nan"), device=x.state_pool.device)
+    pool = cache[:, 1, :, :, 2 : 2 + value_dim]
+    for view, values in ((q, x.q), (k, x.k), (v, x.v), (pool, x.state_pool)):
+        view.copy_(values)
+    assert not any(t.is_contiguous() for t in (q, k, v, pool))
+    return x._replace(q=q, k=k, v=v, state_pool=pool)
+
+
+def gdn_inputs_to(x: GdnInputs, device: torch.device | str) -> GdnInputs:
+    """``x`` on ``device``; strided views (as from :func:`strided_gdn_inputs`) stay views of a moved copy of their base,
+    with their strides."""
+
+    def move(t: Tensor) -> Tensor:
+        if t.is_contiguous() or t._base is None:
+            return t.to(device)
+        return t._base.to(device).as_strided(t.shape, t.stride(), t.storage_offset())
+
+    return GdnInputs(*(move(t) for t in x))
+
+
 class TreeBatch(NamedTuple):
     parent: Tensor  # [B, n_max] int64, -1 at the root; padding nodes hold garbage
     tokens: Tensor  # [B, n_max] int64, siblings distinct; padding nodes hold garbage

@@ -45,6 +45,18 @@ inline void check_slots(const char* op, const at::Tensor& slots, int64_t batch, 
   check_same_device(op, "slots", slots, ref, "state_pool");
 }
 
+// True when the last dim is contiguous and each outer dim steps past everything the inner dims span (nested, hence
+// non-overlapping, as any slice of a contiguous tensor). Dims of size 1 have no step.
+inline bool nested_rows(const at::Tensor& t) {
+  int64_t span = 1;  // elements spanned by one index of the dim being checked's inner dims
+  for (int64_t d = t.dim() - 1; d >= 0; --d) {
+    if (t.size(d) <= 1) continue;
+    if (d == t.dim() - 1 ? t.stride(d) != 1 : t.stride(d) < span) return false;
+    span += (t.size(d) - 1) * t.stride(d);
+  }
+  return true;
+}
+
 inline void check_state_pool(const char* op, const at::Tensor& state_pool, int64_t value_heads, int64_t key_dim,
                              int64_t value_dim) {
   check_rank(op, "state_pool", state_pool, 4, "[P, HV, K, V]");
@@ -53,8 +65,19 @@ inline void check_state_pool(const char* op, const at::Tensor& state_pool, int64
   TORCH_CHECK(state_pool.size(1) == value_heads && state_pool.size(2) == key_dim && state_pool.size(3) == value_dim,
               "peagle.", op, ": state_pool must be [P, HV, K, V] = [P, ", value_heads, ", ", key_dim, ", ", value_dim,
               "], got shape ", shape_str(state_pool));
-  TORCH_CHECK(state_pool.is_contiguous(), "peagle.", op, ": state_pool must be contiguous (it is updated in place)");
+  // Updated in place, so never copied: a slice of a larger cache is fine as long as its elements do not overlap.
+  TORCH_CHECK(nested_rows(state_pool), "peagle.", op,
+              ": state_pool must have contiguous rows (stride 1 along V) and non-overlapping [P, HV, K] strides (it is "
+              "updated in place), got strides ",
+              state_pool.strides());
 }
+
+// q/k/v as the kernels read them: any strides with a contiguous last dim (no copy); otherwise a contiguous copy.
+inline at::Tensor with_contiguous_rows(const at::Tensor& t) {
+  return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous();
+}
+
+inline gdn::RowStrides row_strides(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
 inline GdnDims check_gdn_tree_verify_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                           const at::Tensor& g, const at::Tensor& beta, const at::Tensor& parent,
@@ -231,6 +254,17 @@ inline void check_distinct_active_slots(const char* op, const at::Tensor& slots,
   const at::Tensor dup = sorted.slice(0, 1).eq(sorted.slice(0, 0, -1));
   if (!dup.any().item<bool>()) return;
   raise_shared_slot(op, sorted.slice(0, 1).masked_select(dup)[0].item<int64_t>());
+}
+
+// The slots of the requests that commit (last_accepted >= 0) lie in [0, pool); the error names the request.
+inline void check_active_slot_values(const char* op, const at::Tensor& slots, const at::Tensor& last_accepted,
+                                     int64_t pool) {
+  if (slots.numel() == 0) return;
+  const at::Tensor x = slots.to(at::kLong);
+  const at::Tensor bad = ((x < 0) | (x >= pool)) & (last_accepted.to(at::kLong) >= 0);
+  if (!bad.any().item<bool>()) return;
+  const int64_t b = bad.nonzero().to(at::kCPU)[0][0].item<int64_t>();
+  raise_index_value(op, "slots", 0, pool, x[b].item<int64_t>(), b);
 }
 
 inline void check_index_values(const char* op, const char* name, const at::Tensor& index, int64_t low, int64_t high) {

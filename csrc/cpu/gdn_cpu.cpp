@@ -15,30 +15,80 @@
 namespace peagle {
 namespace {
 
-// Loads row `src` (K values) as fp32, l2-normalised when asked, times `scale`.
+// Raw fp32 rows of q and k of one (request, q/k head), their factors and normalised Gram matrices (peagle/gdn.h):
+// computed once and shared by the value heads of the group.
+struct QkProducts {
+  std::vector<float> q, k, fq, fk, qk, kk;
+  std::vector<uint64_t> anc;
+  QkProducts(int64_t n, int64_t K) : q(n * K), k(n * K), fq(n), fk(n), qk(n * n), kk(n * n), anc(n) {}
+};
+
 template <typename scalar_t>
-void load_row(const scalar_t* src, int64_t width, bool l2norm, float scale, float* dst) {
-  float sum_sq = 0.0f;
-  for (int64_t c = 0; c < width; ++c) {
-    dst[c] = static_cast<float>(src[c]);
-    sum_sq += dst[c] * dst[c];
+void load_row(const scalar_t* row, int64_t K, float* dst) {
+  for (int64_t r = 0; r < K; ++r) dst[r] = static_cast<float>(row[r]);
+}
+
+template <typename scalar_t>
+void load_rows(const scalar_t* src, gdn::RowStrides st, int64_t b, int64_t h, int64_t n, int64_t K, float* dst) {
+  for (int64_t i = 0; i < n; ++i) load_row(src + st.at(b, i, h), K, dst + i * K);
+}
+
+float sum_sq(const float* x, int64_t K) {
+  float acc = 0.0f;
+  for (int64_t r = 0; r < K; ++r) acc = gdn::mac(acc, x[r], x[r]);
+  return acc;
+}
+
+float dot(const float* x, const float* y, int64_t K) {
+  float acc = 0.0f;
+  for (int64_t r = 0; r < K; ++r) acc = gdn::mac(acc, x[r], y[r]);
+  return acc;
+}
+
+// Norm factors and the Gram entries of ancestor-or-self pairs (p.anc and the raw rows are filled by the caller).
+void qk_products(int64_t n, int64_t K, bool l2norm, float q_scale, QkProducts& p) {
+  for (int64_t i = 0; i < n; ++i) {
+    p.fq[i] = gdn::row_factor(sum_sq(&p.q[i * K], K), l2norm, q_scale);
+    p.fk[i] = gdn::row_factor(sum_sq(&p.k[i * K], K), l2norm, 1.0f);
   }
-  const float factor = gdn::inv_l2(sum_sq, l2norm) * scale;
-  for (int64_t c = 0; c < width; ++c) dst[c] *= factor;
+  for (int64_t i = 0; i < n; ++i) {
+    for (uint64_t bits = p.anc[i]; bits != 0; bits &= bits - 1) {
+      const int64_t j = gdn::lowest_bit(bits);
+      p.qk[i * n + j] = gdn::gram_entry(dot(&p.q[i * K], &p.k[j * K], K), p.fq[i], p.fk[j]);
+      p.kk[i * n + j] = gdn::gram_entry(dot(&p.k[i * K], &p.k[j * K], K), p.fk[i], p.fk[j]);
+    }
+  }
+}
+
+// Row i of out = (sum_r rows_i[r] S0[r, :]) * factor_i, every sum in increasing r.
+void projections(const float* rows, const float* factor, const float* s0, int64_t row_stride, int64_t n, int64_t K,
+                 int64_t V, float* out) {
+  std::fill(out, out + n * V, 0.0f);
+  for (int64_t i = 0; i < n; ++i) {
+    float* o = out + i * V;
+    for (int64_t r = 0; r < K; ++r) {
+      const float x = rows[i * K + r];
+      const float* srow = s0 + r * row_stride;
+      for (int64_t c = 0; c < V; ++c) o[c] = gdn::mac(o[c], x, srow[c]);
+    }
+    for (int64_t c = 0; c < V; ++c) o[c] = gdn::mul_rn(o[c], factor[i]);
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor> gdn_tree_verify_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                        const at::Tensor& g, const at::Tensor& beta,
                                                        const at::Tensor& parent, const at::Tensor& state_pool,
                                                        const at::Tensor& slots, c10::optional<double> scale,
-                                                       bool use_qk_l2norm, bool /*validate: always on CPU*/) {
+                                                       bool use_qk_l2norm, bool /*validate: always on CPU*/,
+                                                       bool /*tensor_cores: the CPU has the exact path only*/) {
   const char* op = "gdn_tree_verify";
   const GdnDims d = check_gdn_tree_verify_args(q, k, v, g, beta, parent, state_pool, slots);
   check_parent_values(op, parent);
   check_index_values(op, "slots", slots, 0, d.pool);
   const int64_t B = d.batch, n = d.nodes, H = d.qk_heads, HV = d.value_heads, K = d.key_dim, V = d.value_dim;
   const float q_scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(K))));
-  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  const at::Tensor qc = with_contiguous_rows(q), kc = with_contiguous_rows(k), vc = with_contiguous_rows(v);
+  const gdn::RowStrides qs = row_strides(qc), ks = row_strides(kc), vs = row_strides(vc), ps = row_strides(state_pool);
   const at::Tensor gc = g.to(at::kFloat).contiguous(), bc = beta.to(at::kFloat).contiguous();
   const at::Tensor pc = parent.to(at::kLong).contiguous(), sc = slots.to(at::kLong).contiguous();
   at::Tensor o = at::empty({B, n, HV, V}, v.options());
@@ -53,67 +103,42 @@ std::tuple<at::Tensor, at::Tensor> gdn_tree_verify_cpu(const at::Tensor& q, cons
   const int64_t group = HV / H;
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "gdn_tree_verify_cpu", [&] {
-    const scalar_t* q_ptr = qc.data_ptr<scalar_t>();
-    const scalar_t* k_ptr = kc.data_ptr<scalar_t>();
     const scalar_t* v_ptr = vc.data_ptr<scalar_t>();
     scalar_t* o_ptr = o.data_ptr<scalar_t>();
-    at::parallel_for(0, B * HV, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> qf(n * K), kf(n * K), kk(n * n), qk(n * n), vf(n * V), uf(n * V), of(n * V);
-      std::vector<float> gate(n), gate_sum(n), bet(n);
-      std::vector<uint64_t> anc(n);
+    // One task per (request, q/k head): its q/k products serve every value head of its group.
+    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+      QkProducts p(n, K);
+      const int tri = std::max(gdn::triangle_size(static_cast<int>(n)), 1);
+      std::vector<float> uf(n * V), of(n * V), gate(n), gate_sum(n), bet(n), root(n), self(n), a(tri), bc2(tri);
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t b = task / HV, hv = task % HV, h = hv / group;
-        for (int64_t i = 0; i < n; ++i) {
-          const int64_t row = ((b * n + i) * H + h) * K;
-          load_row(q_ptr + row, K, use_qk_l2norm, q_scale, qf.data() + i * K);
-          load_row(k_ptr + row, K, use_qk_l2norm, 1.0f, kf.data() + i * K);
-          const int64_t vrow = ((b * n + i) * HV + hv) * V;
-          for (int64_t c = 0; c < V; ++c) vf[i * V + c] = static_cast<float>(v_ptr[vrow + c]);
-          gate[i] = g_ptr[(b * n + i) * HV + hv];
-          bet[i] = b_ptr[(b * n + i) * HV + hv];
-        }
-        gdn::build_tree(parent_ptr + b * n, static_cast<int>(n), gate.data(), 1, anc.data(), nullptr, gate_sum.data());
-        // Gram entries for ancestor-or-self pairs only.
-        for (int64_t i = 0; i < n; ++i) {
-          uint64_t bits = anc[i];
-          while (bits != 0) {
-            const int64_t j = __builtin_ctzll(bits);
-            bits &= bits - 1;
-            float dk = 0.0f, dq = 0.0f;
-            const float* ki = kf.data() + i * K;
-            const float* qi = qf.data() + i * K;
-            const float* kj = kf.data() + j * K;
-            for (int64_t c = 0; c < K; ++c) {
-              dk += ki[c] * kj[c];
-              dq += qi[c] * kj[c];
-            }
-            kk[i * n + j] = dk;
-            qk[i * n + j] = dq;
+        const int64_t b = task / H, h = task % H;
+        load_rows(qc.data_ptr<scalar_t>(), qs, b, h, n, K, p.q.data());
+        load_rows(kc.data_ptr<scalar_t>(), ks, b, h, n, K, p.k.data());
+        gdn::build_tree(parent_ptr + b * n, static_cast<int>(n), nullptr, 1, p.anc.data(), nullptr, nullptr);
+        qk_products(n, K, use_qk_l2norm, q_scale, p);
+        for (int64_t hv = h * group; hv < (h + 1) * group; ++hv) {
+          for (int64_t i = 0; i < n; ++i) {
+            gate[i] = g_ptr[(b * n + i) * HV + hv];
+            bet[i] = b_ptr[(b * n + i) * HV + hv];
           }
-        }
-        // Projections of the committed state: row i of uf = S0^T k_i, of of = S0^T q_i.
-        const float* s0 = pool + (slot_ptr[b] * HV + hv) * K * V;
-        std::fill(uf.begin(), uf.end(), 0.0f);
-        std::fill(of.begin(), of.end(), 0.0f);
-        for (int64_t i = 0; i < n; ++i) {
-          float* ur = uf.data() + i * V;
-          float* orow = of.data() + i * V;
-          for (int64_t r = 0; r < K; ++r) {
-            const float a = kf[i * K + r], c2 = qf[i * K + r];
-            const float* srow = s0 + r * V;
+          gdn::build_tree(parent_ptr + b * n, static_cast<int>(n), gate.data(), 1, p.anc.data(), nullptr,
+                          gate_sum.data());
+          gdn::tree_coefficients(static_cast<int>(n), p.anc.data(), gate_sum.data(), p.kk.data(), p.qk.data(),
+                                 root.data(), a.data(), bc2.data(), self.data());
+          const float* s0 = pool + ps.at(slot_ptr[b], hv, 0);
+          projections(p.k.data(), p.fk.data(), s0, ps.inner, n, K, V, uf.data());
+          projections(p.q.data(), p.fq.data(), s0, ps.inner, n, K, V, of.data());
+          const auto v_at = [&](int i, int c) { return static_cast<float>(v_ptr[vs.at(b, i, hv) + c]); };
+          gdn::solve_delta_columns(static_cast<int>(n), p.anc.data(), root.data(), bet.data(), a.data(), v_at,
+                                   uf.data(), V, 0, static_cast<int>(V));
+          for (int64_t i = 0; i < n; ++i) {
+            gdn::output_columns(static_cast<int>(i), p.anc.data(), root.data(), bc2.data(), self.data(), uf.data(), V,
+                                of.data() + i * V, 0, static_cast<int>(V));
+            const int64_t out = ((b * n + i) * HV + hv) * V;
             for (int64_t c = 0; c < V; ++c) {
-              ur[c] += a * srow[c];
-              orow[c] += c2 * srow[c];
+              u_ptr[out + c] = uf[i * V + c];
+              o_ptr[out + c] = static_cast<scalar_t>(of[i * V + c]);
             }
-          }
-        }
-        gdn::tree_delta_columns(static_cast<int>(n), anc.data(), gate_sum.data(), bet.data(), kk.data(), qk.data(),
-                                vf.data(), V, uf.data(), V, of.data(), V, 0, static_cast<int>(V));
-        for (int64_t i = 0; i < n; ++i) {
-          const int64_t vrow = ((b * n + i) * HV + hv) * V;
-          for (int64_t c = 0; c < V; ++c) {
-            u_ptr[vrow + c] = uf[i * V + c];
-            o_ptr[vrow + c] = static_cast<scalar_t>(of[i * V + c]);
           }
         }
       }
@@ -129,10 +154,11 @@ void gdn_commit_cpu(const at::Tensor& k, const at::Tensor& g, const at::Tensor& 
   const GdnDims d = check_gdn_commit_args(k, g, u, parent, last_accepted, state_pool, slots);
   check_parent_values(op, parent);
   check_index_values(op, "last_accepted", last_accepted, -1, d.nodes);
-  check_index_values(op, "slots", slots.to(at::kLong).masked_select(last_accepted.to(at::kLong) >= 0), 0, d.pool);
+  check_active_slot_values(op, slots, last_accepted, d.pool);
   check_distinct_active_slots(op, slots, last_accepted);
   const int64_t B = d.batch, n = d.nodes, H = d.qk_heads, HV = d.value_heads, K = d.key_dim, V = d.value_dim;
-  const at::Tensor kc = k.contiguous(), uc = u.contiguous(), gc = g.to(at::kFloat).contiguous();
+  const at::Tensor kc = with_contiguous_rows(k), uc = u.contiguous(), gc = g.to(at::kFloat).contiguous();
+  const gdn::RowStrides ks = row_strides(kc), ps = row_strides(state_pool);
   const at::Tensor pc = parent.to(at::kLong).contiguous(), sc = slots.to(at::kLong).contiguous();
   const at::Tensor ac = last_accepted.to(at::kLong).contiguous();
   float* pool = state_pool.data_ptr<float>();
@@ -153,19 +179,20 @@ void gdn_commit_cpu(const at::Tensor& k, const at::Tensor& g, const at::Tensor& 
         if (a < 0) continue;
         for (int64_t i = 0; i < n; ++i) gate[i] = g_ptr[(b * n + i) * HV + hv];
         gdn::build_tree(parent_ptr + b * n, static_cast<int>(n), gate.data(), 1, anc.data(), nullptr, gate_sum.data());
-        float* s = pool + (slot_ptr[b] * HV + hv) * K * V;
-        const float root = std::exp(gate_sum[a]);
-        for (int64_t e = 0; e < K * V; ++e) s[e] *= root;
-        uint64_t bits = anc[a];
-        while (bits != 0) {
-          const int64_t j = __builtin_ctzll(bits);
-          bits &= bits - 1;
-          load_row(k_ptr + ((b * n + j) * H + h) * K, K, use_qk_l2norm, std::exp(gate_sum[a] - gate_sum[j]), kf.data());
+        float* s = pool + ps.at(slot_ptr[b], hv, 0);
+        const float root = gdn::exp_rn(gate_sum[a]);
+        for (int64_t r = 0; r < K; ++r) {
+          for (int64_t c = 0; c < V; ++c) s[r * ps.inner + c] = gdn::mul_rn(root, s[r * ps.inner + c]);
+        }
+        for (uint64_t bits = anc[a]; bits != 0; bits &= bits - 1) {
+          const int64_t j = gdn::lowest_bit(bits);
+          load_row(k_ptr + ks.at(b, j, h), K, kf.data());
+          const float coef = gdn::commit_coefficient(gate_sum[a], gate_sum[j],
+                                                     gdn::row_factor(sum_sq(kf.data(), K), use_qk_l2norm, 1.0f));
           const float* uj = u_ptr + ((b * n + j) * HV + hv) * V;
           for (int64_t r = 0; r < K; ++r) {
-            const float coef = kf[r];
-            float* srow = s + r * V;
-            for (int64_t c = 0; c < V; ++c) srow[c] += coef * uj[c];
+            float* srow = s + r * ps.inner;
+            for (int64_t c = 0; c < V; ++c) srow[c] = gdn::commit_step(srow[c], coef, kf[r], uj[c]);
           }
         }
       }

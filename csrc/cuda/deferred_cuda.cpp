@@ -76,12 +76,27 @@ const bool g_registered = [] {
 
 }  // namespace
 
+namespace {
+
+// Caller holds g_mutex.
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(stream, &status), "check_errors");
+  return status != cudaStreamCaptureStatusNone;
+}
+
+}  // namespace
+
+int64_t* deferred_record_if_available(int device, cudaStream_t stream) {
+  const std::lock_guard<std::mutex> lock(g_mutex);
+  if (static_cast<size_t>(device) < g_records.size() && g_records[device] != nullptr) return g_records[device];
+  return capturing(stream) ? nullptr : allocate_locked(device);
+}
+
 int64_t* deferred_record(int device, cudaStream_t stream) {
   const std::lock_guard<std::mutex> lock(g_mutex);
   if (static_cast<size_t>(device) < g_records.size() && g_records[device] != nullptr) return g_records[device];
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  check_cuda(cudaStreamIsCapturing(stream, &status), "check_errors");
-  TORCH_CHECK(status == cudaStreamCaptureStatusNone,
+  TORCH_CHECK(!capturing(stream),
               "peagle: deferred checks need their error record before a CUDA graph capture: call "
               "peagle.ops.set_deferred_checks(True) (or enter peagle.ops.deferred_checks()) before capturing");
   return allocate_locked(device);

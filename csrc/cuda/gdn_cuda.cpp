@@ -52,7 +52,7 @@ std::tuple<at::Tensor, at::Tensor> gdn_tree_verify_cuda(const at::Tensor& q, con
                                                         const at::Tensor& g, const at::Tensor& beta,
                                                         const at::Tensor& parent, const at::Tensor& state_pool,
                                                         const at::Tensor& slots, c10::optional<double> scale,
-                                                        bool use_qk_l2norm, bool validate) {
+                                                        bool use_qk_l2norm, bool validate, bool tensor_cores) {
   const char* op = "gdn_tree_verify";
   const GdnDims d = check_gdn_tree_verify_args(q, k, v, g, beta, parent, state_pool, slots);
   const c10::cuda::CUDAGuard guard(q.device());
@@ -61,15 +61,18 @@ std::tuple<at::Tensor, at::Tensor> gdn_tree_verify_cuda(const at::Tensor& q, con
     check_index_values(op, "slots", slots, 0, d.pool);
   }
   const float q_scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(d.key_dim))));
-  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  const at::Tensor qc = with_contiguous_rows(q), kc = with_contiguous_rows(k), vc = with_contiguous_rows(v);
+  const cuda::GdnStrides strides{row_strides(qc), row_strides(kc), row_strides(vc), row_strides(state_pool)};
   const at::Tensor gc = g.to(at::kFloat).contiguous(), bc = beta.to(at::kFloat).contiguous();
   const at::Tensor pc = parent.to(at::kLong).contiguous(), sc = slots.to(at::kLong).contiguous();
   at::Tensor o = at::empty({d.batch, d.nodes, d.value_heads, d.value_dim}, v.options());
   at::Tensor u = at::empty({d.batch, d.nodes, d.value_heads, d.value_dim}, v.options().dtype(at::kFloat));
+  at::Tensor scratch = at::empty({cuda::gdn_verify_scratch_floats(gdn_shape(d))}, u.options());
   check_cuda(cuda::gdn_tree_verify(gdn_type(q.scalar_type()), qc.data_ptr(), kc.data_ptr(), vc.data_ptr(),
                                    gc.data_ptr<float>(), bc.data_ptr<float>(), pc.data_ptr<int64_t>(),
-                                   state_pool.data_ptr<float>(), sc.data_ptr<int64_t>(), gdn_shape(d), q_scale,
-                                   use_qk_l2norm, o.data_ptr(), u.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()),
+                                   state_pool.data_ptr<float>(), sc.data_ptr<int64_t>(), gdn_shape(d), strides, q_scale,
+                                   use_qk_l2norm, tensor_cores, scratch.data_ptr<float>(), o.data_ptr(),
+                                   u.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()),
              op);
   return {o, u};
 }
@@ -80,18 +83,31 @@ void gdn_commit_cuda(const at::Tensor& k, const at::Tensor& g, const at::Tensor&
   const char* op = "gdn_commit";
   const GdnDims d = check_gdn_commit_args(k, g, u, parent, last_accepted, state_pool, slots);
   const c10::cuda::CUDAGuard guard(k.device());
-  if (validate && !validate_on_device(deferred::kGdnCommit, parent, last_accepted, slots, d.pool)) {
+  const bool host_checked = validate && !validate_on_device(deferred::kGdnCommit, parent, last_accepted, slots, d.pool);
+  if (host_checked) {
     check_parent_values(op, parent);
     check_index_values(op, "last_accepted", last_accepted, -1, d.nodes);
-    check_index_values(op, "slots", slots.to(at::kLong).masked_select(last_accepted.to(at::kLong) >= 0), 0, d.pool);
+    check_active_slot_values(op, slots, last_accepted, d.pool);
     check_distinct_active_slots(op, slots, last_accepted);
   }
-  const at::Tensor kc = k.contiguous(), uc = u.contiguous(), gc = g.to(at::kFloat).contiguous();
+  const at::Tensor kc = with_contiguous_rows(k), uc = u.contiguous(), gc = g.to(at::kFloat).contiguous();
+  const cuda::GdnStrides strides{{}, row_strides(kc), {}, row_strides(state_pool)};
   const at::Tensor pc = parent.to(at::kLong).contiguous(), sc = slots.to(at::kLong).contiguous();
   const at::Tensor ac = last_accepted.to(at::kLong).contiguous();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  // Slots the host has not seen distinct are claimed on the device: requests sharing one never race on it.
+  at::Tensor claims;
+  int64_t* record = nullptr;
+  if (!host_checked && d.batch > 1) {
+    TORCH_CHECK(d.pool < (int64_t{1} << 30), "peagle.", op, ": state_pool must have fewer than 2^30 slots, got ",
+                d.pool);
+    claims = at::zeros({d.pool + 1}, sc.options().dtype(at::kInt));
+    record = deferred_record_if_available(k.get_device(), stream);
+  }
   check_cuda(cuda::gdn_commit(gdn_type(k.scalar_type()), kc.data_ptr(), gc.data_ptr<float>(), uc.data_ptr<float>(),
                               pc.data_ptr<int64_t>(), ac.data_ptr<int64_t>(), state_pool.data_ptr<float>(),
-                              sc.data_ptr<int64_t>(), gdn_shape(d), use_qk_l2norm, c10::cuda::getCurrentCUDAStream()),
+                              sc.data_ptr<int64_t>(), gdn_shape(d), strides, use_qk_l2norm,
+                              claims.defined() ? claims.data_ptr<int32_t>() : nullptr, record, stream),
              op);
 }
 

@@ -1,11 +1,14 @@
 // Raw-pointer entry points of the Gated DeltaNet CUDA kernels. Implemented in gdn_kernels.cu (no torch headers); the
 // torch-facing launcher (gdn_cuda.cpp) validates, converts small side inputs (g, beta, indices, conv weights) to
-// fp32/int64 and calls these on the current stream. All tensors are contiguous.
+// fp32/int64 and calls these on the current stream. q, k, v and the state pool are read (and the pool written) through
+// their row strides (last dim contiguous, GdnStrides); every other tensor is contiguous.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+
+#include "peagle/gdn.h"
 
 namespace peagle {
 namespace cuda {
@@ -16,19 +19,38 @@ struct GdnShape {
   int64_t batch, nodes, qk_heads, value_heads, key_dim, value_dim, pool;
 };
 
+// Row strides in elements: q, k [B, n, H, K], v [B, n, HV, V] and the pool [P, HV, K, V] (its rows: slot, head, k).
+struct GdnStrides {
+  gdn::RowStrides q, k, v, pool;
+};
+
 // Every kernel guards its own indices (the launcher may skip the synchronising host checks, validate=False): a
 // request whose parent array or slot is out of range gets NaN outputs (verify, conv) or is left uncommitted (commits).
 
+// fp32 elements of the scratch buffer gdn_tree_verify needs (the q/k products shared by the value heads).
+int64_t gdn_verify_scratch_floats(GdnShape shape);
+
 // o [B, n, HV, V] (type), u [B, n, HV, V] fp32 from q, k [B, n, H, K], v [B, n, HV, V] (type), g, beta [B, n, HV]
-// fp32, parent [B, n], the committed states state_pool[slots[b]] [HV, K, V] fp32 (read only).
+// fp32, parent [B, n], the committed states state_pool[slots[b]] [HV, K, V] fp32 (read only). scratch: at least
+// gdn_verify_scratch_floats(shape) floats (contents irrelevant). Bit-identical to the CPU kernel, unless
+// tensor_cores: the state projections then run on TF32 tensor cores (fp32 accumulation; close to, not equal to, the
+// exact path), where gdn_tensor_cores_available().
 cudaError_t gdn_tree_verify(GdnType type, const void* q, const void* k, const void* v, const float* g,
                             const float* beta, const int64_t* parent, const float* state_pool, const int64_t* slots,
-                            GdnShape shape, float scale, bool use_qk_l2norm, void* o, float* u, cudaStream_t stream);
+                            GdnShape shape, GdnStrides strides, float scale, bool use_qk_l2norm, bool tensor_cores,
+                            float* scratch, void* o, float* u, cudaStream_t stream);
+
+// True when peagle was built with the CUTLASS (CuTe) headers and the current device has TF32 tensor cores (sm_80+).
+bool gdn_tensor_cores_available();
 
 // state_pool[slots[b]] <- state after node last_accepted[b] (skipped when < 0), from k (type), g fp32, u fp32.
+// Slot claim, for unvalidated slots: with claims ([pool + 1] int32, zeroed by the caller) the committing requests
+// first claim their slots on the device; a slot claimed by several of them is left unchanged, and the smallest such
+// slot is recorded in `record` (the deferred error record, nullable) as the shared-slot error of the host check.
+// claims == nullptr: the slots are known to be distinct.
 cudaError_t gdn_commit(GdnType type, const void* k, const float* g, const float* u, const int64_t* parent,
                        const int64_t* last_accepted, float* state_pool, const int64_t* slots, GdnShape shape,
-                       bool use_qk_l2norm, cudaStream_t stream);
+                       GdnStrides strides, bool use_qk_l2norm, int32_t* claims, int64_t* record, cudaStream_t stream);
 
 // out [B, n, C] = act(bias + sum_w weight[c, w] * window_w) over each node's (committed state, ancestors, self) window.
 // x, conv_state [B, C, W - 1] and out in `type`; weight [C, W] and bias [C] (nullable) fp32; activation 1 = silu.

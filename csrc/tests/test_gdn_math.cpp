@@ -1,8 +1,9 @@
 // Unit tests of the Gated DeltaNet tree math shared by the CPU and CUDA kernels (csrc/include/peagle/gdn.h): the
-// closed form over a tree (build_tree + tree_delta_columns) against the step-by-step delta-rule recurrence, and the
-// conv1d windows of tree nodes against a walk over the root-to-node sequence.
+// closed form over a tree (build_tree, tree_coefficients, solve_delta_columns, output_columns) against the step-by-step
+// delta-rule recurrence, and the conv1d windows of tree nodes against a walk over the root-to-node sequence.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -112,9 +113,16 @@ void closed_form(const GdnCase& c, const std::vector<std::pair<int, int>>& colum
       }
     }
   }
+  const int tri = std::max(gdn::triangle_size(n), 1);
+  std::vector<float> root(n), self(n), a(tri), b(tri);
+  gdn::tree_coefficients(n, anc.data(), gate_sum.data(), kk.data(), qk.data(), root.data(), a.data(), b.data(),
+                         self.data());
+  const auto v_at = [&](int i, int col) { return c.v[i * V + col]; };
   for (const auto& [c0, c1] : column_ranges) {
-    gdn::tree_delta_columns(n, anc.data(), gate_sum.data(), c.beta.data(), kk.data(), qk.data(), c.v.data(), V,
-                            u.data(), V, o.data(), V, c0, c1);
+    gdn::solve_delta_columns(n, anc.data(), root.data(), c.beta.data(), a.data(), v_at, u.data(), V, c0, c1);
+    for (int i = 0; i < n; ++i) {
+      gdn::output_columns(i, anc.data(), root.data(), b.data(), self.data(), u.data(), V, &o[i * V], c0, c1);
+    }
   }
 }
 
@@ -201,6 +209,20 @@ TEST(GdnMath, ColumnSplitsGiveTheSameBits) {
   closed_form(c, {{3, 7}, {0, 1}, {1, 3}}, u_split, o_split);
   EXPECT_EQ(u_all, u_split);
   EXPECT_EQ(o_all, o_split);
+}
+
+TEST(GdnMath, ExpWithinTwoUlpsOverTheFloatRange) {
+  // exp_rn is the kernels' own exp (the same bits on both backends): within 2 ulps of the exact value wherever the
+  // result is a normal float, 0 below and infinity above the float range.
+  for (float x = -87.0f; x < 88.7f; x += 0.00731f) {
+    const double want = std::exp(static_cast<double>(x));
+    const double ulp = std::nextafter(static_cast<float>(want), INFINITY) - static_cast<float>(want);
+    ASSERT_LE(std::fabs(gdn::exp_rn(x) - want), 2.0 * ulp) << x;
+  }
+  EXPECT_EQ(gdn::exp_rn(0.0f), 1.0f);
+  EXPECT_EQ(gdn::exp_rn(-200.0f), 0.0f);
+  EXPECT_EQ(gdn::exp_rn(100.0f), INFINITY);
+  EXPECT_TRUE(std::isnan(gdn::exp_rn(NAN)));
 }
 
 TEST(GdnMath, InverseL2NormAndSilu) {

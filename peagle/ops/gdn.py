@@ -61,6 +61,7 @@ def gdn_tree_verify(
     scale: float | None = None,
     use_qk_l2norm: bool = False,
     validate: bool = True,
+    tensor_cores: bool = False,
 ) -> GdnVerifyOutput:
     """GDN outputs of every node of a draft tree per request; the committed states are only read.
 
@@ -71,15 +72,24 @@ def gdn_tree_verify(
         parent: [B, n] int, parent[b, i] in [-1, i); -1 starts from the committed state (node 0, or padding).
             1 <= n <= 64.
         state_pool: [P, HV, K, V] float32 committed states; slots: [B] the pool row of each request.
+            Layouts: q, k, v with a contiguous last dim are read through their strides (the splits of a fused qkv
+            projection need no copy; other layouts are copied); state_pool needs contiguous rows of V and
+            non-overlapping outer strides (a slice of a larger cache is fine; it is never copied).
         scale: multiplies q (default K^-0.5). use_qk_l2norm: L2-normalise q and k first (eps 1e-6).
         validate: check parent/slot values (on CUDA this synchronises with the host, unless deferred checks are on:
             :mod:`peagle.ops.errors`). Pass False, or turn deferred checks on, inside CUDA graphs:
             the kernels then guard themselves and a request with bad indices gets NaN outputs. The CPU always checks.
+        tensor_cores: on CUDA (sm_80+, built with the CUTLASS headers), project the committed states on TF32 tensor
+            cores with fp32 accumulation: faster for large trees, within ~1e-3 of the exact path rather than equal
+            to it. By default (and on the CPU) every result is the exact fp32 computation, bit-identical across
+            backends.
 
     Returns:
         (o, u): o [B, n, HV, V] in v's dtype; u [B, n, HV, V] float32 for :func:`gdn_commit`.
     """
-    o, u = torch.ops.peagle.gdn_tree_verify(q, k, v, g, beta, parent, state_pool, slots, scale, use_qk_l2norm, validate)
+    o, u = torch.ops.peagle.gdn_tree_verify(
+        q, k, v, g, beta, parent, state_pool, slots, scale, use_qk_l2norm, validate, tensor_cores
+    )
     return GdnVerifyOutput(o, u)
 
 
@@ -98,9 +108,12 @@ def gdn_commit(
 
     Equal to running the sequential recurrence over the accepted path root..last_accepted[b] from the committed state.
     ``k, g, parent, slots, use_qk_l2norm`` are those given to :func:`gdn_tree_verify`, ``u`` its second output.
-    last_accepted[b] = -1 leaves request b's state unchanged. Active requests must use distinct slots.
+    last_accepted[b] = -1 leaves request b's state unchanged. Active requests must use distinct slots. Layouts as in
+    :func:`gdn_tree_verify` (k and the pool are used in place).
     validate=False skips the host-synchronising value checks (CUDA graphs; deferred checks, :mod:`peagle.ops.errors`,
-    keep them on the device instead); a request with bad indices is then skipped.
+    keep them on the device instead); a request with bad indices is then skipped. Without the host checks, CUDA claims
+    the slots on the device: a slot that several committing requests share is left unchanged (they never race on it)
+    and :func:`peagle.ops.check_errors` raises the host check's error for the smallest such slot.
     """
     torch.ops.peagle.gdn_commit(k, g, u, parent, last_accepted, state_pool, slots, use_qk_l2norm, validate)
 
@@ -143,7 +156,9 @@ def causal_conv1d_commit(
 
 
 @torch.library.register_fake("peagle::gdn_tree_verify")
-def _gdn_tree_verify_fake(q, k, v, g, beta, parent, state_pool, slots, scale=None, use_qk_l2norm=False, validate=True):
+def _gdn_tree_verify_fake(
+    q, k, v, g, beta, parent, state_pool, slots, scale=None, use_qk_l2norm=False, validate=True, tensor_cores=False
+):
     return v.new_empty(v.shape), v.new_empty(v.shape, dtype=torch.float32)
 
 

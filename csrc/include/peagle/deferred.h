@@ -48,7 +48,7 @@ enum Op : int64_t {
 
 enum GdnError : int64_t {
   kGdnParent = 1,        // parent[row, index] outside [-1, index)
-  kGdnSlots = 2,         // slots value outside [0, pool) (row: position among the checked entries)
+  kGdnSlots = 2,         // slots[row] outside [0, pool) (commit: only requests with last_accepted >= 0)
   kGdnLastAccepted = 3,  // last_accepted value outside [-1, n)
   kGdnSharedSlot = 4,    // two active requests commit into slot kDetail
 };

@@ -28,6 +28,96 @@ constexpr int kMaxNodes = 64;        // ancestor sets are 64-bit masks
 constexpr int kMaxConvWidth = 64;    // conv windows live in a fixed-size array on the GPU
 constexpr float kL2NormEps = 1e-6f;  // as FLA / transformers: x * rsqrt(sum(x^2) + eps)
 
+// Element strides of a [B, n, H, D] (or pool [P, HV, K, V]) tensor whose last dim is contiguous: the row of
+// (b, i, h) starts at at(b, i, h). The strided q/k/v splits of a fused projection (vLLM, FLA) need no copy.
+struct RowStrides {
+  int64_t outer, middle, inner;
+  PEAGLE_HD int64_t at(int64_t b, int64_t i, int64_t h) const { return b * outer + i * middle + h * inner; }
+};
+
+// Exact fp32 arithmetic, so that the CPU and CUDA kernels compute the same bits. CUDA would contract a * b + c into
+// one fused multiply-add (one rounding instead of two), and its expf / sqrtf / division may differ from the host's in
+// the last bit: every operation of the math below goes through these (host: plain IEEE operations, compiled with
+// -ffp-contract=off by setup.py so that the host compiler does not fuse them either).
+PEAGLE_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+PEAGLE_HD float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+PEAGLE_HD float sub_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+
+PEAGLE_HD float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+PEAGLE_HD float sqrt_rn(float a) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(a);
+#else
+  return std::sqrt(a);
+#endif
+}
+
+// One step of every sum over K: sums run in increasing index order from 0 as acc = mac(acc, a, b).
+PEAGLE_HD float mac(float acc, float a, float b) { return add_rn(acc, mul_rn(a, b)); }
+
+// 2^e as a float for e in [-126, 127].
+PEAGLE_HD float pow2(int e) {
+  const uint32_t bits = static_cast<uint32_t>(e + 127) << 23;
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(bits);
+#else
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
+}
+
+// exp(x) within ~2 ulp from the operations above only (identical on both backends): x = k ln2 + r with |r| <= ln2 / 2
+// (ln2 split in two so that k * kLn2Hi is exact), exp(r) by its Taylor series to r^7, then times 2^k in two steps.
+PEAGLE_HD float exp_rn(float x) {
+  if (!(x == x)) return x;  // NaN
+  if (x < -104.0f) return 0.0f;
+  if (x > 89.0f) return HUGE_VALF;
+  constexpr float kLog2e = 1.44269504088896341f;
+  constexpr float kLn2Hi = 0.693359375f;  // 355 / 512: 9 significant bits
+  constexpr float kLn2Lo = -2.12194440e-4f;
+  const float kf = rintf(mul_rn(x, kLog2e));
+  const float r = sub_rn(sub_rn(x, mul_rn(kf, kLn2Hi)), mul_rn(kf, kLn2Lo));
+  float p = 1.0f / 5040.0f;
+  p = add_rn(mul_rn(p, r), 1.0f / 720.0f);
+  p = add_rn(mul_rn(p, r), 1.0f / 120.0f);
+  p = add_rn(mul_rn(p, r), 1.0f / 24.0f);
+  p = add_rn(mul_rn(p, r), 1.0f / 6.0f);
+  p = add_rn(mul_rn(p, r), 0.5f);
+  p = add_rn(mul_rn(p, r), 1.0f);
+  p = add_rn(mul_rn(p, r), 1.0f);
+  const int k = static_cast<int>(kf);  // in [-151, 129]: each half of 2^k is a normal float
+  const int half = k / 2;
+  return mul_rn(mul_rn(p, pow2(half)), pow2(k - half));
+}
+
 // Validates a tree's parent array and derives, per node, its ancestor-or-self bitmask, its depth and the cumulative
 // gate G. Returns the first bad node index, or -1 when the tree is valid (parent[i] in [-1, i)).
 template <typename Index>
@@ -45,54 +135,106 @@ PEAGLE_HD int build_tree(const Index* parent, int n, const float* g, int64_t g_s
     } else {
       anc[i] = anc[p] | self;
       if (depth != nullptr) depth[i] = depth[p] + 1;
-      if (gate_sum != nullptr) gate_sum[i] = gate_sum[p] + gi;
+      if (gate_sum != nullptr) gate_sum[i] = add_rn(gate_sum[p], gi);
     }
   }
   return -1;
 }
 
-// 1 / sqrt(sum x^2 + eps) when l2-normalising, else 1.
-PEAGLE_HD float inv_l2(float sum_sq, bool use_l2norm) { return use_l2norm ? 1.0f / sqrtf(sum_sq + kL2NormEps) : 1.0f; }
+// The kernels' operation order (both backends, bit for bit). Per request and q/k head, over raw (unnormalised) fp32
+// rows q_i, k_i:
+//   norms      f^q_i = inv_l2(sum_r q_i[r]^2) * scale,  f^k_i = inv_l2(sum_r k_i[r]^2)            (sums: mac)
+//   Gram       qk_ij = (sum_r q_i[r] k_j[r]) * (f^q_i * f^k_j),  kk_ij = (sum_r k_i[r] k_j[r]) * (f^k_i * f^k_j)
+// per value head (gates G, beta, state S0):
+//   projections  pk_i[c] = (sum_r k_i[r] S0[r, c]) * f^k_i,  pq_i[c] = (sum_r q_i[r] S0[r, c]) * f^q_i
+//   coefficients root_i = exp(G_i), for strict ancestors j of i: a_ij = exp(G_i - G_j) kk_ij, b_ij = exp(G_i - G_j)
+//   qk_ij then solve_delta_columns and output_columns below.
 
-// Forward substitution and outputs of the tree delta rule for value columns [c0, c1).
-//   kk[i * n + j] = k_i . k_j and qk[i * n + j] = q_i . k_j (only j in anc(i) + {i} is read),
-//   v: row i at v + i * ldv (fp32), beta[i], gate_sum[i] = G_i.
-//   u: on entry row i holds S0^T k_i, on exit u_i.  o: on entry row i holds S0^T q_i, on exit o_i.
-PEAGLE_HD void tree_delta_columns(int n, const uint64_t* anc, const float* gate_sum, const float* beta, const float* kk,
-                                  const float* qk, const float* v, int64_t ldv, float* u, int64_t ldu, float* o,
-                                  int64_t ldo, int c0, int c1) {
+// 1 / sqrt(sum x^2 + eps) when l2-normalising, else 1.
+PEAGLE_HD float inv_l2(float sum_sq, bool use_l2norm) {
+  return use_l2norm ? div_rn(1.0f, sqrt_rn(add_rn(sum_sq, kL2NormEps))) : 1.0f;
+}
+
+// f^q_i (scale = the q scale) or f^k_i (scale = 1) from the row's sum of squares.
+PEAGLE_HD float row_factor(float sum_sq, bool use_l2norm, float scale) {
+  return mul_rn(inv_l2(sum_sq, use_l2norm), scale);
+}
+
+PEAGLE_HD float gram_entry(float raw, float factor_i, float factor_j) {
+  return mul_rn(raw, mul_rn(factor_i, factor_j));
+}
+
+// Strict ancestor pairs (j < i) are stored in a packed lower triangle.
+PEAGLE_HD int triangle_index(int i, int j) { return i * (i - 1) / 2 + j; }
+PEAGLE_HD int triangle_size(int n) { return n * (n - 1) / 2; }
+
+PEAGLE_HD float decayed(float gate_i, float gate_j, float gram) { return mul_rn(exp_rn(sub_rn(gate_i, gate_j)), gram); }
+
+// The coefficients of one value head from the normalised Gram matrices (full n x n, row i = node i): root, a and b in
+// packed triangles (strict ancestor entries only), self[i] = qk_ii. The CUDA kernel computes the same entries in
+// parallel with `decayed`.
+PEAGLE_HD void tree_coefficients(int n, const uint64_t* anc, const float* gate_sum, const float* kk, const float* qk,
+                                 float* root, float* a, float* b, float* self) {
   for (int i = 0; i < n; ++i) {
-    const float gi = gate_sum[i];
-    const float root = expf(gi);
-    float* ui = u + i * ldu;
-    float* oi = o + i * ldo;
-    const float* vi = v + i * ldv;
-    for (int c = c0; c < c1; ++c) ui[c] = vi[c] - root * ui[c];
-    for (int c = c0; c < c1; ++c) oi[c] *= root;
-    // Strict ancestors, in increasing index order (their u are final).
-    uint64_t bits = anc[i] & ~(uint64_t{1} << i);
-    while (bits != 0) {
-#if defined(__CUDA_ARCH__)
-      const int j = __ffsll(static_cast<long long>(bits)) - 1;
-#else
-      const int j = __builtin_ctzll(bits);
-#endif
-      bits &= bits - 1;
-      const float decay = expf(gi - gate_sum[j]);
-      const float a = decay * kk[i * n + j];
-      const float b = decay * qk[i * n + j];
-      const float* uj = u + j * ldu;
-      for (int c = c0; c < c1; ++c) ui[c] -= a * uj[c];
-      for (int c = c0; c < c1; ++c) oi[c] += b * uj[c];
-    }
-    const float bi = beta[i];
-    const float self = qk[i * n + i];
-    for (int c = c0; c < c1; ++c) {
-      ui[c] *= bi;
-      oi[c] += self * ui[c];
+    root[i] = exp_rn(gate_sum[i]);
+    self[i] = qk[i * n + i];
+    for (int j = 0; j < i; ++j) {
+      if (((anc[i] >> j) & 1u) == 0) continue;
+      a[triangle_index(i, j)] = decayed(gate_sum[i], gate_sum[j], kk[i * n + j]);
+      b[triangle_index(i, j)] = decayed(gate_sum[i], gate_sum[j], qk[i * n + j]);
     }
   }
 }
+
+PEAGLE_HD int lowest_bit(uint64_t bits) {
+#if defined(__CUDA_ARCH__)
+  return __ffsll(static_cast<long long>(bits)) - 1;
+#else
+  return __builtin_ctzll(bits);
+#endif
+}
+
+// Forward substitution of the delta values for value columns [c0, c1):
+//   u_i = beta_i (v_i - root_i pk_i - sum_{j in anc(i), increasing} a_ij u_j).
+// u: on entry row i (at u + i * ldu) holds pk_i, on exit u_i. v_at(i, c) returns v_i[c] as float.
+template <typename LoadV>
+PEAGLE_HD void solve_delta_columns(int n, const uint64_t* anc, const float* root, const float* beta, const float* a,
+                                   LoadV v_at, float* u, int64_t ldu, int c0, int c1) {
+  for (int i = 0; i < n; ++i) {
+    float* ui = u + i * ldu;
+    for (int c = c0; c < c1; ++c) ui[c] = sub_rn(v_at(i, c), mul_rn(root[i], ui[c]));
+    for (uint64_t bits = anc[i] & ~(uint64_t{1} << i); bits != 0; bits &= bits - 1) {
+      const int j = lowest_bit(bits);
+      const float aij = a[triangle_index(i, j)];
+      const float* uj = u + j * ldu;
+      for (int c = c0; c < c1; ++c) ui[c] = sub_rn(ui[c], mul_rn(aij, uj[c]));
+    }
+    for (int c = c0; c < c1; ++c) ui[c] = mul_rn(ui[c], beta[i]);
+  }
+}
+
+// Output of node i for value columns [c0, c1), once every u is final:
+//   o_i = root_i pq_i + sum_{j in anc(i), increasing} b_ij u_j + self_i u_i.
+// o_i: on entry pq_i, on exit o_i.
+PEAGLE_HD void output_columns(int i, const uint64_t* anc, const float* root, const float* b, const float* self,
+                              const float* u, int64_t ldu, float* o_i, int c0, int c1) {
+  for (int c = c0; c < c1; ++c) o_i[c] = mul_rn(o_i[c], root[i]);
+  for (uint64_t bits = anc[i] & ~(uint64_t{1} << i); bits != 0; bits &= bits - 1) {
+    const int j = lowest_bit(bits);
+    const float bij = b[triangle_index(i, j)];
+    const float* uj = u + j * ldu;
+    for (int c = c0; c < c1; ++c) o_i[c] = add_rn(o_i[c], mul_rn(bij, uj[c]));
+  }
+  const float* ui = u + i * ldu;
+  for (int c = c0; c < c1; ++c) o_i[c] = add_rn(o_i[c], mul_rn(self[i], ui[c]));
+}
+
+// Commit: the state after the last accepted node a, element (r, c), from the committed S0 and the path's k and u:
+//   S[r, c] = root_a S0[r, c] + sum_{j on the path, increasing} (coef_j k_j[r]) u_j[c],  coef_j = exp(G_a - G_j) f^k_j.
+PEAGLE_HD float commit_coefficient(float gate_a, float gate_j, float factor_k) {
+  return mul_rn(exp_rn(sub_rn(gate_a, gate_j)), factor_k);
+}
+PEAGLE_HD float commit_step(float acc, float coef, float k, float u) { return add_rn(acc, mul_rn(mul_rn(coef, k), u)); }
 
 // Window of a causal conv1d of width W at `node` of a tree: src[w] for w in [0, W) (oldest first) is the node whose
 // input sits there (>= 0), or -(s + 1) for column s of the committed conv state [.., W - 1] (s = W - 2 is the newest).
