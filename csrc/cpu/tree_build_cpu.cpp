@@ -213,7 +213,7 @@ TreeSpecOutputs tree_build_parallel_cpu(const at::Tensor& draft_probs, at::IntAr
         }
         const int64_t next_start = static_cast<int64_t>(c.tokens.size());
         for (int64_t j = level_start; j < level_start + level_count; ++j) {
-          for (const int64_t t : ids) c.push(t, j, tree::dmul(c.scores[j], static_cast<double>(row[t])));
+          for (const int64_t t : ids) c.push(t, j, tree::mul_rn(c.scores[j], static_cast<double>(row[t])));
         }
         level_start = next_start;
         level_count *= ks[d];
@@ -267,7 +267,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_expand_topk_cpu(const at::Te
         }
         for (int64_t r = 0; r < topk; ++r) {
           flat_tok[f * topk + r] = ids[r];
-          flat_score[f * topk + r] = tree::dmul(s[b * width + f], static_cast<double>(row[ids[r]]));
+          flat_score[f * topk + r] = tree::mul_rn(s[b * width + f], static_cast<double>(row[ids[r]]));
         }
       }
       if (!ok) continue;
