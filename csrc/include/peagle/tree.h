@@ -394,5 +394,22 @@ PEAGLE_HD int32_t check_candidates(const int64_t* parent, const double* scores, 
   return kBuildOk;
 }
 
+// A built tree batch (the TreeSpec outputs) as raw pointers, for the CPU and CUDA kernels that fill it; the launchers
+// allocate it pre-filled with the padding (make_tree_spec in checks/tree.h).
+struct SpecView {
+  int64_t nodes;     // N
+  int64_t path_len;  // L
+  int64_t words;     // ceil(N / 32)
+  int64_t* tokens;
+  int64_t* parent;
+  int64_t* depth;
+  int64_t* num_nodes;
+  double* scores;
+  bool* mask;
+  int32_t* packed;
+  int64_t* paths;
+  int64_t* num_paths;
+};
+
 }  // namespace tree
 }  // namespace peagle
