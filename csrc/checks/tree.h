@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <tuple>
 
 #include "checks/common.h"
 #include "peagle/tree.h"
@@ -255,6 +256,46 @@ inline void raise_build_error(const char* op, const at::Tensor& errors) {
   for (int64_t b = 0; b < errors.size(0); ++b) {
     if (e[3 * b] != tree::kBuildOk) raise_build_error_at(op, e[3 * b], b, e[3 * b + 1], e[3 * b + 2]);
   }
+}
+
+using TreeSpecOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                   at::Tensor, at::Tensor>;
+
+// The outputs of a tree construction op (TreeSpec) and their raw view for the kernels.
+struct TreeSpecTensors {
+  at::Tensor tokens, parent, depth, num_nodes, scores, mask, packed, paths, num_paths;
+  tree::SpecView view;
+  TreeSpecOutputs tuple() const { return {tokens, parent, depth, num_nodes, scores, mask, packed, paths, num_paths}; }
+};
+
+// [B, N] outputs (paths [B, N, L]) on opts' device, pre-filled with the padding every backend leaves: -1 tokens,
+// parents, depths and paths, zero scores, masks and counts.
+inline TreeSpecTensors make_tree_spec(const at::TensorOptions& opts, int64_t batch, int64_t nodes, int64_t path_len) {
+  TreeSpecTensors t;
+  const auto long_opts = opts.dtype(at::kLong);
+  const int64_t words = (nodes + 31) / 32;
+  t.tokens = at::full({batch, nodes}, -1, long_opts);
+  t.parent = at::full({batch, nodes}, -1, long_opts);
+  t.depth = at::full({batch, nodes}, -1, long_opts);
+  t.num_nodes = at::zeros({batch}, long_opts);
+  t.scores = at::zeros({batch, nodes}, opts.dtype(at::kDouble));
+  t.mask = at::zeros({batch, nodes, nodes}, opts.dtype(at::kBool));
+  t.packed = at::zeros({batch, nodes, words}, opts.dtype(at::kInt));
+  t.paths = at::full({batch, nodes, path_len}, -1, long_opts);
+  t.num_paths = at::zeros({batch}, long_opts);
+  t.view = tree::SpecView{nodes,
+                          path_len,
+                          words,
+                          t.tokens.data_ptr<int64_t>(),
+                          t.parent.data_ptr<int64_t>(),
+                          t.depth.data_ptr<int64_t>(),
+                          t.num_nodes.data_ptr<int64_t>(),
+                          t.scores.data_ptr<double>(),
+                          t.mask.data_ptr<bool>(),
+                          t.packed.data_ptr<int32_t>(),
+                          t.paths.data_ptr<int64_t>(),
+                          t.num_paths.data_ptr<int64_t>()};
+  return t;
 }
 
 }  // namespace peagle

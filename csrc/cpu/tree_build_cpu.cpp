@@ -15,57 +15,7 @@
 namespace peagle {
 namespace {
 
-using TreeSpecOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                                   at::Tensor, at::Tensor>;
-
-struct SpecView {
-  int64_t nodes;     // N
-  int64_t path_len;  // L
-  int64_t words;     // ceil(N / 32)
-  int64_t* tokens;
-  int64_t* parent;
-  int64_t* depth;
-  int64_t* num_nodes;
-  double* scores;
-  bool* mask;
-  int32_t* packed;
-  int64_t* paths;
-  int64_t* num_paths;
-};
-
-struct SpecTensors {
-  at::Tensor tokens, parent, depth, num_nodes, scores, mask, packed, paths, num_paths;
-  SpecView view;
-  TreeSpecOutputs tuple() const { return {tokens, parent, depth, num_nodes, scores, mask, packed, paths, num_paths}; }
-};
-
-SpecTensors make_spec(const at::TensorOptions& opts, int64_t batch, int64_t nodes, int64_t path_len) {
-  SpecTensors t;
-  const auto long_opts = opts.dtype(at::kLong);
-  const int64_t words = (nodes + 31) / 32;
-  t.tokens = at::full({batch, nodes}, -1, long_opts);
-  t.parent = at::full({batch, nodes}, -1, long_opts);
-  t.depth = at::full({batch, nodes}, -1, long_opts);
-  t.num_nodes = at::zeros({batch}, long_opts);
-  t.scores = at::zeros({batch, nodes}, opts.dtype(at::kDouble));
-  t.mask = at::zeros({batch, nodes, nodes}, opts.dtype(at::kBool));
-  t.packed = at::zeros({batch, nodes, words}, opts.dtype(at::kInt));
-  t.paths = at::full({batch, nodes, path_len}, -1, long_opts);
-  t.num_paths = at::zeros({batch}, long_opts);
-  t.view = SpecView{nodes,
-                    path_len,
-                    words,
-                    t.tokens.data_ptr<int64_t>(),
-                    t.parent.data_ptr<int64_t>(),
-                    t.depth.data_ptr<int64_t>(),
-                    t.num_nodes.data_ptr<int64_t>(),
-                    t.scores.data_ptr<double>(),
-                    t.mask.data_ptr<bool>(),
-                    t.packed.data_ptr<int32_t>(),
-                    t.paths.data_ptr<int64_t>(),
-                    t.num_paths.data_ptr<int64_t>()};
-  return t;
-}
+using tree::SpecView;
 
 struct Candidates {
   std::vector<int64_t> tokens, parent, depth, order, new_index;
@@ -139,7 +89,7 @@ TreeSpecOutputs tree_select_cpu(const at::Tensor& cand_tokens, const at::Tensor&
   const at::Tensor par = cand_parent.to(at::kLong).contiguous();
   const at::Tensor sc = cand_scores.to(at::kDouble).contiguous();
   const at::Tensor cnt = num_candidates.to(at::kLong).contiguous();
-  SpecTensors out = make_spec(cand_tokens.options(), batch, num_nodes, num_nodes);
+  TreeSpecTensors out = make_tree_spec(cand_tokens.options(), batch, num_nodes, num_nodes);
   at::Tensor errors = at::zeros({batch, 3}, cand_tokens.options().dtype(at::kLong));
   int64_t* err = errors.data_ptr<int64_t>();
   const int64_t* tok_p = tok.data_ptr<int64_t>();
@@ -191,7 +141,7 @@ TreeSpecOutputs tree_build_parallel_cpu(const at::Tensor& draft_probs, at::IntAr
   const int64_t batch = draft_probs.size(0), depths = draft_probs.size(1), vocab = draft_probs.size(2);
   const at::Tensor probs = draft_probs.contiguous();
   const float* p = probs.data_ptr<float>();
-  SpecTensors out = make_spec(draft_probs.options(), batch, num_nodes, std::min(num_nodes, depths + 1));
+  TreeSpecTensors out = make_tree_spec(draft_probs.options(), batch, num_nodes, std::min(num_nodes, depths + 1));
   at::Tensor errors = at::zeros({batch, 3}, draft_probs.options().dtype(at::kLong));
   int64_t* err = errors.data_ptr<int64_t>();
   const std::vector<int64_t> ks(topk.begin(), topk.end());
@@ -213,7 +163,7 @@ TreeSpecOutputs tree_build_parallel_cpu(const at::Tensor& draft_probs, at::IntAr
         }
         const int64_t next_start = static_cast<int64_t>(c.tokens.size());
         for (int64_t j = level_start; j < level_start + level_count; ++j) {
-          for (const int64_t t : ids) c.push(t, j, tree::dmul(c.scores[j], static_cast<double>(row[t])));
+          for (const int64_t t : ids) c.push(t, j, tree::mul_rn(c.scores[j], static_cast<double>(row[t])));
         }
         level_start = next_start;
         level_count *= ks[d];
@@ -267,7 +217,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_expand_topk_cpu(const at::Te
         }
         for (int64_t r = 0; r < topk; ++r) {
           flat_tok[f * topk + r] = ids[r];
-          flat_score[f * topk + r] = tree::dmul(s[b * width + f], static_cast<double>(row[ids[r]]));
+          flat_score[f * topk + r] = tree::mul_rn(s[b * width + f], static_cast<double>(row[ids[r]]));
         }
       }
       if (!ok) continue;

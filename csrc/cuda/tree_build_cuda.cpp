@@ -20,48 +20,24 @@
 namespace peagle {
 namespace {
 
-using TreeSpecOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                                   at::Tensor, at::Tensor>;
-
+// The outputs (TreeSpecTensors, with the CPU kernel's padding) and the selection scratch.
 struct Spec {
-  at::Tensor tokens, parent, depth, num_nodes, scores, mask, packed, paths, num_paths;
+  TreeSpecTensors outputs;
   at::Tensor chosen, chosen_depth, chosen_score, order, has_child;  // scratch
-  cuda::SpecOut out;
   cuda::SelectScratch scratch;
-  TreeSpecOutputs tuple() const { return {tokens, parent, depth, num_nodes, scores, mask, packed, paths, num_paths}; }
+  const cuda::SpecOut& out() const { return outputs.view; }
+  TreeSpecOutputs tuple() const { return outputs.tuple(); }
 };
 
-// The outputs with the CPU kernel's padding (make_spec in csrc/cpu/tree_build_cpu.cpp) and the selection scratch.
 Spec make_spec(const at::TensorOptions& opts, int64_t batch, int64_t nodes, int64_t path_len) {
   Spec t;
+  t.outputs = make_tree_spec(opts, batch, nodes, path_len);
   const auto long_opts = opts.dtype(at::kLong);
-  const int64_t words = (nodes + 31) / 32;
-  t.tokens = at::full({batch, nodes}, -1, long_opts);
-  t.parent = at::full({batch, nodes}, -1, long_opts);
-  t.depth = at::full({batch, nodes}, -1, long_opts);
-  t.num_nodes = at::zeros({batch}, long_opts);
-  t.scores = at::zeros({batch, nodes}, opts.dtype(at::kDouble));
-  t.mask = at::zeros({batch, nodes, nodes}, opts.dtype(at::kBool));
-  t.packed = at::zeros({batch, nodes, words}, opts.dtype(at::kInt));
-  t.paths = at::full({batch, nodes, path_len}, -1, long_opts);
-  t.num_paths = at::zeros({batch}, long_opts);
   t.chosen = at::empty({batch, nodes}, long_opts);
   t.chosen_depth = at::empty({batch, nodes}, long_opts);
   t.chosen_score = at::empty({batch, nodes}, opts.dtype(at::kDouble));
   t.order = at::empty({batch, nodes}, long_opts);
   t.has_child = at::empty({batch, nodes}, opts.dtype(at::kInt));
-  t.out = cuda::SpecOut{nodes,
-                        path_len,
-                        words,
-                        t.tokens.data_ptr<int64_t>(),
-                        t.parent.data_ptr<int64_t>(),
-                        t.depth.data_ptr<int64_t>(),
-                        t.num_nodes.data_ptr<int64_t>(),
-                        t.scores.data_ptr<double>(),
-                        t.mask.data_ptr<bool>(),
-                        t.packed.data_ptr<int32_t>(),
-                        t.paths.data_ptr<int64_t>(),
-                        t.num_paths.data_ptr<int64_t>()};
   t.scratch = cuda::SelectScratch{t.chosen.data_ptr<int64_t>(), t.chosen_depth.data_ptr<int64_t>(),
                                   t.chosen_score.data_ptr<double>(), t.order.data_ptr<int64_t>(),
                                   t.has_child.data_ptr<int32_t>()};
@@ -103,7 +79,7 @@ TreeSpecOutputs tree_select_cuda(const at::Tensor& cand_tokens, const at::Tensor
                                   cnt.data_ptr<int64_t>(),
                                   batch,
                                   m,
-                                  spec.out,
+                                  spec.out(),
                                   spec.scratch,
                                   errors.data_ptr<int64_t>()};
   check_cuda(cuda::tree_select(args, stream), op);
@@ -176,7 +152,7 @@ TreeSpecOutputs tree_build_parallel_cuda(const at::Tensor& draft_probs, at::IntA
                                      ids.data_ptr<int64_t>(),
                                      ids_per_request,
                                      bad.data_ptr<int64_t>(),
-                                     spec.out,
+                                     spec.out(),
                                      spec.scratch,
                                      errors.data_ptr<int64_t>()};
   check_cuda(cuda::build_parallel_select(args, stream), op);

@@ -1,6 +1,6 @@
 // CUDA kernels of the tree construction family (see tree_build_kernels.h). Exactness: every order is the CPU kernel's
 // (tree::prob_before, score_before, node_before), every score the same chain of IEEE double multiplications
-// (tree::dmul), so the outputs equal csrc/cpu/tree_build_cpu.cpp's bit for bit. The top-k sets come from a radix
+// (tree::mul_rn), so the outputs equal csrc/cpu/tree_build_cpu.cpp's bit for bit. The top-k sets come from a radix
 // select on tree::prob_key / score_key, whose order is the value order, with ties taken in index order; the selected
 // items are then ranked by counting, with the comparison the CPU sorts with (quadratic in k: meant for k up to a few
 // thousand, as draft trees are).
@@ -253,7 +253,7 @@ struct Cartesian {
     double s = 1.0;
     for (int64_t l = 0; l <= d; ++l) {
       const int64_t token = ids[levels[l].ids_offset + rank_at(l, d, o)];
-      s = tree::dmul(s, static_cast<double>(probs[l * vocab + token]));
+      s = tree::mul_rn(s, static_cast<double>(probs[l * vocab + token]));
     }
     return s;
   }
@@ -375,7 +375,7 @@ __global__ void __launch_bounds__(kSelectThreads) expand_kernel(ExpandArgs a) {
   for (int64_t i = threadIdx.x; i < m; i += blockDim.x) {
     const int64_t f = i / a.topk;
     const float p = a.probs[(b * f_count + f) * a.vocab + ids[i]];
-    flat[i] = tree::dmul(frontier[f], static_cast<double>(p));
+    flat[i] = tree::mul_rn(frontier[f], static_cast<double>(p));
   }
   __syncthreads();
   const int64_t topk = a.topk;

@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "peagle/tree.h"
+
 namespace peagle {
 namespace cuda {
 
@@ -50,21 +52,8 @@ struct RowTopkArgs {
 
 cudaError_t row_topk(const RowTopkArgs& args, cudaStream_t stream);
 
-// A built tree batch (the TreeSpec outputs), pre-filled by the launcher with the CPU kernel's padding.
-struct SpecOut {
-  int64_t nodes;     // N
-  int64_t path_len;  // L
-  int64_t words;     // ceil(N / 32)
-  int64_t* tokens;
-  int64_t* parent;
-  int64_t* depth;
-  int64_t* num_nodes;
-  double* scores;
-  bool* mask;
-  int32_t* packed;
-  int64_t* paths;
-  int64_t* num_paths;
-};
+// A built tree batch: tree::SpecView (peagle/tree.h), pre-filled by the launcher with the CPU kernel's padding.
+using SpecOut = tree::SpecView;
 
 // Per-request scratch of the selection kernels, each [B, N].
 struct SelectScratch {

@@ -27,7 +27,7 @@ __global__ void tree_keys(const float* probs, const double* scores, int n, uint3
   prob_keys[i] = tree::prob_key(probs[i]);
   score_keys[i] = tree::score_key(scores[i]);
   entry_ok[i] = tree::draft_entry_ok(probs[i]) ? 1 : 0;
-  products[i] = tree::dmul(scores[i], static_cast<double>(probs[i]));
+  products[i] = tree::mul_rn(scores[i], static_cast<double>(probs[i]));
 }
 
 TEST(TreeKeysCuda, DeviceMatchesHost) {
@@ -71,7 +71,7 @@ TEST(TreeKeysCuda, DeviceMatchesHost) {
     ASSERT_EQ(prob_keys[i], tree::prob_key(probs[i])) << i;
     ASSERT_EQ(score_keys[i], tree::score_key(scores[i])) << i;
     ASSERT_EQ(ok[i], tree::draft_entry_ok(probs[i]) ? 1 : 0) << i;
-    const double expected = tree::dmul(scores[i], static_cast<double>(probs[i]));
+    const double expected = tree::mul_rn(scores[i], static_cast<double>(probs[i]));
     ASSERT_EQ(std::memcmp(&products[i], &expected, sizeof(double)), 0) << i;
   }
 }

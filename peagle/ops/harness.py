@@ -174,17 +174,21 @@ def budget_ratios(scores: Tensor, calibration: Tensor, draft_time: Tensor | floa
 
     ``scores`` [B, M] float64 path scores of the drafted candidates (root excluded), < 0 = padding, any order; at most
     the best M' - 1 of them count (V has M' + 1 entries)."""
-    batch = scores.shape[0]
-    max_nodes = verify_cost.shape[0] - 1
-    scale = calibration_scale(calibration.double())
-    ordered = torch.sort(torch.where(scores >= 0, scores.double(), -1.0), dim=1, descending=True, stable=True).values
-    ordered = ordered[:, : max_nodes - 1]
-    gain = torch.where(ordered >= 0, torch.clamp(scale[:, None] * ordered, max=1.0), 0.0)
-    sums = torch.cat([gain.new_zeros(batch, 1), torch.cumsum(gain, 1)], 1)  # S_k for k = 0 .. drafts
+    ordered, sums = _ordered_sums(scores, calibration, verify_cost.shape[0] - 1)
     nodes = torch.arange(1, sums.shape[1] + 1, device=scores.device)
     draft_time = torch.as_tensor(draft_time, dtype=torch.float64, device=scores.device).reshape(-1, 1)
     ratio = (1.0 + sums) / (draft_time + verify_cost[nodes][None, :])
     return torch.where(torch.cat([torch.ones_like(ordered[:, :1]), ordered], 1) >= 0, ratio, -torch.inf)
+
+
+def _ordered_sums(scores: Tensor, calibration: Tensor, max_nodes: int) -> tuple[Tensor, Tensor]:
+    """The best ``max_nodes - 1`` candidate scores in descending order (-1 = padding) and S_k = the sum of the best k
+    of min(1, c * p), k = 0 .. their count (cumulative, in order: the kernels' sequential sum)."""
+    scale = calibration_scale(calibration.double())
+    ordered = torch.sort(torch.where(scores >= 0, scores.double(), -1.0), dim=1, descending=True, stable=True).values
+    ordered = ordered[:, : max_nodes - 1]
+    gain = torch.where(ordered >= 0, torch.clamp(scale[:, None] * ordered, max=1.0), 0.0)
+    return ordered, torch.cat([gain.new_zeros(scores.shape[0], 1), torch.cumsum(gain, 1)], 1)
 
 
 def best_candidates(scores: Tensor, valid: Tensor, budget: Tensor) -> Tensor:
@@ -227,9 +231,6 @@ def harness_pass_decide_reference(
     best = ratios.amax(2).argmax(1) + 1
     kept = torch.where(best_candidates(scores, drafted | (index[None, :] == 0), budget), depth, 0).amax(1)
     grow = (kept >= drafted_depth) & (best == drafted_depth) & (drafted_depth < pass_time.shape[0])
-    scale = calibration_scale(calibration.double())
-    ordered = torch.sort(candidates, dim=1, descending=True, stable=True).values[:, : verify_cost.shape[0] - 2]
-    gain = torch.where(ordered >= 0, torch.clamp(scale[:, None] * ordered, max=1.0), 0.0)
-    sums = torch.cat([gain.new_zeros(batch, 1), torch.cumsum(gain, 1)], 1)
+    _, sums = _ordered_sums(candidates, calibration, verify_cost.shape[0] - 1)
     predicted = sums.gather(1, (budget - 1)[:, None])[:, 0]
     return budget, torch.where(grow, best + 1, best), predicted

@@ -20,6 +20,7 @@
 #include <cstdint>
 
 #include "peagle/common.h"
+#include "peagle/rounding.h"
 
 namespace peagle {
 namespace gdn {
@@ -35,49 +36,13 @@ struct RowStrides {
   PEAGLE_HD int64_t at(int64_t b, int64_t i, int64_t h) const { return b * outer + i * middle + h * inner; }
 };
 
-// Exact fp32 arithmetic, so that the CPU and CUDA kernels compute the same bits. CUDA would contract a * b + c into
-// one fused multiply-add (one rounding instead of two), and its expf / sqrtf / division may differ from the host's in
-// the last bit: every operation of the math below goes through these (host: plain IEEE operations, compiled with
-// -ffp-contract=off by setup.py so that the host compiler does not fuse them either).
-PEAGLE_HD float mul_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-
-PEAGLE_HD float add_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
-
-PEAGLE_HD float sub_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fsub_rn(a, b);
-#else
-  return a - b;
-#endif
-}
-
-PEAGLE_HD float div_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fdiv_rn(a, b);
-#else
-  return a / b;
-#endif
-}
-
-PEAGLE_HD float sqrt_rn(float a) {
-#if defined(__CUDA_ARCH__)
-  return __fsqrt_rn(a);
-#else
-  return std::sqrt(a);
-#endif
-}
+// Exact fp32 arithmetic (peagle/rounding.h), so that the CPU and CUDA kernels compute the same bits: every operation
+// of the math below goes through these.
+using ::peagle::add_rn;
+using ::peagle::div_rn;
+using ::peagle::mul_rn;
+using ::peagle::sqrt_rn;
+using ::peagle::sub_rn;
 
 // One step of every sum over K: sums run in increasing index order from 0 as acc = mac(acc, a, b).
 PEAGLE_HD float mac(float acc, float a, float b) { return add_rn(acc, mul_rn(a, b)); }

@@ -31,15 +31,15 @@
 // draft): see harness_budget in peagle/decode/harness/policy.py (same formula, vectorised).
 //
 // Bit-for-bit agreement. Every quantity is a float64 sum, product or quotient evaluated in the order written in (2)-(4)
-// (S_w sequentially from the best candidate). CUDA would contract a * b + c into one fused multiply-add with one
-// rounding instead of two; mul_rn / add_rn below forbid that, so the device computes the same bits as the host and as
-// torch.
+// (S_w sequentially from the best candidate) through mul_rn / add_rn (peagle/rounding.h), which keep CUDA from
+// contracting a * b + c into one fused multiply-add, so the device computes the same bits as the host and as torch.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 
 #include "peagle/common.h"
+#include "peagle/rounding.h"
 
 namespace peagle {
 namespace harness {
@@ -48,21 +48,8 @@ constexpr double kPrior = 2.0;  // pseudo-rounds of perfect calibration in (2)
 constexpr double kMinScale = 0.125;
 constexpr double kMaxScale = 4.0;
 
-PEAGLE_HD double mul_rn(double a, double b) {
-#if defined(__CUDA_ARCH__)
-  return __dmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-
-PEAGLE_HD double add_rn(double a, double b) {
-#if defined(__CUDA_ARCH__)
-  return __dadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
+using ::peagle::add_rn;  // peagle/rounding.h
+using ::peagle::mul_rn;
 
 // (2): the calibration scale of a request from its decayed observed / predicted accepted drafts.
 PEAGLE_HD double calibration_scale(double observed, double predicted) {

@@ -16,6 +16,7 @@
 #include <cstring>
 
 #include "peagle/common.h"
+#include "peagle/rounding.h"
 
 namespace peagle {
 namespace tree {
@@ -98,33 +99,29 @@ PEAGLE_HD bool sum_ok(int64_t sum) {
   return s >= 1.0 - kSumTolerance && s <= 1.0 + kSumTolerance;
 }
 
-#if defined(__CUDA_ARCH__)
-PEAGLE_HD double dmul(double a, double b) { return __dmul_rn(a, b); }
-PEAGLE_HD double ddiv(double a, double b) { return __ddiv_rn(a, b); }
-#else
-PEAGLE_HD double dmul(double a, double b) { return a * b; }
-PEAGLE_HD double ddiv(double a, double b) { return a / b; }
-#endif
+using ::peagle::div_rn;  // peagle/rounding.h
+using ::peagle::mul_rn;
 
 // Acceptance test u * M * q~(x) < r(x) in fixed point: `mass` = M * q~(x) (deterministic drafts: M).
 PEAGLE_HD bool accept(int64_t uniform, int64_t mass, int64_t residual) {
-  return dmul(static_cast<double>(uniform), static_cast<double>(mass)) <
-         dmul(static_cast<double>(residual), kUniformScale);
+  return mul_rn(static_cast<double>(uniform), static_cast<double>(mass)) <
+         mul_rn(static_cast<double>(residual), kUniformScale);
 }
 
 // M / Qrem, the factor that maps draft fixed-point mass onto residual mass (0 when no draft mass is left).
 PEAGLE_HD double draft_scale(int64_t residual_mass, int64_t draft_mass) {
-  return draft_mass > 0 ? ddiv(static_cast<double>(residual_mass), static_cast<double>(draft_mass)) : 0.0;
+  return draft_mass > 0 ? div_rn(static_cast<double>(residual_mass), static_cast<double>(draft_mass)) : 0.0;
 }
 
 // M * q~(y) for a draft entry q(y) (fixed point).
 PEAGLE_HD int64_t scaled_draft(int64_t q, double scale) {
-  return static_cast<int64_t>(dmul(static_cast<double>(q), scale));
+  return static_cast<int64_t>(mul_rn(static_cast<double>(q), scale));
 }
 
 // Sampling target T = floor(u * M) in [0, M): the sample is the smallest y with prefix_sum(r)[y] > T.
 PEAGLE_HD int64_t sample_target(int64_t uniform, int64_t mass) {
-  return static_cast<int64_t>(dmul(dmul(static_cast<double>(uniform), static_cast<double>(mass)), 1.0 / kUniformScale));
+  return static_cast<int64_t>(
+      mul_rn(mul_rn(static_cast<double>(uniform), static_cast<double>(mass)), 1.0 / kUniformScale));
 }
 
 // Greedy argmax order: larger value first, then smaller index.
@@ -396,6 +393,23 @@ PEAGLE_HD int32_t check_candidates(const int64_t* parent, const double* scores, 
   }
   return kBuildOk;
 }
+
+// A built tree batch (the TreeSpec outputs) as raw pointers, for the CPU and CUDA kernels that fill it; the launchers
+// allocate it pre-filled with the padding (make_tree_spec in checks/tree.h).
+struct SpecView {
+  int64_t nodes;     // N
+  int64_t path_len;  // L
+  int64_t words;     // ceil(N / 32)
+  int64_t* tokens;
+  int64_t* parent;
+  int64_t* depth;
+  int64_t* num_nodes;
+  double* scores;
+  bool* mask;
+  int32_t* packed;
+  int64_t* paths;
+  int64_t* num_paths;
+};
 
 }  // namespace tree
 }  // namespace peagle
