@@ -23,7 +23,13 @@ from peagle.ops import (
     tree_verify_greedy,
 )
 from python_tests.test_kv import assert_same, edit, two_requests
-from testkit import random_gdn_inputs, random_tree_batch, random_tree_probs
+from testkit import (
+    assert_deferred_like_immediate,
+    error_message,
+    random_gdn_inputs,
+    random_tree_batch,
+    random_tree_probs,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -68,27 +74,6 @@ def calls(a):
     }
 
 
-def message(error: BaseException) -> str:
-    return str(error).splitlines()[0]
-
-
-def assert_deferred_like_immediate(call) -> None:
-    """call() raises at once in immediate mode; in deferred mode it must not synchronise, and check_errors() must raise
-    the same message, then find the record reset."""
-    with pytest.raises(RuntimeError) as immediate:
-        call()
-    with deferred_checks():
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            call()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        with pytest.raises(RuntimeError) as deferred:
-            check_errors()
-        check_errors()
-    assert message(deferred.value) == message(immediate.value)
-
-
 @pytest.mark.parametrize("which", ["greedy", "sampling"])
 @pytest.mark.parametrize("mutation", range(len(MUTATIONS)))
 def test_deferred_error_has_the_immediate_message(which, mutation):
@@ -99,7 +84,7 @@ def test_deferred_error_has_the_immediate_message(which, mutation):
         call()
         immediate = None
     except RuntimeError as error:
-        immediate = message(error)
+        immediate = error_message(error)
     with deferred_checks():
         torch.cuda.set_sync_debug_mode("error")  # the op itself must not synchronise
         try:
@@ -111,7 +96,7 @@ def test_deferred_error_has_the_immediate_message(which, mutation):
         return
     with pytest.raises(RuntimeError) as deferred:
         check_errors()
-    assert message(deferred.value) == immediate
+    assert error_message(deferred.value) == immediate
     check_errors()  # the record was reset
 
 

@@ -10,6 +10,7 @@ import torch
 
 import peagle  # noqa: F401
 from peagle.ops import check_errors, deferred_checks, tree_build_parallel, tree_expand_topk, tree_select
+from testkit import assert_deferred_like_immediate, error_message
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -186,10 +187,6 @@ def bad_build_calls():
     ]
 
 
-def message(error: BaseException) -> str:
-    return str(error).splitlines()[0]
-
-
 @pytest.mark.parametrize("case", range(len(bad_build_calls())))
 def test_errors_immediate_and_deferred_like_cpu(case):
     name, prepare = bad_build_calls()[case]
@@ -197,26 +194,14 @@ def test_errors_immediate_and_deferred_like_cpu(case):
     try:
         expected = prepare("cpu")()
     except RuntimeError as error:
-        expected = message(error)
+        expected = error_message(error)
     if not isinstance(expected, str):  # a valid call: the same result on CUDA, nothing recorded
         assert_same(call(), expected, name)
         with deferred_checks():
             assert_same(call(), expected, name)
             check_errors()
         return
-    with pytest.raises(RuntimeError) as immediate:
-        call()
-    assert message(immediate.value) == expected, name
-    with deferred_checks():
-        torch.cuda.set_sync_debug_mode("error")  # the op must not synchronise
-        try:
-            call()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        with pytest.raises(RuntimeError) as deferred:
-            check_errors()
-        check_errors()  # the record was reset
-    assert message(deferred.value) == expected, name
+    assert assert_deferred_like_immediate(call) == expected, name
 
 
 def test_good_calls_do_not_synchronise(generator):
@@ -310,5 +295,5 @@ def test_construction_in_one_graph(generator):
         graph.replay()
         with pytest.raises(RuntimeError) as deferred:
             check_errors()
-        assert message(deferred.value) == message(immediate.value)
+        assert error_message(deferred.value) == error_message(immediate.value)
         check_errors()

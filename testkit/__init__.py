@@ -535,3 +535,30 @@ def random_pass_case(generator: torch.Generator, batch: int, max_nodes: int) -> 
     passes = torch.sort(torch.rand(num_pass, generator=generator, dtype=torch.float64)).values
     passes = passes * (1e-2 if steep else 1e-5)
     return scores.contiguous(), spec.depth, num_nodes, calibration, passes, verify, depth
+
+
+def error_message(error: BaseException) -> str:
+    """The first line of an op's error (the line that names the op and the argument)."""
+    return str(error).splitlines()[0]
+
+
+def assert_deferred_like_immediate(call) -> str:
+    """call() raises at once in immediate mode; in deferred mode (peagle.ops.errors) it must not synchronise, and
+    check_errors() must raise the same message, then find the record reset. Returns that message."""
+    import pytest
+
+    from peagle.ops import check_errors, deferred_checks
+
+    with pytest.raises(RuntimeError) as immediate:
+        call()
+    with deferred_checks():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            call()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        with pytest.raises(RuntimeError) as deferred:
+            check_errors()
+        check_errors()
+    assert error_message(deferred.value) == error_message(immediate.value)
+    return error_message(immediate.value)
