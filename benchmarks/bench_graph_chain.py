@@ -21,11 +21,11 @@ Transition cost = (round time - one graph's round time) / 32.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 
 import pytest
 import torch
+from common import cuda_round_time
 
 from peagle.decode.harness.graphs import DepthGraphChain, device_launch_available
 
@@ -49,18 +49,6 @@ class CountingRound:
 
     def finalize(self) -> None:
         self.count.zero_()
-
-
-def round_time(run: Callable[[], None], rounds: int = ROUNDS) -> float:
-    """Seconds per round, each round synchronised (the engine reads the emitted tokens once per round)."""
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(rounds):
-        run()
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / rounds
 
 
 def capture(steps: list[Callable[[], None]]) -> torch.cuda.CUDAGraph:
@@ -100,7 +88,7 @@ def transition_us(times: dict[str, float], name: str) -> float:
 )
 def test_cuda_graph_chain_transition(benchmark):
     runs = Runs()
-    times = {name: round_time(run) for name, run in runs.baselines.items()}
+    times = {name: cuda_round_time(run, ROUNDS, warmup=3) for name, run in runs.baselines.items()}
     benchmark.pedantic(lambda: (runs.chain.run(), torch.cuda.synchronize()), rounds=ROUNDS, warmup_rounds=3)
     runs.check_chain(ROUNDS + 3)
     times["peagle"] = benchmark.stats.stats.mean
@@ -138,9 +126,9 @@ def main() -> None:
     if not torch.cuda.is_available() or not device_launch_available("cuda"):
         raise SystemExit("needs a CUDA device and a peagle build with device graph launch")
     runs = Runs()
-    times = {"peagle": round_time(runs.chain.run)}
+    times = {"peagle": cuda_round_time(runs.chain.run, ROUNDS, warmup=3)}
     runs.check_chain(ROUNDS + 3)
-    times.update({name: round_time(run) for name, run in runs.baselines.items()})
+    times.update({name: cuda_round_time(run, ROUNDS, warmup=3) for name, run in runs.baselines.items()})
     print(table(times))
 
 

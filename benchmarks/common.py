@@ -116,11 +116,12 @@ def cuda_time(fn: Callable[[], object], repeat: int = 20) -> float:
     return (time.perf_counter() - start) / repeat
 
 
-def cuda_round_time(fn: Callable[[], object], rounds: int = 10) -> float:
-    """Mean wall time (seconds) of ``rounds`` calls, each followed by a device synchronisation, after one warm-up call:
-    the protocol of ``benchmark.pedantic(lambda: (fn(), torch.cuda.synchronize()), rounds=rounds, warmup_rounds=1)``,
-    so a peer timed with it and peagle timed by pytest-benchmark compare like for like."""
-    fn()
+def cuda_round_time(fn: Callable[[], object], rounds: int = 10, warmup: int = 1) -> float:
+    """Mean wall time (seconds) of ``rounds`` calls, each followed by a device synchronisation, after ``warmup``
+    untimed calls: the protocol of ``benchmark.pedantic(lambda: (fn(), torch.cuda.synchronize()), rounds=rounds,
+    warmup_rounds=warmup)``, so a peer timed with it and peagle timed by pytest-benchmark compare like for like."""
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     total = 0.0
     for _ in range(rounds):
