@@ -175,16 +175,13 @@ def update_calibration(calibration: Tensor, predicted: Tensor, accepted: Tensor)
 def recalibrate(calibration: Tensor, gamma: Tensor, predicted: Tensor, rows: Tensor, accepted: Tensor) -> None:
     """Folds the verified acceptance of ``rows`` (ascending, distinct) into their calibration sums and sharpness
     exponents, in place."""
-    if rows.numel() == calibration.shape[0]:  # every request: update in place (no gather / scatter per round)
-        update_calibration(calibration, predicted, accepted)
-        update_sharpness(gamma, calibration)
-        return
-    row_calibration = calibration[rows]
-    update_calibration(row_calibration, predicted[rows], accepted)
-    calibration[rows] = row_calibration
-    row_gamma = gamma[rows]
+    every = rows.numel() == calibration.shape[0]  # every request: update in place, no gather / scatter per round
+    row_calibration = calibration if every else calibration[rows]
+    row_gamma = gamma if every else gamma[rows]
+    update_calibration(row_calibration, predicted if every else predicted[rows], accepted)
     update_sharpness(row_gamma, row_calibration)
-    gamma[rows] = row_gamma
+    if not every:
+        calibration[rows], gamma[rows] = row_calibration, row_gamma
 
 
 def predicted_acceptance(spec: TreeSpec, calibration: Tensor) -> Tensor:
