@@ -303,8 +303,13 @@ def random_prefix(gen: torch.Generator, batch: int, length: int) -> tuple[torch.
 
 @pytest.mark.parametrize("changes", [{}, dict(layer_style="qwen3", draft_vocab_size=40)])
 def test_cached_peagle_pass_equals_forward_inference(changes):
+    assert_cached_pass_equals_forward_inference(changes)
+
+
+def assert_cached_pass_equals_forward_inference(changes: dict) -> None:
     """Elements committed over several passes (the first longer than a prefill chunk) then K - 1 mask elements give
-    the distributions of forward_inference on the whole prefix; mask elements never enter the cache."""
+    the distributions of forward_inference on the whole prefix (a drafter built with ``changes``); mask elements never
+    enter the cache."""
     gen = torch.Generator().manual_seed(fresh_seed())
     model = random_drafter(gen, 4, **changes)
     drafting = PEagleDrafting(model, 61, "chain", 4, [1] * 4, 5)

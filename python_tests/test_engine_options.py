@@ -8,7 +8,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_engine import NEW_TOKENS, OPTIONS, PROMPTS, eagle3, feed, random_drafter, random_prefix, reference_probs
+from test_engine import (
+    NEW_TOKENS,
+    OPTIONS,
+    PROMPTS,
+    assert_cached_pass_equals_forward_inference,
+    eagle3,
+    feed,
+    random_drafter,
+    random_prefix,
+    reference_probs,
+)
 
 from peagle.decode import SpeculativeDecoder
 from peagle.decode.drafting import PEagleDrafting, Sampling
@@ -40,22 +50,8 @@ def one_thread():
 @pytest.mark.parametrize("changes", SERVED_OPTIONS, ids=case_id)
 @torch.no_grad()  # as the engine drafts (the efficient head's op has no autograd)
 def test_cached_peagle_pass_with_options_equals_forward_inference(changes):
-    """Elements committed over several passes (the first longer than a prefill chunk) then K - 1 mask elements give
-    the distributions of forward_inference on the whole prefix, the sliding window included."""
-    gen = torch.Generator().manual_seed(fresh_seed())
-    model = random_drafter(gen, 4, **changes)
-    drafting = PEagleDrafting(model, 61, "chain", 4, [1] * 4, 5)
-    batch = 3
-    tokens, hidden = random_prefix(gen, batch, 300)
-    drafting.allocate(batch, 308, 8, block_size=16)
-    seen = [0] * batch
-    for lengths in ([290, 3, 270], [2, 5, 1], [4, 1, 3]):
-        feed(drafting, tokens, hidden, seen, lengths)
-        logits, _ = drafting._pass(torch.arange(batch), list(range(batch)), 3, 4)
-        for b in range(batch):
-            seen[b] += lengths[b]
-            expected = model.forward_inference(tokens[b, : seen[b]], hidden[b, : seen[b]], 3)[seen[b] - 1 :]
-            torch.testing.assert_close(logits[b], expected, rtol=1e-9, atol=1e-9)
+    """test_engine's cached-pass check with the options on, the sliding window included."""
+    assert_cached_pass_equals_forward_inference(changes)
 
 
 @pytest.mark.parametrize("changes", [dict(sliding_window=3), dict(sliding_window=1, eh_proj=True)], ids=case_id)
