@@ -311,7 +311,19 @@ class PassHarness:
 
     def depth(self, rows: Tensor) -> int:
         """The pass depth K of a round of ``rows`` (the deepest any of them wants; one host read)."""
-        return int(self.next_depth[rows].max())
+        return int(self._of(rows, self.next_depth).max())
+
+    def _of(self, rows: Tensor, values: Tensor) -> Tensor:
+        """``values[rows]``: the per-request tensor itself when ``rows`` holds every request (ascending, distinct:
+        then it is arange(batch)), which spares a batch-1 round its gathers."""
+        return values if rows.numel() == values.shape[0] else values[rows]
+
+    def _set(self, rows: Tensor, values: Tensor, new: Tensor) -> None:
+        """``values[rows] = new``, in place (a copy when ``rows`` holds every request)."""
+        if rows.numel() == values.shape[0]:
+            values.copy_(new)
+        else:
+            values[rows] = new
 
     def topk(self, depth: int) -> list[int]:
         """Children per candidate node: the plan's top-k at the root, then 2 (a tree) or 1 (a chain) per depth.
@@ -334,13 +346,13 @@ class PassHarness:
         return [min(k, self.draft_vocab) for k in [top] + [deeper] * (depth - 1)]
 
     def select(self, rows: Tensor, spec: TreeSpec, depth: int, sampled: bool) -> TreeSpec:
-        calibration = self.calibration[rows]
-        spec = spec._replace(scores=sharpen(spec.scores, self.gamma[rows]))
+        calibration = self._of(rows, self.calibration)
+        spec = spec._replace(scores=sharpen(spec.scores, self._of(rows, self.gamma)))
         budget, next_depth, predicted = pass_budget(spec, calibration, self.pass_time, depth, self.verify_cost)
         # At least one draft: a round that verifies none teaches the calibration nothing (it would never recover from
         # a drafter whose scores start far too low).
         floor = torch.clamp(spec.num_nodes, max=2)
-        use = self.budget[rows] if sampled else torch.maximum(budget, floor)
+        use = self._of(rows, self.budget) if sampled else torch.maximum(budget, floor)
         # The target verifies as many slots for every request as for the widest (padding included), so nodes up to
         # the widest budget cost nothing more: every request verifies that many of its best (fixed before a sampled
         # round's draws too, as the budgets it widens were).
@@ -353,9 +365,9 @@ class PassHarness:
             tree = select_budget(spec, use, self.max_nodes)
         if sampled or bool((use != budget).any()):  # the op's prediction is that of the greedy budget
             predicted = predicted_acceptance(tree, calibration)
-        self.budget[rows] = torch.maximum(budget, floor)
-        self.next_depth[rows] = next_depth
-        self.predicted[rows] = predicted
+        self._set(rows, self.budget, torch.maximum(budget, floor))
+        self._set(rows, self.next_depth, next_depth)
+        self._set(rows, self.predicted, predicted)
         return tree
 
     def observe(
