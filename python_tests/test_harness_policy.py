@@ -210,6 +210,37 @@ def test_every_request_verifies_the_widest_budget(generator):
     assert tree.num_nodes.tolist() == [min(max(alone), int(n)) for n in spec.num_nodes]
 
 
+def test_sampled_chains_take_their_length_from_the_observed_acceptance_rate(generator):
+    """A sampled chain round verifies its whole chain, whose length was fixed after the previous round: the chain
+    length of the table at the per-position acceptance rate so far. Its own drafter distributions (and draws) decide
+    nothing, so two runs that see the same acceptance but different drafts choose the same depths."""
+    steps = [1e-3 * (n - 1) for n in [1, 2, 4, 8, 16, 32]]
+    table = cost_table([10e-3 + s for s in steps], [1e-3 + 0.2e-3 * k for k in range(DEPTH)])
+    policy = HarnessPolicy(table, MAX_NODES)
+    assert policy.plan(2, 0).kind == "chain"
+    accepted = torch.randint(0, DEPTH + 1, (40, 2), generator=generator)
+    depths = []
+    for sharpness in (0.1, 10.0):
+        harness, rows, seen, trials, run = PassHarness(policy, 2, DEPTH, 0, VOCAB, "cpu"), torch.arange(2), 0, 0, []
+        calibration, gamma = harness.calibration.clone(), harness.gamma.clone()
+        for r in range(len(accepted)):
+            depth = harness.depth(rows)
+            run.append(depth)
+            probs = torch.softmax(torch.randn(2, depth, VOCAB, generator=generator) * sharpness, -1)
+            tree = harness.select(rows, tree_build_parallel(probs, harness.topk(depth), MAX_NODES), depth, sampled=True)
+            assert tree.num_nodes.tolist() == [depth + 1] * 2 and tree.tokens.shape[1] == depth + 1
+            got = accepted[r].clamp(max=depth)
+            path = torch.where(torch.arange(depth + 1) <= got[:, None], torch.arange(depth + 1), -1)
+            harness.observe(rows, got, tree.num_nodes, tree.parent, path)
+            seen += int(got.sum())
+            trials += int(got.sum()) + int((got < depth).sum())
+            rate = (seen + 1.4) / (trials + 2.0)
+            assert harness.depth(rows) == min(max(1, policy.chain_length(2, 0, rate)), DEPTH)
+        assert torch.equal(harness.calibration, calibration) and torch.equal(harness.gamma, gamma)
+        depths.append(run)
+    assert depths[0] == depths[1] and len(set(depths[0])) > 1, depths
+
+
 def test_calibration_tracks_observed_acceptance():
     calibration = torch.zeros(2, 2, dtype=torch.float64)
     for _ in range(40):  # request 0 accepts half of what was predicted, request 1 twice as much

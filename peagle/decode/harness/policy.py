@@ -30,8 +30,10 @@ for n nodes (root included, from the cost table row of the batch-size bucket and
   candidates form a dynamic tree (top-k children per depth); where it grows fast, a chain (one child per depth) whose
   length the budget still chooses per request; :meth:`HarnessPolicy.chain_widths` is the per-bucket table of the best
   chain length at a given acceptance rate, and a bucket whose best length is 0 decodes without speculation.
-* **Temperature > 0.** A sampled round's depth and budget are the ones decided in the previous round (from that
-  round's drafter distributions), fixed before this round's draws, so verification stays lossless.
+* **Temperature > 0.** A sampled round's depth and budget are fixed after the previous round, before this round's
+  draws, so verification stays lossless: a chain is the chain length of the cost table at the per-position
+  acceptance rate observed so far (:class:`ChainAcceptance`, as sampled EAGLE-3 chains do), a tree verifies the
+  budget the previous tree round decided from that round's drafter distributions.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from peagle.ops.harness import best_candidates, budget_ratios
 
 __all__ = [
     "CALIBRATION_DECAY",
+    "ChainAcceptance",
     "DepthHarness",
     "DepthRound",
     "DepthStepper",
@@ -192,6 +195,23 @@ def predicted_acceptance(spec: TreeSpec, calibration: Tensor) -> Tensor:
     return torch.where(drafted, torch.clamp(scale[:, None] * spec.scores, max=1.0), 0.0).sum(1)
 
 
+class ChainAcceptance:
+    """The per-position acceptance rate of verified rounds, accepted drafts over accepted drafts + rejections (prior
+    0.7 over 2 trials): what sampled rounds size their chains by, since their depth is fixed before their draws."""
+
+    def __init__(self) -> None:
+        self.accepted, self.trials = 0.0, 0.0
+
+    def observe(self, num_accepted: Tensor, num_nodes: Tensor) -> None:
+        accepted = float(num_accepted.sum())
+        self.accepted += accepted
+        self.trials += accepted + float((num_accepted < num_nodes - 1).sum())
+
+    @property
+    def rate(self) -> float:
+        return (self.accepted + 1.4) / (self.trials + 2.0)
+
+
 @dataclass
 class Plan:
     """How one round drafts: a dynamic tree or a chain (top-k children per depth), or plain decoding."""
@@ -231,6 +251,7 @@ class HarnessPolicy:
         self.learnt_gamma, self.learnt_calibration = 1.0, (0.0, 0.0)
         self.learnt_off_chain = (0.0, 0.0)
         self.learnt_explore_every = EXPLORE_EVERY
+        self._chain_cost_cache: dict[tuple[int, int], list[float]] = {}
 
     def start_state(self, batch: int, device) -> tuple[Tensor, Tensor]:
         """(gamma [B], calibration [B, 2]) for the requests of a new generate call."""
@@ -246,14 +267,23 @@ class HarnessPolicy:
     def chain_length(self, batch: int, context: int, acceptance: float | None = None) -> int:
         """The chain length L (drafts; 0 = plain decoding) maximising (1 + a + .. + a^L) / (pass(L) + V[L + 1])."""
         a = self.acceptance if acceptance is None else acceptance
-        verify = self.table.verify_row(batch, context, self.max_nodes)
-        best, length = 1.0 / float(verify[1]), 0
-        for n in range(1, self.max_nodes):
-            gain = sum(a**d for d in range(1, n + 1))
-            cost = self._chain_draft_time(batch, n) + float(verify[n + 1])
-            if cost > 0 and (1 + gain) / cost > best:
-                best, length = (1 + gain) / cost, n
+        costs = self._chain_costs(batch, context)
+        best, length, gain = 1.0 / costs[0], 0, 0.0
+        for n in range(1, len(costs)):
+            gain += a**n
+            if costs[n] > 0 and (1 + gain) / costs[n] > best:
+                best, length = (1 + gain) / costs[n], n
         return length
+
+    def _chain_costs(self, batch: int, context: int) -> list[float]:
+        """Seconds of a round of a chain of n drafts, n = 0 .. max_nodes - 1 (kept per batch-size bucket and context
+        interval: sampled rounds ask every round)."""
+        key = (self.table.bucket(batch), self.table.context_index(context))
+        if key not in self._chain_cost_cache:
+            verify = self.table.verify_row(batch, context, self.max_nodes).tolist()
+            draft = [0.0] + [self._chain_draft_time(batch, n) for n in range(1, self.max_nodes)]
+            self._chain_cost_cache[key] = [d + v for d, v in zip(draft, verify[1:], strict=True)]
+        return self._chain_cost_cache[key]
 
     def _chain_draft_time(self, batch: int, length: int) -> float:
         if self.table.pass_s:
@@ -279,15 +309,18 @@ class PassHarness:
 
     Per round: :meth:`select` turns the pass's candidate tree (``topk`` children per node at every depth, at most
     ``max_nodes`` kept by score) into the verified tree, and :meth:`observe` folds the verified acceptance into the
-    calibration. Greedy rounds use this round's budget; sampled rounds the budget decided last round (fixed before
-    this round's draws), while this round's decision is kept for the next one.
+    calibration. Greedy rounds use this round's budget. A sampled round's depth and budget are fixed before its
+    draws, after the previous round: a chain (a chain plan, or a tree plan's chain round) is the chain length of the
+    cost table at the acceptance rate observed so far (:class:`ChainAcceptance`; the previous round's path scores,
+    taken from another context, predict a sampled round's acceptance worse than that rate does), a tree verifies the
+    budget the previous tree round decided.
     """
 
     def __init__(
         self, policy: HarnessPolicy, batch: int, max_depth: int, context: int, draft_vocab: int, device
     ) -> None:
         table = policy.table
-        self.draft_vocab = draft_vocab
+        self.draft_vocab, self.batch, self.context, self.max_depth = draft_vocab, batch, context, max_depth
         self.plan = policy.plan(batch, context)
         self.max_nodes = policy.max_nodes
         self.pass_time = torch.tensor(
@@ -304,10 +337,17 @@ class PassHarness:
         self.explore_every, self.since_tree = policy.learnt_explore_every, 0
         self.chain_round = False  # this round's candidates form a chain (set by topk)
         self.exploring = False  # ... or a tree drafted only to look for accepted drafts off the chain
+        self.sampled = False  # this round's drafts were drawn (set by select)
+        self.chain_acceptance = ChainAcceptance()
 
     @property
     def speculate(self) -> bool:
         return self.plan.kind != "plain"
+
+    @property
+    def sampled_chains(self) -> bool:
+        """This round drew a chain's drafts: only the chain acceptance rate decides (see the class doc)."""
+        return self.sampled and self.chain_round
 
     def depth(self, rows: Tensor) -> int:
         """The pass depth K of a round of ``rows`` (the deepest any of them wants; one host read)."""
@@ -346,26 +386,29 @@ class PassHarness:
         return [min(k, self.draft_vocab) for k in [top] + [deeper] * (depth - 1)]
 
     def select(self, rows: Tensor, spec: TreeSpec, depth: int, sampled: bool) -> TreeSpec:
+        self.sampled = sampled
+        if self.sampled_chains:  # its length, fixed after the previous round, is the pass depth: verify it whole
+            width = tree_width(spec.num_nodes, spec.tokens.shape[1], self.max_nodes)
+            return tree_select(spec.tokens, spec.parent, spec.scores, spec.num_nodes, width)
         calibration = self._of(rows, self.calibration)
         spec = spec._replace(scores=sharpen(spec.scores, self._of(rows, self.gamma)))
         budget, next_depth, predicted = pass_budget(spec, calibration, self.pass_time, depth, self.verify_cost)
         # At least one draft: a round that verifies none teaches the calibration nothing (it would never recover from
         # a drafter whose scores start far too low).
-        floor = torch.clamp(spec.num_nodes, max=2)
-        use = self._of(rows, self.budget) if sampled else torch.maximum(budget, floor)
+        floored = torch.maximum(budget, torch.clamp(spec.num_nodes, max=2))
+        use = self._of(rows, self.budget) if sampled else floored
         # The target verifies as many slots for every request as for the widest (padding included), so nodes up to
         # the widest budget cost nothing more: every request verifies that many of its best (fixed before a sampled
         # round's draws too, as the budgets it widens were).
         use = torch.minimum(use.max(), spec.num_nodes)
         if self.chain_round:  # a chain's best n nodes are its first n: tree_select lays them out as they are
-            count = torch.minimum(use, spec.num_nodes)
-            width = tree_width(count, spec.tokens.shape[1], self.max_nodes)
-            tree = tree_select(spec.tokens, spec.parent, spec.scores, count, width)
+            width = tree_width(use, spec.tokens.shape[1], self.max_nodes)
+            tree = tree_select(spec.tokens, spec.parent, spec.scores, use, width)
         else:
             tree = select_budget(spec, use, self.max_nodes)
         if sampled or bool((use != budget).any()):  # the op's prediction is that of the greedy budget
             predicted = predicted_acceptance(tree, calibration)
-        self._set(rows, self.budget, torch.maximum(budget, floor))
+        self._set(rows, self.budget, floored)
         self._set(rows, self.next_depth, next_depth)
         self._set(rows, self.predicted, predicted)
         return tree
@@ -379,7 +422,13 @@ class PassHarness:
         accepted_path: Tensor | None = None,
     ) -> None:
         """Folds the verified acceptance of ``rows`` into their calibration; with the verified trees' ``parent`` and
-        the ``accepted_path``, counts the accepted drafts that were not their parent's first child."""
+        the ``accepted_path``, counts the accepted drafts that were not their parent's first child. After a round
+        of sampled chains: only the chain acceptance rate, and the next chain length from it."""
+        if self.sampled_chains:
+            self.chain_acceptance.observe(num_accepted, num_nodes)
+            rate = self.chain_acceptance.rate
+            self.next_depth.fill_(min(max(1, self.policy.chain_length(self.batch, self.context, rate)), self.max_depth))
+            return
         if parent is not None and accepted_path is not None and self.chain_round:
             self.off_chain[1] += float(num_accepted.sum())  # a chain has no siblings: no accepted draft is off it
         elif parent is not None and accepted_path is not None:
@@ -536,7 +585,7 @@ class DepthHarness:
         self.verify_cost = self.plan.verify_cost.to(self.device)
         self.gamma, self.calibration = policy.start_state(batch, self.device)
         self.predicted = torch.zeros(batch, dtype=torch.float64, device=self.device)
-        self.acceptance = [0.0, 0.0]  # accepted drafts, drafts verified (sampled chains)
+        self.chain_acceptance = ChainAcceptance()  # for sampled chains
         self.rounds: dict[int, DepthRound] = {}
         self.chain_mode = "auto"
         self.chain_report = ""
@@ -559,16 +608,12 @@ class DepthHarness:
 
     def chain_depth(self, rows: Tensor) -> int:
         """Sampled rounds: the chain length of the table at the acceptance rate observed so far (prior 0.7)."""
-        accepted, trials = self.acceptance
-        rate = (accepted + 1.4) / (trials + 2.0)
-        return max(1, self.policy.chain_length(self.batch, self.context, rate))
+        return max(1, self.policy.chain_length(self.batch, self.context, self.chain_acceptance.rate))
 
     def observe(self, rows: Tensor, num_accepted: Tensor, num_nodes: Tensor, parent=None, accepted_path=None) -> None:
         """Folds the verified acceptance of ``rows`` into their calibration and the chain acceptance rate."""
         recalibrate(self.calibration, self.gamma, self.predicted, rows, num_accepted)
-        # Per-position acceptance of chains: accepted drafts over (accepted drafts + rejections).
-        self.acceptance[0] += float(num_accepted.sum())
-        self.acceptance[1] += float(num_accepted.sum() + (num_accepted < num_nodes - 1).sum())
+        self.chain_acceptance.observe(num_accepted, num_nodes)
 
     def finish(self) -> None:
         """Hands what this call learnt to the policy (the next call starts from it)."""
