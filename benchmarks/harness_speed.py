@@ -6,6 +6,7 @@ Goal (issue 14): >= 1.1x the best fixed configuration at batch 1, never below 0.
 
     PYTHONPATH=. python benchmarks/harness_speed.py --target DIR --drafter DIR [--prompts 8 --new-tokens 96]
         [--batch-sizes 1,4,16] [--budgets 8,16,32] [--costs costs.json] [--prompts-file heldout.jsonl] [--passes 3]
+        [--temperature 1.0]
 
 With no --target / --drafter: the demo-sized random models of ``engine_speed.py`` (acceptance near zero).
 """
@@ -33,40 +34,67 @@ class PassResult(NamedTuple):
     accepted: list[list[list[int]]]  # per batch, the requests' accepted drafts per round
 
 
-def one_pass(decoder: SpeculativeDecoder, prompts: list[list[int]], batch: int, new_tokens: int) -> PassResult:
-    """Decodes the prompts ``batch`` at a time."""
-    tokens, seconds, cpu, emitted, rounds, accepted = 0, 0.0, 0.0, 0, 0, []
-    for start in range(0, len(prompts), batch):
-        begin, begin_cpu = time.perf_counter(), time.process_time()
-        out = decoder.generate(prompts[start : start + batch], new_tokens)
-        seconds += time.perf_counter() - begin
-        cpu += time.process_time() - begin_cpu
-        tokens += out.metrics.new_tokens
-        emitted += sum(r.emitted for r in out.requests)
-        rounds += out.metrics.request_rounds
-        accepted.append([r.accepted for r in out.requests])
-    return PassResult(tokens / seconds, tokens / cpu, emitted / max(rounds, 1), accepted)
+class Call(NamedTuple):
+    """One generate call of one batch of prompts."""
+
+    seconds: float
+    cpu_seconds: float
+    tokens: int
+    emitted: int
+    rounds: int
+    accepted: list[list[int]]  # the requests' accepted drafts per round
+
+
+def one_call(
+    decoder: SpeculativeDecoder, batch: list[list[int]], new_tokens: int, seed: int, temperature: float
+) -> Call:
+    begin, begin_cpu = time.perf_counter(), time.process_time()
+    out = decoder.generate(batch, new_tokens, temperature=temperature, seed=seed)
+    seconds, cpu = time.perf_counter() - begin, time.process_time() - begin_cpu
+    emitted = sum(r.emitted for r in out.requests)
+    accepted = [r.accepted for r in out.requests]
+    return Call(seconds, cpu, out.metrics.new_tokens, emitted, out.metrics.request_rounds, accepted)
 
 
 def run(
-    decoders: dict[str, SpeculativeDecoder], prompts: list[list[int]], batch: int, new_tokens: int, passes: int
+    decoders: dict[str, SpeculativeDecoder],
+    prompts: list[list[int]],
+    batch: int,
+    new_tokens: int,
+    passes: int,
+    temperature: float,
 ) -> dict[str, PassResult]:
-    """Each configuration's best pass of ``passes`` (wall clock and CPU time each at its best), the configurations
-    taking turns pass by pass (so that the load of this shared machine drifting during the run touches them alike)."""
+    """Decodes the prompts ``batch`` at a time with every configuration, ``passes`` times. The configurations take
+    turns call by call (in an order that rotates), and each call's fastest of the passes counts (wall clock and CPU
+    time each at its best): this shared machine's speed drifts by +-10% over seconds, which touches configurations
+    that alternate every ~0.1 s alike. Sampled rounds draw the same seeds in every pass."""
     for decoder in decoders.values():
-        decoder.generate(prompts[:batch], 8)  # warm-up
-    best: dict[str, PassResult] = {}
-    for _ in range(passes):
-        for name, decoder in decoders.items():
-            result = one_pass(decoder, prompts, batch, new_tokens)
-            if name in best:
-                old = best[name]
-                result = result._replace(
-                    tokens_per_s=max(result.tokens_per_s, old.tokens_per_s),
-                    cpu_tokens_per_s=max(result.cpu_tokens_per_s, old.cpu_tokens_per_s),
-                )
-            best[name] = result
-    return best
+        decoder.generate(prompts[:batch], 8, temperature=temperature)  # warm-up
+    names = list(decoders)
+    starts = range(0, len(prompts), batch)
+    best: dict[tuple[str, int], Call] = {}
+    for turn in range(passes):
+        for i, start in enumerate(starts):
+            shift = (turn + i) % len(names)
+            for name in names[shift:] + names[:shift]:
+                call = one_call(decoders[name], prompts[start : start + batch], new_tokens, start, temperature)
+                old = best.get((name, start))
+                if old is not None:
+                    call = call._replace(
+                        seconds=min(call.seconds, old.seconds), cpu_seconds=min(call.cpu_seconds, old.cpu_seconds)
+                    )
+                best[name, start] = call
+    results = {}
+    for name in names:
+        calls = [best[name, start] for start in starts]
+        tokens = sum(c.tokens for c in calls)
+        results[name] = PassResult(
+            tokens / sum(c.seconds for c in calls),
+            tokens / sum(c.cpu_seconds for c in calls),
+            sum(c.emitted for c in calls) / max(sum(c.rounds for c in calls), 1),
+            [c.accepted for c in calls],
+        )
+    return results
 
 
 def oracle_bound(table: CostTable, traces: list[list[list[int]]], depth: int, context: int) -> float:
@@ -98,6 +126,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,4,16")
     parser.add_argument("--passes", type=int, default=3, help="passes per configuration (the best counts)")
     parser.add_argument("--budgets", default="8,16,32")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy rounds; above 0: sampled ones")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.target:
@@ -131,7 +160,7 @@ def main() -> None:
     context = max(len(p) for p in prompts)
     print(f"{'batch':>5} {'config':<10} {'tok/s':>8} {'cpu tok/s':>10} {'AL':>6}")
     for batch in batches:
-        results = run(decoders, prompts, batch, args.new_tokens, args.passes)
+        results = run(decoders, prompts, batch, args.new_tokens, args.passes, args.temperature)
         for name, r in results.items():
             print(f"{batch:>5} {name:<10} {r.tokens_per_s:8.1f} {r.cpu_tokens_per_s:10.1f} {r.acceptance_length:6.2f}")
         ours = results["harness"]
