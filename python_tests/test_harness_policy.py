@@ -14,6 +14,7 @@ import torch
 
 from peagle.decode.harness import (
     CostTable,
+    DepthHarness,
     HarnessPolicy,
     PassHarness,
     harness_budget,
@@ -239,6 +240,25 @@ def test_sampled_chains_take_their_length_from_the_observed_acceptance_rate(gene
         assert torch.equal(harness.calibration, calibration) and torch.equal(harness.gamma, gamma)
         depths.append(run)
     assert depths[0] == depths[1] and len(set(depths[0])) > 1, depths
+
+
+def test_depth_rounds_verify_the_widest_budget():
+    """EAGLE-3 rounds too (:meth:`DepthRound.select`): each request verifies the widest request's budget of its best
+    chosen nodes (or every chosen node it has)."""
+    table = cost_table([10e-3 + 1e-3 * (n - 1) for n in [1, 2, 4, 8, 16, 32]], [1e-3] * DEPTH)
+    harness = DepthHarness(HarnessPolicy(table, MAX_NODES), 3, DEPTH, 0, VOCAB, "cpu")
+    round_ = harness.start(torch.arange(3))
+    nodes = 10
+    index = torch.arange(nodes)
+    chosen = index < torch.tensor([[10], [8], [3]])
+    edge = torch.tensor([[0.99], [0.2], [0.99]]).double().expand(3, nodes)  # chains: confident, unsure, short
+    scores = torch.where(chosen, edge.pow(index.double()), 0.0)
+    tokens, parent = index.expand(3, nodes), (index - 1).expand(3, nodes)
+    drafted = torch.where(chosen, sharpen(scores, round_.gamma), -1.0)[:, 1:]
+    own = harness_budget(drafted, round_.calibration, round_.state.draft_time, harness.verify_cost)
+    assert len(set(own.tolist())) == 3, own  # the requests' own budgets differ
+    *_, count = round_.select(tokens, parent, scores, chosen)
+    assert count.tolist() == [min(int(own.max()), int(n)) for n in chosen.sum(1)]
 
 
 def test_calibration_tracks_observed_acceptance():

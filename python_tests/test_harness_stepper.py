@@ -110,6 +110,8 @@ def reference_tree(
     budget = harness_budget(
         torch.where(chosen, scores, -1.0)[:, 1:], calibration, state.draft_time, harness.verify_cost
     )
+    # The target verifies the widest request's node count for all: each request verifies that many (or all it has).
+    budget = torch.clamp(budget, min=int(budget.max())).minimum(chosen.sum(1))
     tree = select_candidates(tokens, parent, scores, chosen, budget, harness.max_nodes)
     return tree, predicted_acceptance(tree, calibration), len(levels)
 

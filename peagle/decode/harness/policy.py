@@ -69,6 +69,7 @@ __all__ = [
     "tree_width",
     "update_calibration",
     "update_sharpness",
+    "widest",
 ]
 
 OFF_CHAIN_RATE = 0.05  # below this share of accepted drafts off the top-1 chain, a tree plan drafts chains
@@ -141,6 +142,13 @@ def select_candidates(
     out."""
     tokens, parent, scores, count = kept_first(tokens, parent, scores, valid, budget)
     return tree_select(tokens, parent, scores, count, tree_width(count, tokens.shape[1], max_nodes))
+
+
+def widest(budget: Tensor, available: Tensor) -> Tensor:
+    """Every request's budget widened to the widest request's (at most its ``available`` nodes): the target verifies
+    as many slots for every request as for the widest, padding included, so nodes up to that many cost nothing
+    more. Device work only."""
+    return torch.minimum(budget.max(), available)
 
 
 def tree_width(count: Tensor, candidates: int, max_nodes: int) -> int:
@@ -397,10 +405,9 @@ class PassHarness:
         # a drafter whose scores start far too low).
         floored = torch.maximum(budget, torch.clamp(spec.num_nodes, max=2))
         use = self._of(rows, self.budget) if sampled else floored
-        # The target verifies as many slots for every request as for the widest (padding included), so nodes up to
-        # the widest budget cost nothing more: every request verifies that many of its best (fixed before a sampled
-        # round's draws too, as the budgets it widens were).
-        use = torch.minimum(use.max(), spec.num_nodes)
+        # Every request verifies up to the widest budget of its best nodes (fixed before a sampled round's draws too,
+        # as the budgets it widens were).
+        use = widest(use, spec.num_nodes)
         if self.chain_round:  # a chain's best n nodes are its first n: tree_select lays them out as they are
             width = tree_width(use, spec.tokens.shape[1], self.max_nodes)
             tree = tree_select(spec.tokens, spec.parent, spec.scores, use, width)
@@ -543,7 +550,8 @@ class DepthRound:
         scores = sharpen(scores, self.gamma)
         drafted = torch.where(chosen, scores, -1.0)[:, 1:]
         budget = harness_budget(drafted, self.calibration, self.state.draft_time, self.harness.verify_cost)
-        return kept_first(tokens, parent, scores, chosen, budget)
+        # Padding rows repeat the first request's, so the widest budget is a real request's.
+        return kept_first(tokens, parent, scores, chosen, widest(budget, chosen.sum(1)))
 
     def tree(self, tokens: Tensor, parent: Tensor, scores: Tensor, count: Tensor) -> TreeSpec:
         """The round's trees from :meth:`select`'s output (the real rows only); records their predicted acceptance.
