@@ -294,8 +294,8 @@ def test_observe_opcheck(generator):
 
 
 def test_observe_argument_errors(generator):
-    calibration, gamma, predicted, accepted, rows = random_observe_case(generator, 4, "subset", torch.int64)
-    rows, accepted = rows[:2], accepted[:2]
+    calibration, gamma, predicted, _, _ = random_observe_case(generator, 4, "all", torch.int64)
+    rows, accepted = torch.tensor([3, 1]), torch.tensor([2, 5])
     base = dict(calibration=calibration, gamma=gamma, predicted=predicted, accepted=accepted, rows=rows, decay=0.9,
                 gamma_range=(0.02, 1.5))  # fmt: skip
     cases = [
