@@ -33,7 +33,8 @@
 // Bit-for-bit agreement. Every quantity is a float64 sum, product, quotient or square root evaluated in the order
 // written in (2)-(6) (S_w sequentially from the best candidate) through mul_rn / add_rn / div_rn / sqrt_rn
 // (peagle/rounding.h), which keep CUDA from contracting a * b + c into one fused multiply-add, so the device computes
-// the same bits as the host and as torch.
+// the same bits as the host and as torch. The square root is IEEE's (correctly rounded) on both; torch's float64 sqrt
+// on the CPU is not always (one ulp off for about 1% of inputs), so the reference of (6) takes Python's math.sqrt.
 #pragma once
 
 #include <cmath>
