@@ -104,6 +104,12 @@ TORCH_LIBRARY(peagle, m) {
   m.def(
       "harness_pass_decide(Tensor scores, Tensor depth, Tensor num_nodes, Tensor calibration, Tensor pass_time, "
       "Tensor verify_cost, int drafted_depth) -> (Tensor budget, Tensor next_depth, Tensor predicted)");
+  // Calibration update after a verified round (math: (6) of csrc/include/peagle/harness.h): for each row r, request
+  // b = rows[r] (row r itself without rows; rows distinct) decays its (observed, predicted) sums calibration[b] and
+  // adds accepted[r] and predicted[b], then moves its path-score exponent gamma[b]; in place, no outputs.
+  m.def(
+      "harness_observe(Tensor(a!) calibration, Tensor(b!) gamma, Tensor predicted, Tensor accepted, Tensor? rows, "
+      "float decay, float gamma_min, float gamma_max) -> ()");
 
   // Returns the CPU output blocks kept for reuse (see csrc/cpu/large_buffers.h) to the OS; bytes released. Takes no
   // tensor, so its one kernel is composite (registered in csrc/cpu/large_buffers.cpp).

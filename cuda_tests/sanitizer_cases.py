@@ -170,6 +170,19 @@ def harness_pass(generator):
     harness_pass_decide(*(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args))
 
 
+@case("harness_observe")
+def harness_observe_case(generator):
+    from peagle.ops import harness_observe
+
+    f64 = dict(dtype=torch.float64, device=DEVICE)
+    calibration = torch.tensor([[1.0, 2.0], [0.0, 0.0], [3.0, 1.0]], **f64)
+    gamma, predicted = torch.tensor([1.0, 0.02, 1.5], **f64), torch.tensor([0.5, 3.0, 0.0], **f64)
+    every, some = torch.tensor([2, 0, 1], device=DEVICE), torch.tensor([1, 3], dtype=torch.int32, device=DEVICE)
+    harness_observe(calibration, gamma, predicted, every, None, 0.9, (0.02, 1.5))
+    harness_observe(calibration, gamma, predicted, some, torch.tensor([2, 0], device=DEVICE), 0.9, (0.02, 1.5))
+    harness_observe(calibration, gamma, predicted, every[:0], every[:0], 0.9, (0.02, 1.5))  # no rows: no launch
+
+
 def graph_chain(generator):
     """The graph chain's tail kernel (a catch-all op, so not in the coverage list): a few rounds of a toy drafter."""
     from peagle.decode.harness.graphs import DepthGraphChain

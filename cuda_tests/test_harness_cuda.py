@@ -1,7 +1,9 @@
 """harness_decide on CUDA equals the CPU op bit for bit (random inputs, padding, stopped requests, ties, batches
 wider than one block), writes only into its arguments (no host synchronisation: it runs inside a captured CUDA
 graph), and rejects tensors on two devices. harness_pass_decide on CUDA equals the CPU op bit for bit (chains and
-trees, batches over several blocks) without a host synchronisation."""
+trees, batches over several blocks) without a host synchronisation. harness_observe on CUDA equals the CPU op bit for
+bit (every row, rows in random order, no rows; int64 and int32 accepted counts; batches over several blocks) without a
+host synchronisation, inside a captured CUDA graph too, and rejects tensors on two devices."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ import pytest
 import torch
 
 import peagle  # noqa: F401
-from peagle.ops import HarnessState, harness_decide, harness_pass_decide
-from testkit import random_pass_case
+from peagle.decode.harness.policy import CALIBRATION_DECAY, SHARPNESS_RANGE
+from peagle.ops import HarnessState, harness_decide, harness_observe, harness_pass_decide
+from testkit import random_observe_case, random_pass_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -82,3 +85,49 @@ def test_harness_pass_decide_on_cuda_equals_cpu(generator, batch):
             torch.cuda.set_sync_debug_mode("default")
         for name, a, e in zip(("budget", "next_depth", "predicted"), got, want, strict=True):
             assert a.is_cuda and torch.equal(a.cpu(), e), name
+
+
+def cuda_args(args):
+    return [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+@pytest.mark.parametrize("batch,rows", [(1, "all"), (37, "subset"), (300, "all"), (300, "subset"), (5, "none")])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_harness_observe_on_cuda_equals_cpu(generator, batch, rows, dtype):
+    for _ in range(10):
+        calibration, gamma, *inputs = random_observe_case(generator, batch, rows, dtype)
+        state = (calibration.cuda(), gamma.cuda())
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            harness_observe(*state, *cuda_args(inputs), CALIBRATION_DECAY, SHARPNESS_RANGE)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        harness_observe(calibration, gamma, *inputs, CALIBRATION_DECAY, SHARPNESS_RANGE)
+        for name, a, e in zip(("calibration", "gamma"), state, (calibration, gamma), strict=True):
+            assert a.is_cuda and torch.equal(a.cpu(), e), name
+
+
+def test_harness_observe_is_graph_capturable(generator):
+    calibration, gamma, *inputs = random_observe_case(generator, 12, "subset", torch.int64)
+    live, start = (calibration.cuda(), gamma.cuda()), (calibration.cuda(), gamma.cuda())
+    inputs = cuda_args(inputs)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        harness_observe(*(t.clone() for t in start), *inputs, CALIBRATION_DECAY, SHARPNESS_RANGE)  # warm-up
+        with torch.cuda.graph(graph, stream=stream):
+            harness_observe(*live, *inputs, CALIBRATION_DECAY, SHARPNESS_RANGE)
+    for _ in range(3):  # three rounds: each replay folds the round in again
+        graph.replay()
+        harness_observe(calibration, gamma, *(t.cpu() if t is not None else t for t in inputs), CALIBRATION_DECAY,
+                        SHARPNESS_RANGE)  # fmt: skip
+    torch.cuda.synchronize()
+    assert torch.equal(live[0].cpu(), calibration) and torch.equal(live[1].cpu(), gamma)
+
+
+def test_harness_observe_device_mismatch(generator):
+    calibration, gamma, predicted, accepted, rows = random_observe_case(generator, 4, "subset", torch.int64)
+    with pytest.raises(RuntimeError, match="predicted must be on the same device as calibration"):
+        harness_observe(calibration.cuda(), gamma.cuda(), predicted, accepted.cuda(), rows.cuda(), 0.9, (0.02, 1.5))
+    with pytest.raises(RuntimeError, match="rows must be on the same device as calibration"):
+        harness_observe(calibration.cuda(), gamma.cuda(), predicted.cuda(), accepted.cuda(), rows, 0.9, (0.02, 1.5))

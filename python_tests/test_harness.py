@@ -1,21 +1,29 @@
 """harness_decide and harness_pass_decide: the CPU ops equal their PyTorch references bit for bit on random inputs
 (padding, stopped requests, ties, budgets at the node limit, chains and trees, shallower / same / deeper next depths),
-their decisions follow the ratio rules of harness.h checked by brute force, opcheck, and every argument check."""
+their decisions follow the ratio rules of harness.h checked by brute force, opcheck, and every argument check.
+harness_observe: the CPU op equals its reference and (6) of harness.h in Python floats bit for bit (every row, rows
+in random order, no rows, both clamps); a swapped sharpness ratio fails the same comparison; opcheck; argument
+checks."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
+from peagle.decode.harness.policy import CALIBRATION_DECAY, SHARPNESS_RANGE
 from peagle.ops import (
     HarnessState,
     calibration_scale,
     harness_decide,
     harness_decide_reference,
+    harness_observe,
+    harness_observe_reference,
     harness_pass_decide,
     harness_pass_decide_reference,
 )
-from testkit import random_pass_case
+from testkit import random_observe_case, random_pass_case
 
 
 def random_case(generator: torch.Generator, batch: int, frontier: int, max_nodes: int):
@@ -213,3 +221,108 @@ def test_pass_argument_errors(generator):
     for replace, message in cases:
         with pytest.raises(RuntimeError, match=message):
             harness_pass_decide(**(base | replace))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# harness_observe
+
+OBSERVE_SETTINGS = [(CALIBRATION_DECAY, SHARPNESS_RANGE), (0.37, (0.3, 0.7))]  # the policy's, and narrow bounds
+
+
+def observe_by_hand(calibration, gamma, predicted, accepted, rows, decay, gamma_range, swap_ratio=False) -> None:
+    """(6) of harness.h row by row in Python floats (IEEE doubles, the same order of operations). ``swap_ratio`` turns
+    the sharpness ratio upside down (observed over predicted): the mutant the comparison must catch."""
+    low, high = gamma_range
+    index = range(len(gamma)) if rows is None else rows.tolist()
+    for r, b in enumerate(index):
+        observed = float(calibration[b, 0]) * decay + float(accepted[r])
+        expected = float(calibration[b, 1]) * decay + float(predicted[b])
+        top, bottom = (observed, expected) if swap_ratio else (expected, observed)
+        step = math.sqrt(min(max((top + 2.0) / (bottom + 2.0), 0.5), 2.0))
+        calibration[b, 0], calibration[b, 1] = observed, expected
+        gamma[b] = min(max(float(gamma[b]) * step, low), high)
+
+
+def observe_mismatches(generator, observe, batch: int, rows: str, decay: float, gamma_range) -> tuple[int, list]:
+    """Runs ``observe`` and the op on 20 fresh random cases; (cases whose calibration or gamma differ, the op's
+    results as (rows updated, calibration, gamma before, gamma))."""
+    mismatches, results = 0, []
+    for dtype in (torch.int64, torch.int32) * 10:
+        case = random_observe_case(generator, batch, rows, dtype, gamma_range)
+        op_state, want_state = (case[0].clone(), case[1].clone()), (case[0].clone(), case[1].clone())
+        harness_observe(*op_state, *case[2:], decay, gamma_range)
+        observe(*want_state, *case[2:], decay, gamma_range)
+        mismatches += not all(torch.equal(a, e) for a, e in zip(op_state, want_state, strict=True))
+        updated = torch.arange(batch) if case[-1] is None else case[-1]
+        results.append((updated, *op_state, case[1]))
+    return mismatches, results
+
+
+@pytest.mark.parametrize("decay,gamma_range", OBSERVE_SETTINGS)
+@pytest.mark.parametrize(
+    "batch,rows", [(1, "all"), (7, "all"), (64, "all"), (9, "subset"), (64, "subset"), (5, "none")]
+)
+def test_observe_op_equals_reference(generator, batch, rows, decay, gamma_range):
+    for observe in (harness_observe_reference, observe_by_hand):
+        mismatches, results = observe_mismatches(generator, observe, batch, rows, decay, gamma_range)
+        assert mismatches == 0, observe.__name__
+    # The cases reach both bounds of the ratio and of gamma (in the updated rows; the others are unchanged).
+    updated = [(c[u], g[u]) for u, c, g, _ in results if len(u)]
+    if sum(len(g) for _, g in updated) >= 100:  # a handful of rows may miss a bound by chance
+        ratio = torch.cat([(c[:, 1] + 2.0) / (c[:, 0] + 2.0) for c, _ in updated])
+        gamma = torch.cat([g for _, g in updated])
+        assert (ratio < 0.5).any() and (ratio > 2.0).any() and (ratio > 0.5).any()
+        assert (gamma == gamma_range[0]).any() and (gamma == gamma_range[1]).any()
+    for u, _, g, before in results:
+        untouched = torch.ones(batch, dtype=torch.bool)
+        untouched[u] = False
+        assert torch.equal(g[untouched], before[untouched])
+
+
+def test_observe_comparison_has_power(generator):
+    """The same comparison rejects the op's math with the sharpness ratio upside down."""
+    swapped = lambda *args: observe_by_hand(*args, swap_ratio=True)  # noqa: E731
+    mismatches, _ = observe_mismatches(generator, swapped, 16, "subset", *OBSERVE_SETTINGS[0])
+    assert mismatches >= 15, mismatches
+
+
+def test_observe_opcheck(generator):
+    for rows in ("all", "subset"):
+        calibration, gamma, predicted, accepted, index = random_observe_case(generator, 6, rows, torch.int64)
+        args = (calibration, gamma, predicted, accepted, index, CALIBRATION_DECAY, *SHARPNESS_RANGE)
+        torch.library.opcheck(torch.ops.peagle.harness_observe, args)
+
+
+def test_observe_argument_errors(generator):
+    calibration, gamma, predicted, _, _ = random_observe_case(generator, 4, "all", torch.int64)
+    rows, accepted = torch.tensor([3, 1]), torch.tensor([2, 5])
+    base = dict(calibration=calibration, gamma=gamma, predicted=predicted, accepted=accepted, rows=rows, decay=0.9,
+                gamma_range=(0.02, 1.5))  # fmt: skip
+    cases = [
+        (dict(calibration=calibration.float()), "calibration must be Double"),
+        (dict(calibration=calibration[:, 0]), r"calibration must be 2-D \[B, 2\]"),
+        (dict(calibration=torch.zeros(4, 3, dtype=torch.float64)), r"calibration must have shape \[B, 2\]"),
+        (dict(gamma=gamma.float()), "gamma must be Double"),
+        (dict(gamma=gamma[:3]), r"gamma must have shape \[B\]"),
+        (dict(gamma=torch.zeros(4, 2, dtype=torch.float64)[:, 0]), "gamma must be contiguous"),
+        (dict(predicted=predicted.float()), "predicted must be Double"),
+        (dict(predicted=predicted[:2]), r"predicted must have shape \[B\] \(per request\)"),
+        (dict(accepted=accepted.double()), "accepted must be int32 or int64"),
+        (dict(accepted=accepted[:1]), r"accepted must have shape \[R\] \(one per row\)"),
+        (dict(rows=None), r"accepted must have shape \[B\] \(no rows\)"),
+        (dict(rows=rows.int()), "rows must be Long"),
+        (dict(rows=rows[None]), r"rows must be 1-D \[R\]"),
+        (dict(rows=torch.tensor([0, 4])), r"rows must be in \[0, B\) = \[0, 4\), got 4 at 1"),
+        (dict(rows=torch.tensor([-1, 2])), r"rows must be in \[0, B\) = \[0, 4\), got -1 at 0"),
+        (dict(rows=torch.tensor([3, 3])), "rows must be distinct, got 3 twice"),
+        (dict(decay=1.5), r"decay must be in \[0, 1\]"),
+        (dict(decay=float("nan")), r"decay must be in \[0, 1\]"),
+        (dict(gamma_range=(1.5, 0.02)), "gamma_min and gamma_max must be finite with 0 < gamma_min <= gamma_max"),
+        (dict(gamma_range=(0.0, 1.5)), "gamma_min and gamma_max must be finite"),
+        (dict(gamma_range=(0.02, math.inf)), "gamma_min and gamma_max must be finite"),
+    ]
+    before = calibration.clone(), gamma.clone()
+    for replace, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            harness_observe(**(base | replace))
+    assert torch.equal(calibration, before[0]) and torch.equal(gamma, before[1])  # checked before any write

@@ -19,9 +19,8 @@ from peagle.decode.harness import (
     PassHarness,
     harness_budget,
     select_budget,
-    update_calibration,
 )
-from peagle.decode.harness.policy import sharpen, update_sharpness
+from peagle.decode.harness.policy import recalibrate, sharpen
 from peagle.ops import calibration_scale, tree_build_parallel
 
 DEPTH, VOCAB, MAX_NODES = 6, 8, 32
@@ -262,9 +261,10 @@ def test_depth_rounds_verify_the_widest_budget():
 
 
 def test_calibration_tracks_observed_acceptance():
-    calibration = torch.zeros(2, 2, dtype=torch.float64)
+    calibration, gamma = torch.zeros(2, 2, dtype=torch.float64), torch.ones(2, dtype=torch.float64)
+    predicted = torch.tensor([2.0, 1.0], dtype=torch.float64)
     for _ in range(40):  # request 0 accepts half of what was predicted, request 1 twice as much
-        update_calibration(calibration, torch.tensor([2.0, 1.0]), torch.tensor([1, 2]))
+        recalibrate(calibration, gamma, predicted, torch.arange(2), torch.tensor([1, 2]))
     weight = (1 - 0.9**40) / (1 - 0.9)  # the decayed number of rounds
     expected = [(weight * 1 + 2) / (weight * 2 + 2), (weight * 2 + 2) / (weight * 1 + 2)]  # the prior: 2 rounds at 1
     assert calibration_scale(calibration).tolist() == pytest.approx(expected, rel=1e-9)
@@ -278,8 +278,7 @@ def test_sharpness_recalibrates_a_flat_drafter():
     path = torch.tensor([[0.01, 0.01**2, 0.01**3, 0.01**4]], dtype=torch.float64)
     for _ in range(60):
         predicted = torch.clamp(calibration_scale(calibration) * sharpen(path, gamma), max=1.0).sum(1)
-        update_calibration(calibration, predicted, torch.tensor([4]))
-        update_sharpness(gamma, calibration)
+        recalibrate(calibration, gamma, predicted, torch.arange(1), torch.tensor([4]))
     assert float(gamma[0]) < 0.1
     predicted = float(torch.clamp(calibration_scale(calibration) * sharpen(path, gamma), max=1.0).sum())
     assert predicted > 3.0

@@ -4,6 +4,7 @@ because the root conftest.py puts the repository root on ``sys.path``."""
 
 from __future__ import annotations
 
+import math
 import os
 from typing import NamedTuple
 
@@ -546,6 +547,32 @@ def random_pass_case(generator: torch.Generator, batch: int, max_nodes: int) -> 
     passes = torch.sort(torch.rand(num_pass, generator=generator, dtype=torch.float64)).values
     passes = passes * (1e-2 if steep else 1e-5)
     return scores.contiguous(), spec.depth, num_nodes, calibration, passes, verify, depth
+
+
+def random_observe_case(
+    generator: torch.Generator,
+    batch: int,
+    rows: str,
+    accepted_dtype: torch.dtype,
+    gamma_range: tuple[float, float] = (0.02, 1.5),
+) -> tuple:
+    """Inputs of harness_observe: (calibration, gamma, predicted, accepted, rows). Sums spread over three decades (so
+    the sharpness ratio hits both of its bounds) and exponents from a quarter of gamma_range's low end to four times its
+    high end (so the update hits both bounds too), every fifth at the low bound. ``rows``: "all" (None), "subset" (a
+    random subset in random order) or "none" (no rows)."""
+    low, high = gamma_range
+    calibration = 10 ** (torch.rand(batch, 2, generator=generator, dtype=torch.float64) * 3 - 1)
+    log_gamma = torch.rand(batch, generator=generator, dtype=torch.float64)
+    gamma = torch.exp(math.log(low / 4) + log_gamma * math.log(16 * high / low))
+    gamma[::5] = low
+    predicted = torch.rand(batch, generator=generator, dtype=torch.float64) * 8
+    if rows == "all":
+        index, count = None, batch
+    else:
+        count = int(torch.randint(1, batch + 1, (1,), generator=generator)) if rows == "subset" else 0
+        index = torch.randperm(batch, generator=generator)[:count]
+    accepted = torch.randint(0, 9, (count,), generator=generator, dtype=accepted_dtype)
+    return calibration, gamma, predicted, accepted, index
 
 
 def error_message(error: BaseException) -> str:

@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <optional>
+#include <vector>
 
 #include "checks/common.h"
 
@@ -151,6 +153,51 @@ inline void check_harness_pass_values(const PassDims& d, const double* scores, c
   for (int64_t n = 0; n <= d.max_nodes; ++n) {
     TORCH_CHECK(std::isfinite(verify_cost[n]) && verify_cost[n] >= 0.0, op, "verify_cost must be finite and >= 0, got ",
                 verify_cost[n], " at ", n);
+  }
+}
+
+struct ObserveDims {
+  int64_t batch, rows;
+};
+
+// harness_observe: calibration [B, 2] and gamma [B] float64 (updated in place), predicted [B] float64 (per request),
+// accepted [R] int32 / int64 and rows [R] int64 (or none: R = B, row r = request r); decay in [0, 1] and
+// 0 < gamma_min <= gamma_max, all finite.
+inline ObserveDims check_harness_observe_args(const at::Tensor& calibration, const at::Tensor& gamma,
+                                              const at::Tensor& predicted, const at::Tensor& accepted,
+                                              const std::optional<at::Tensor>& rows, double decay, double gamma_min,
+                                              double gamma_max) {
+  const char* op = "harness_observe";
+  const auto check = [&](const char* name, const at::Tensor& t, at::ScalarType dtype, at::IntArrayRef shape,
+                         const char* layout) {
+    check_harness_tensor(name, t, dtype, shape, layout, calibration, op, "calibration");
+  };
+  check("calibration", calibration, at::kDouble, {-1, 2}, "[B, 2] (observed, predicted)");
+  const int64_t batch = calibration.size(0);
+  check("gamma", gamma, at::kDouble, {batch}, "[B]");
+  check("predicted", predicted, at::kDouble, {batch}, "[B] (per request)");
+  if (rows.has_value()) check("rows", *rows, at::kLong, {-1}, "[R]");
+  const int64_t count = rows.has_value() ? rows->size(0) : batch;
+  check_integer(op, "accepted", accepted);
+  check("accepted", accepted, accepted.scalar_type(), {count},
+        rows.has_value() ? "[R] (one per row)" : "[B] (no rows)");
+  TORCH_CHECK(std::isfinite(decay) && decay >= 0.0 && decay <= 1.0, "peagle.harness_observe: decay must be in [0, 1], ",
+              "got ", decay);
+  TORCH_CHECK(std::isfinite(gamma_min) && std::isfinite(gamma_max) && gamma_min > 0.0 && gamma_min <= gamma_max,
+              "peagle.harness_observe: gamma_min and gamma_max must be finite with 0 < gamma_min <= gamma_max, got ",
+              gamma_min, " and ", gamma_max);
+  return ObserveDims{batch, count};
+}
+
+// Values (CPU tensors): rows distinct and in [0, B) (the kernels update each row's request independently).
+inline void check_harness_observe_rows(const ObserveDims& d, const int64_t* rows) {
+  std::vector<bool> seen(static_cast<size_t>(d.batch), false);
+  for (int64_t r = 0; r < d.rows; ++r) {
+    const int64_t b = rows[r];
+    TORCH_CHECK(b >= 0 && b < d.batch, "peagle.harness_observe: rows must be in [0, B) = [0, ", d.batch, "), got ", b,
+                " at ", r);
+    TORCH_CHECK(!seen[static_cast<size_t>(b)], "peagle.harness_observe: rows must be distinct, got ", b, " twice");
+    seen[static_cast<size_t>(b)] = true;
   }
 }
 

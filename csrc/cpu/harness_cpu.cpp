@@ -1,5 +1,6 @@
-// CPU kernel of harness_decide (math: csrc/include/peagle/harness.h). Parallel over requests; writes the next depth's
-// width, the stop flags, the running state and the go flag in place.
+// CPU kernels of the harness ops (math: csrc/include/peagle/harness.h). harness_decide: parallel over requests; writes
+// the next depth's width, the stop flags, the running state and the go flag in place. harness_pass_decide: the pass
+// budget and next depth per request. harness_observe: the calibration sums and exponents of the rows, in place.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -79,10 +80,43 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> harness_pass_decide_cpu(
   return {budget, next_depth, predicted};
 }
 
+template <typename Accepted>
+void observe_rows(const ObserveDims& d, double* calib, double* gamma, const double* predicted, const Accepted* accepted,
+                  const int64_t* rows, double decay, double gamma_min, double gamma_max) {
+  for (int64_t r = 0; r < d.rows; ++r) {
+    const int64_t b = rows != nullptr ? rows[r] : r;
+    const harness::Calibration c =
+        harness::observe(harness::Calibration{calib[2 * b], calib[2 * b + 1], gamma[b]},
+                         static_cast<double>(accepted[r]), predicted[b], decay, gamma_min, gamma_max);
+    calib[2 * b] = c.observed;
+    calib[2 * b + 1] = c.predicted;
+    gamma[b] = c.gamma;
+  }
+}
+
+// A few flops per request: a plain loop (a parallel_for would cost more than the work at decoding batch sizes).
+void harness_observe_cpu(const at::Tensor& calibration, const at::Tensor& gamma, const at::Tensor& predicted,
+                         const at::Tensor& accepted, const std::optional<at::Tensor>& rows, double decay,
+                         double gamma_min, double gamma_max) {
+  const ObserveDims d =
+      check_harness_observe_args(calibration, gamma, predicted, accepted, rows, decay, gamma_min, gamma_max);
+  const int64_t* row = rows.has_value() ? rows->data_ptr<int64_t>() : nullptr;
+  if (row != nullptr) check_harness_observe_rows(d, row);
+  double* calib = calibration.data_ptr<double>();
+  double* g = gamma.data_ptr<double>();
+  const double* p = predicted.data_ptr<double>();
+  if (accepted.scalar_type() == at::kLong) {
+    observe_rows(d, calib, g, p, accepted.data_ptr<int64_t>(), row, decay, gamma_min, gamma_max);
+  } else {
+    observe_rows(d, calib, g, p, accepted.data_ptr<int32_t>(), row, decay, gamma_min, gamma_max);
+  }
+}
+
 }  // namespace
 }  // namespace peagle
 
 TORCH_LIBRARY_IMPL(peagle, CPU, m) {
   m.impl("harness_decide", &peagle::harness_decide_cpu);
   m.impl("harness_pass_decide", &peagle::harness_pass_decide_cpu);
+  m.impl("harness_observe", &peagle::harness_observe_cpu);
 }

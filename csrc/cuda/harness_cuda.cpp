@@ -1,5 +1,6 @@
-// Torch-facing launcher of harness_decide on CUDA: host checks of shapes/dtypes/devices only (the value checks would
-// need a host synchronisation; the kernel treats bad entries as padding), then one kernel on the current stream.
+// Torch-facing launchers of the harness ops on CUDA: host checks of shapes/dtypes/devices only (the value checks would
+// need a host synchronisation; the kernels treat bad entries as padding and skip rows out of range), then one kernel
+// on the current stream.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -68,10 +69,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> harness_pass_decide_cuda(
   return {budget, next_depth, predicted};
 }
 
+void harness_observe_cuda(const at::Tensor& calibration, const at::Tensor& gamma, const at::Tensor& predicted,
+                          const at::Tensor& accepted, const std::optional<at::Tensor>& rows, double decay,
+                          double gamma_min, double gamma_max) {
+  const ObserveDims d =
+      check_harness_observe_args(calibration, gamma, predicted, accepted, rows, decay, gamma_min, gamma_max);
+  TORCH_CHECK(calibration.is_cuda(), "peagle.harness_observe: expected CUDA tensors, got calibration on ",
+              calibration.device());
+  const c10::cuda::CUDAGuard guard(calibration.device());
+  const bool long_accepted = accepted.scalar_type() == at::kLong;
+  const cuda::HarnessObserveArgs args{calibration.data_ptr<double>(),
+                                      gamma.data_ptr<double>(),
+                                      predicted.data_ptr<double>(),
+                                      long_accepted ? accepted.data_ptr<int64_t>() : nullptr,
+                                      long_accepted ? nullptr : accepted.data_ptr<int32_t>(),
+                                      rows.has_value() ? rows->data_ptr<int64_t>() : nullptr,
+                                      d.batch,
+                                      d.rows,
+                                      decay,
+                                      gamma_min,
+                                      gamma_max};
+  check_cuda(cuda::harness_observe(args, c10::cuda::getCurrentCUDAStream()), "harness_observe");
+}
+
 }  // namespace
 }  // namespace peagle
 
 TORCH_LIBRARY_IMPL(peagle, CUDA, m) {
   m.impl("harness_decide", &peagle::harness_decide_cuda);
   m.impl("harness_pass_decide", &peagle::harness_pass_decide_cuda);
+  m.impl("harness_observe", &peagle::harness_observe_cuda);
 }

@@ -1,4 +1,4 @@
-// CUDA kernel of harness_decide (see harness_kernels.h; math: peagle/harness.h). No torch headers here.
+// CUDA kernels of the harness ops (see harness_kernels.h; math: peagle/harness.h). No torch headers here.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -50,7 +50,29 @@ __global__ void harness_pass_decide_kernel(const HarnessPassArgs a) {
 
 constexpr int kPassThreads = 128;
 
+__global__ void harness_observe_kernel(const HarnessObserveArgs a) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= a.num_rows) return;
+  const int64_t b = a.rows != nullptr ? a.rows[r] : r;
+  if (b < 0 || b >= a.batch) return;
+  const double accepted =
+      a.accepted_long != nullptr ? static_cast<double>(a.accepted_long[r]) : static_cast<double>(a.accepted_int[r]);
+  const harness::Calibration c =
+      harness::observe(harness::Calibration{a.calibration[2 * b], a.calibration[2 * b + 1], a.gamma[b]}, accepted,
+                       a.predicted[b], a.decay, a.gamma_min, a.gamma_max);
+  a.calibration[2 * b] = c.observed;
+  a.calibration[2 * b + 1] = c.predicted;
+  a.gamma[b] = c.gamma;
+}
+
 }  // namespace
+
+cudaError_t harness_observe(const HarnessObserveArgs& args, cudaStream_t stream) {
+  if (args.num_rows == 0) return cudaSuccess;
+  const int64_t blocks = (args.num_rows + kPassThreads - 1) / kPassThreads;
+  harness_observe_kernel<<<static_cast<unsigned>(blocks), kPassThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
 
 cudaError_t harness_pass_decide(const HarnessPassArgs& args, cudaStream_t stream) {
   if (args.batch == 0) return cudaSuccess;

@@ -1,5 +1,5 @@
-// Raw-pointer entry point of the harness_decide CUDA kernel. Implemented in harness_kernels.cu (no torch headers);
-// the torch-facing launcher (harness_cuda.cpp) checks shapes/dtypes/devices and calls this on the current stream.
+// Raw-pointer entry points of the harness CUDA kernels. Implemented in harness_kernels.cu (no torch headers);
+// the torch-facing launcher (harness_cuda.cpp) checks shapes/dtypes/devices and calls these on the current stream.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -42,6 +42,21 @@ struct HarnessPassArgs {
 
 // A thread per request (1-D grid). num_nodes is clamped to [1, N] (the value checks are the CPU's).
 cudaError_t harness_pass_decide(const HarnessPassArgs& args, cudaStream_t stream);
+
+struct HarnessObserveArgs {
+  double* calibration;           // [B, 2]
+  double* gamma;                 // [B]
+  const double* predicted;       // [B]
+  const int64_t* accepted_long;  // [R], or null when accepted is int32
+  const int32_t* accepted_int;   // [R], or null when accepted is int64
+  const int64_t* rows;           // [R], or null: row r = request r
+  int64_t batch, num_rows;
+  double decay, gamma_min, gamma_max;
+};
+
+// A thread per row (1-D grid); nothing launched for R = 0. Rows outside [0, B) are skipped (the range and distinctness
+// checks are the CPU's: they would need a host synchronisation).
+cudaError_t harness_observe(const HarnessObserveArgs& args, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace peagle

@@ -25,6 +25,8 @@ from peagle.ops.harness import (
     calibration_scale,
     harness_decide,
     harness_decide_reference,
+    harness_observe,
+    harness_observe_reference,
     harness_pass_decide,
     harness_pass_decide_reference,
 )
@@ -108,6 +110,8 @@ __all__ = [
     "gdn_tree_verify_reference",
     "harness_decide",
     "harness_decide_reference",
+    "harness_observe",
+    "harness_observe_reference",
     "harness_pass_decide",
     "harness_pass_decide_reference",
     "kv_compact",

@@ -2,15 +2,18 @@
 nodes a request drafts at the next depth, and whether it stops. :func:`harness_pass_decide` (P-EAGLE): the verify
 budget of a pass's candidate tree and the next pass's depth. Both from calibrated path scores and the cost table (math:
 ``csrc/include/peagle/harness.h``; the policy around them: :mod:`peagle.decode.harness.policy`).
+:func:`harness_observe` folds a verified round into the calibration those decisions read.
 
 The op writes into preallocated tensors (no outputs), so a CUDA graph can capture it and a device-side runner can read
 ``go`` without the host. :func:`harness_decide_reference` is the executable spec in PyTorch, operation for operation
-the same float64 arithmetic, so its results equal the kernels' bit for bit; so is
-:func:`harness_pass_decide_reference` (on CPU tensors, whose cumulative sums run in order).
+the same float64 arithmetic, so its results equal the kernels' bit for bit; so are
+:func:`harness_pass_decide_reference` (on CPU tensors, whose cumulative sums run in order) and
+:func:`harness_observe_reference`.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -19,19 +22,23 @@ from torch import Tensor
 __all__ = [
     "CALIBRATION_PRIOR",
     "CALIBRATION_SCALE_RANGE",
+    "SHARPNESS_RATIO_RANGE",
     "HarnessState",
     "best_candidates",
     "budget_ratios",
     "calibration_scale",
     "harness_decide",
     "harness_decide_reference",
+    "harness_observe",
+    "harness_observe_reference",
     "harness_pass_decide",
     "harness_pass_decide_reference",
 ]
 
-# Constants of csrc/include/peagle/harness.h (kPrior, kMinScale, kMaxScale).
+# Constants of csrc/include/peagle/harness.h (kPrior, kMinScale, kMaxScale, kMinSharpnessRatio, kMaxSharpnessRatio).
 CALIBRATION_PRIOR = 2.0
 CALIBRATION_SCALE_RANGE = (0.125, 4.0)
+SHARPNESS_RATIO_RANGE = (0.5, 2.0)  # gamma moves by at most sqrt(2) a round
 
 
 class HarnessState(NamedTuple):
@@ -234,3 +241,57 @@ def harness_pass_decide_reference(
     _, sums = _ordered_sums(candidates, calibration, verify_cost.shape[0] - 1)
     predicted = sums.gather(1, (budget - 1)[:, None])[:, 0]
     return budget, torch.where(grow, best + 1, best), predicted
+
+
+def harness_observe(
+    calibration: Tensor,
+    gamma: Tensor,
+    predicted: Tensor,
+    accepted: Tensor,
+    rows: Tensor | None,
+    decay: float,
+    gamma_range: tuple[float, float],
+) -> None:
+    """Folds a verified round into the calibration of ``rows``, in place ((6) of harness.h): request b = ``rows[r]``
+    decays its sums, adds ``accepted[r]`` and ``predicted[b]``, and moves its exponent ``gamma[b]`` toward agreement
+    of the two sums, by at most sqrt(2).
+
+    Args:
+        calibration: [B, 2] float64 decayed sums (observed accepted drafts, predicted accepted drafts), updated.
+        gamma: [B] float64 path-score exponents, updated (kept within ``gamma_range``).
+        predicted: [B] float64 accepted drafts predicted for each request's verified tree (indexed by request).
+        accepted: [R] int64 or int32 accepted drafts of each row.
+        rows: [R] int64 distinct request indices in [0, B), or None for every request (R = B). On CUDA, rows out of
+            range are skipped and duplicates race: the CPU op checks both, the CUDA op does not (no host sync).
+        decay: the weight of the past sums, in [0, 1].
+        gamma_range: (gamma_min, gamma_max), 0 < gamma_min <= gamma_max.
+    """
+    torch.ops.peagle.harness_observe(calibration, gamma, predicted, accepted, rows, decay, *gamma_range)
+
+
+@torch.library.register_fake("peagle::harness_observe")
+def _harness_observe_fake(calibration, gamma, predicted, accepted, rows, decay, gamma_min, gamma_max):
+    return None
+
+
+def harness_observe_reference(
+    calibration: Tensor,
+    gamma: Tensor,
+    predicted: Tensor,
+    accepted: Tensor,
+    rows: Tensor | None,
+    decay: float,
+    gamma_range: tuple[float, float],
+) -> None:
+    """Reference of :func:`harness_observe` (no input validation): the rows' sums and exponents gathered, updated in
+    the order of (6) and scattered back (rows distinct)."""
+    index = torch.arange(calibration.shape[0], device=calibration.device) if rows is None else rows
+    sums = calibration[index] * decay
+    sums[:, 0] += accepted.double()
+    sums[:, 1] += predicted[index]
+    ratio = ((sums[:, 1] + CALIBRATION_PRIOR) / (sums[:, 0] + CALIBRATION_PRIOR)).clamp(*SHARPNESS_RATIO_RANGE)
+    # The square root correctly rounded, like the kernels' (IEEE sqrt): torch's float64 sqrt on the CPU is one ulp off
+    # for about 1% of inputs (torch 2.13), Python's math.sqrt is not.
+    ratio = torch.tensor([math.sqrt(r) for r in ratio.tolist()], dtype=torch.float64, device=ratio.device)
+    calibration[index] = sums
+    gamma[index] = (gamma[index] * ratio).clamp(*gamma_range)

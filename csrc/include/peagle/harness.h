@@ -1,5 +1,5 @@
-// Harness decision math (cost-aware dynamic drafting), shared by the CPU and CUDA kernels of harness_decide and
-// mirrored operation for operation by the reference in peagle/ops/harness.py. No torch includes.
+// Harness decision math (cost-aware dynamic drafting), shared by the CPU and CUDA kernels of the harness ops and
+// mirrored operation for operation by the references in peagle/ops/harness.py. No torch includes.
 //
 // Goal. A round drafts a tree, verifies it in one target forward and emits the accepted drafts plus one token. With
 // E = the expected number of accepted drafts, T_draft the drafting time and T_verify(N) the target's time for N tree
@@ -30,9 +30,11 @@
 // the smaller index always contain their parents; the budget maximises (1) over n with E = S_(n-1) (the root is not a
 // draft): see harness_budget in peagle/decode/harness/policy.py (same formula, vectorised).
 //
-// Bit-for-bit agreement. Every quantity is a float64 sum, product or quotient evaluated in the order written in (2)-(4)
-// (S_w sequentially from the best candidate) through mul_rn / add_rn (peagle/rounding.h), which keep CUDA from
-// contracting a * b + c into one fused multiply-add, so the device computes the same bits as the host and as torch.
+// Bit-for-bit agreement. Every quantity is a float64 sum, product, quotient or square root evaluated in the order
+// written in (2)-(6) (S_w sequentially from the best candidate) through mul_rn / add_rn / div_rn / sqrt_rn
+// (peagle/rounding.h), which keep CUDA from contracting a * b + c into one fused multiply-add, so the device computes
+// the same bits as the host and as torch. The square root is IEEE's (correctly rounded) on both; torch's float64 sqrt
+// on the CPU is not always (one ulp off for about 1% of inputs), so the reference of (6) takes Python's math.sqrt.
 #pragma once
 
 #include <cmath>
@@ -49,7 +51,9 @@ constexpr double kMinScale = 0.125;
 constexpr double kMaxScale = 4.0;
 
 using ::peagle::add_rn;  // peagle/rounding.h
+using ::peagle::div_rn;
 using ::peagle::mul_rn;
+using ::peagle::sqrt_rn;
 
 // (2): the calibration scale of a request from its decayed observed / predicted accepted drafts.
 PEAGLE_HD double calibration_scale(double observed, double predicted) {
@@ -203,6 +207,36 @@ PEAGLE_HD PassDecision pass_decide(const double* scores, const int64_t* depth, i
   }
   const bool grow = kept_depth >= d_max && best_depth == d_max && d_max < num_pass;
   return PassDecision{budget_drafts + 1, grow ? best_depth + 1 : best_depth, predicted};
+}
+
+// Calibration update (harness_observe). After a verified round with A accepted drafts and E predicted for the verified
+// tree, a request's sums decay by delta (the weight of the past) and add the round:
+//     observed' = observed * delta + A,   predicted' = predicted * delta + E,                                    (6)
+// and its path-score exponent gamma (scores p -> p^gamma before (3)) moves toward agreement of the two sums:
+//     gamma' = clamp(gamma * sqrt(clamp((predicted' + kPrior) / (observed' + kPrior), 1/2, 2)), gamma_min, gamma_max).
+// Over-prediction (predicted' > observed') raises gamma, which lowers every score p < 1 (and so E) - on all edges of
+// a path at once, which c of (2) cannot do for a drafter whose probabilities are far too flat or too sharp. The square
+// root of a ratio clamped to [1/2, 2] moves gamma by at most sqrt(2) per round, slowly next to c, which corrects what
+// remains at once. Same order of evaluation as harness_observe_reference in peagle/ops/harness.py.
+constexpr double kMinSharpnessRatio = 0.5;  // bounds of the ratio in (6): gamma moves by at most sqrt(2) a round
+constexpr double kMaxSharpnessRatio = 2.0;
+
+// clamp(x, low, high) like torch.clamp: a NaN stays NaN.
+PEAGLE_HD double clamp_to(double x, double low, double high) { return x < low ? low : (x > high ? high : x); }
+
+struct Calibration {
+  double observed, predicted;  // decayed sums of accepted / predicted drafts
+  double gamma;                // path-score exponent
+};
+
+// (6): one request's calibration after a round with `accepted` drafts accepted and `round_predicted` predicted.
+PEAGLE_HD Calibration observe(Calibration c, double accepted, double round_predicted, double decay, double gamma_min,
+                              double gamma_max) {
+  const double observed = add_rn(mul_rn(c.observed, decay), accepted);
+  const double predicted = add_rn(mul_rn(c.predicted, decay), round_predicted);
+  const double ratio = div_rn(add_rn(predicted, kPrior), add_rn(observed, kPrior));
+  const double step = sqrt_rn(clamp_to(ratio, kMinSharpnessRatio, kMaxSharpnessRatio));
+  return Calibration{observed, predicted, clamp_to(mul_rn(c.gamma, step), gamma_min, gamma_max)};
 }
 
 }  // namespace harness

@@ -20,6 +20,7 @@ PEAGLE_HD float sqrt_rn(float a) { return __fsqrt_rn(a); }
 PEAGLE_HD double mul_rn(double a, double b) { return __dmul_rn(a, b); }
 PEAGLE_HD double add_rn(double a, double b) { return __dadd_rn(a, b); }
 PEAGLE_HD double div_rn(double a, double b) { return __ddiv_rn(a, b); }
+PEAGLE_HD double sqrt_rn(double a) { return __dsqrt_rn(a); }
 #else
 PEAGLE_HD float mul_rn(float a, float b) { return a * b; }
 PEAGLE_HD float add_rn(float a, float b) { return a + b; }
@@ -29,6 +30,7 @@ PEAGLE_HD float sqrt_rn(float a) { return std::sqrt(a); }
 PEAGLE_HD double mul_rn(double a, double b) { return a * b; }
 PEAGLE_HD double add_rn(double a, double b) { return a + b; }
 PEAGLE_HD double div_rn(double a, double b) { return a / b; }
+PEAGLE_HD double sqrt_rn(double a) { return std::sqrt(a); }
 #endif
 
 }  // namespace peagle

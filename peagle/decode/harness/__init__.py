@@ -13,7 +13,6 @@ from peagle.decode.harness.policy import (
     pass_budget,
     predicted_acceptance,
     select_budget,
-    update_calibration,
 )
 
 __all__ = [
@@ -29,5 +28,4 @@ __all__ = [
     "pass_budget",
     "predicted_acceptance",
     "select_budget",
-    "update_calibration",
 ]

@@ -8,10 +8,10 @@ for n nodes (root included, from the cost table row of the batch-size bucket and
 * **Expected acceptance.** E = sum over the verified drafted nodes of min(1, c * p), p the path score (product of the
   draft probabilities along the path), c a per-request calibration scale fitted online: ``calibration[b] =
   (observed, predicted)`` are decayed sums of the accepted drafts and of the predicted E of the verified trees, and
-  c = clamp((observed + 2) / (predicted + 2), 1/8, 4) (:func:`update_calibration`). Before that, path scores are
+  c = clamp((observed + 2) / (predicted + 2), 1/8, 4) (:func:`recalibrate`). Before that, path scores are
   raised to a per-request exponent gamma (:func:`sharpen`), which recalibrates every edge probability of a path at
   once (p^gamma of a product is the product of the edges' p^gamma); gamma follows the same sums, slowly
-  (:func:`update_sharpness`), so a drafter whose probabilities are far too flat (right 90% of the time at p = 0.01)
+  (:func:`recalibrate`), so a drafter whose probabilities are far too flat (right 90% of the time at p = 0.01)
   or too sharp still gets depths and budgets that match its real acceptance; c then corrects what remains.
 * **Depth by depth (autoregressive drafters).** At each depth the candidates are the children of the frontier; the
   ``harness_decide`` op adds the best w of them for the w of the cost table's widths that maximises the ratio after
@@ -47,7 +47,15 @@ from torch import Tensor
 
 from peagle.decode.harness.cost import CostTable
 from peagle.decode.harness.graphs import DepthGraphChain, device_launch_available, padded_batch_size
-from peagle.ops import HarnessState, TreeSpec, calibration_scale, harness_decide, harness_pass_decide, tree_select
+from peagle.ops import (
+    HarnessState,
+    TreeSpec,
+    calibration_scale,
+    harness_decide,
+    harness_observe,
+    harness_pass_decide,
+    tree_select,
+)
 from peagle.ops.harness import best_candidates, budget_ratios
 
 __all__ = [
@@ -63,12 +71,11 @@ __all__ = [
     "kept_first",
     "pass_budget",
     "predicted_acceptance",
+    "recalibrate",
     "select_budget",
     "select_candidates",
     "sharpen",
     "tree_width",
-    "update_calibration",
-    "update_sharpness",
     "widest",
 ]
 
@@ -85,13 +92,6 @@ def sharpen(scores: Tensor, gamma: Tensor) -> Tensor:
     scale of the path cannot do for a drafter whose probabilities are far too flat or too sharp."""
     positive = scores > 0
     return torch.where(positive, scores.double().clamp(min=1e-300).pow(gamma[:, None]), scores.double())
-
-
-def update_sharpness(gamma: Tensor, calibration: Tensor) -> None:
-    """Moves gamma toward agreement of predicted and observed acceptance (in place): down (flatter, larger scores)
-    while the observed sum exceeds the predicted one, by at most sqrt(2) per round."""
-    ratio = ((calibration[:, 1] + 2.0) / (calibration[:, 0] + 2.0)).clamp(0.5, 2.0).sqrt()
-    gamma.mul_(ratio).clamp_(*SHARPNESS_RANGE)
 
 
 def harness_budget(scores: Tensor, calibration: Tensor, draft_time: Tensor | float, verify_cost: Tensor) -> Tensor:
@@ -176,23 +176,11 @@ def kept_first(
     return tokens.gather(1, perm), parent, scores.gather(1, perm).double(), count
 
 
-def update_calibration(calibration: Tensor, predicted: Tensor, accepted: Tensor) -> None:
-    """Folds one round into the (observed, predicted) sums in place: both decay, then add this round's figures."""
-    calibration.mul_(CALIBRATION_DECAY)
-    calibration[:, 0] += accepted.double()
-    calibration[:, 1] += predicted.double()
-
-
 def recalibrate(calibration: Tensor, gamma: Tensor, predicted: Tensor, rows: Tensor, accepted: Tensor) -> None:
-    """Folds the verified acceptance of ``rows`` (ascending, distinct) into their calibration sums and sharpness
-    exponents, in place."""
-    every = rows.numel() == calibration.shape[0]  # every request: update in place, no gather / scatter per round
-    row_calibration = calibration if every else calibration[rows]
-    row_gamma = gamma if every else gamma[rows]
-    update_calibration(row_calibration, predicted if every else predicted[rows], accepted)
-    update_sharpness(row_gamma, row_calibration)
-    if not every:
-        calibration[rows], gamma[rows] = row_calibration, row_gamma
+    """Folds the verified acceptance of ``rows`` (distinct) into their calibration sums and sharpness exponents, in
+    place: the sums decay by :data:`CALIBRATION_DECAY` and add the round, and gamma moves toward agreement of the two
+    sums within :data:`SHARPNESS_RANGE` (the ``harness_observe`` op, one call per round)."""
+    harness_observe(calibration, gamma, predicted, accepted, rows, CALIBRATION_DECAY, SHARPNESS_RANGE)
 
 
 def predicted_acceptance(spec: TreeSpec, calibration: Tensor) -> Tensor:
