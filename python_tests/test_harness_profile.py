@@ -12,6 +12,8 @@ import torch
 from peagle.cli import main
 from peagle.decode import SpeculativeDecoder
 from peagle.decode.harness import COST_TABLE_VERSION, CostTable
+from peagle.decode.harness.profile import _draft_times, _timer
+from peagle.decode.target import TargetRunner
 from peagle.model import save_pretrained
 from testkit import greedy_reference, self_distilled_rows, tiny_target, train_tiny_drafter
 
@@ -45,3 +47,28 @@ def test_profile_command_writes_a_cost_table_the_engine_uses(tmp_path, capsys):
         assert decoder.generate([prompt], 24).tokens[0] == greedy_reference(model, prompt, 24)
     finally:
         torch.set_num_threads(threads)
+
+
+class _Bar:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+
+def test_the_points_of_a_row_take_turns_and_keep_their_places():
+    """Each point is the fastest of its timed calls, the row's calls alternating (drift touches them alike); the
+    draft table maps its width-major calls back to [depth][width]."""
+    order: list[int] = []
+    calls = [lambda i=i: order.append(i) for i in range(3)]
+    bar = _Bar()
+    times = _timer(torch.device("cpu"), 4, bar)(calls)
+    assert order == [0, 1, 2] * 5 and bar.n == 3  # a warm-up round, then 4 timed rounds
+    assert len(times) == 3 and all(t > 0 for t in times)
+
+    model = tiny_target("llama", seed=5)
+    drafter = train_tiny_drafter(model, 1, self_distilled_rows(model, sequences=2, length=16, seed=5), steps=1)
+    runner = TargetRunner(model, drafter.config.aux_layer_ids)
+    table = _draft_times(runner, drafter, 2, [1, 2, 4], 3, lambda calls: [float(i) for i in range(len(calls))])
+    assert table == [[float(j * 3 + d) for j in range(3)] for d in range(3)]

@@ -7,7 +7,9 @@ on this machine, with the engine's own components.
   w nodes, as a round drafts them) and the P-EAGLE pass drafting K depths, for every batch-size bucket.
 
 Each point is the fastest of ``repeats`` timed calls after one warm-up call (other processes only ever add time, so
-the minimum is the steadiest estimate on a shared machine); CUDA timings synchronise around each call. Costs cannot
+the minimum is the steadiest estimate on a shared machine), the points of a row taking turns call by call (a machine
+whose speed drifts over seconds then touches every point of the row alike: the differences between node counts,
+widths and depths are what the harness decides on); CUDA timings synchronise around each call. Costs cannot
 fall as the work grows, so each row is made non-decreasing along its node / width / depth-count axis (a point above a
 later one is lowered to it: a late spike of interference must not make fewer nodes look dearer).
 """
@@ -41,19 +43,26 @@ def _monotone(row: list[float]) -> list[float]:
     return out[::-1]
 
 
-def _timer(device: torch.device, repeats: int) -> Callable[[Callable[[], object]], float]:
-    def measure(fn: Callable[[], object]) -> float:
+def _timer(device: torch.device, repeats: int, bar) -> Callable[[list[Callable[[], object]]], list[float]]:
+    """measure(calls) -> the fastest of ``repeats`` timed runs of each call, the calls taking turns."""
+
+    def once(fn: Callable[[], object]) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
         fn()
-        times = []
-        for _ in range(repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    def measure(calls: list[Callable[[], object]]) -> list[float]:
+        for fn in calls:  # warm-up
             fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - start)
-        return min(times)
+        best = [float("inf")] * len(calls)
+        for _ in range(repeats):
+            best = [min(b, once(fn)) for b, fn in zip(best, calls, strict=True)]
+        bar.update(len(calls))
+        return best
 
     return measure
 
@@ -87,7 +96,6 @@ def profile_costs(
     model = from_pretrained(drafter) if isinstance(drafter, (str, os.PathLike)) else drafter
     runner = TargetRunner(target, model.config.aux_layer_ids, device=device)
     model = model.to(runner.device).eval()
-    measure = _timer(runner.device, repeats)
     table_axes = dict(
         batch_sizes=sorted(set(batch_sizes)),
         contexts=sorted(set(contexts)),
@@ -101,14 +109,15 @@ def profile_costs(
         + passes
     )
     bar = tqdm(total=total, desc="profile", disable=not progress)
+    measure = _timer(runner.device, repeats, bar)
     verify_s, draft_s, pass_s = [], [], []
     for batch in table_axes["batch_sizes"]:
         rows = []
         for context in table_axes["contexts"]:
-            rows.append(_verify_times(runner, batch, max(context, 2), table_axes["verify_nodes"], measure, bar))
+            rows.append(_verify_times(runner, batch, max(context, 2), table_axes["verify_nodes"], measure))
         verify_s.append(rows)
-        draft_s.append(_draft_times(runner, model, batch, table_axes["draft_widths"], depths, measure, bar))
-        pass_s.append(_pass_times(runner, model, batch, passes, measure, bar))
+        draft_s.append(_draft_times(runner, model, batch, table_axes["draft_widths"], depths, measure))
+        pass_s.append(_pass_times(runner, model, batch, passes, measure))
     bar.close()
     return CostTable(
         **table_axes,
@@ -121,13 +130,13 @@ def profile_costs(
     )
 
 
-def _verify_times(runner: TargetRunner, batch: int, context: int, nodes: list[int], measure, bar) -> list[float]:
+def _verify_times(runner: TargetRunner, batch: int, context: int, nodes: list[int], measure) -> list[float]:
     gen = torch.Generator().manual_seed(0)
     vocab, device = runner.vocab_size, runner.device
     runner.allocate(batch, context + max(nodes) + 1)
     runner.prefill(torch.randint(0, vocab, (batch, context), generator=gen).tolist())
     rows, host_rows = torch.arange(batch, device=device), list(range(batch))
-    out = []
+    calls = []
     for n in nodes:
         index = torch.arange(n, device=device)
         tokens = torch.randint(0, vocab, (batch, n), generator=gen).to(device)
@@ -136,10 +145,8 @@ def _verify_times(runner: TargetRunner, batch: int, context: int, nodes: list[in
         mask = ancestor_mask(parent)
         count = torch.full((batch,), n, dtype=torch.long, device=device)
 
-        verify = functools.partial(_verify_step, runner, rows, host_rows, tokens, depth, mask, parent, count)
-        out.append(measure(verify))
-        bar.update()
-    return out
+        calls.append(functools.partial(_verify_step, runner, rows, host_rows, tokens, depth, mask, parent, count))
+    return measure(calls)
 
 
 def _verify_step(runner: TargetRunner, rows, host_rows, tokens, depth, mask, parent, count) -> Tensor:
@@ -161,13 +168,13 @@ def _drafting(cls, runner: TargetRunner, model: PEagleDrafter, batch: int, depth
     return drafting, rows
 
 
-def _draft_times(runner, model, batch: int, widths: list[int], depths: int, measure, bar) -> list[list[float]]:
+def _draft_times(runner, model, batch: int, widths: list[int], depths: int, measure) -> list[list[float]]:
     """[depth][width] seconds of one autoregressive drafter forward of w nodes per request at that depth."""
     drafting, rows = _drafting(Eagle3Drafting, runner, model, batch, 1, 2)
     host_rows = list(range(batch))
     root_hidden = torch.zeros(batch, model.config.hidden_size, dtype=drafting.dtype, device=runner.device)
-    table = [[0.0] * len(widths) for _ in range(depths)]
-    for j, w in enumerate(widths):
+    calls = []  # width-major
+    for w in widths:
         tokens = torch.zeros(batch, w, dtype=torch.long, device=runner.device)
         feats = torch.zeros(batch, w, model.config.hidden_size, dtype=drafting.dtype, device=runner.device)
         for d in range(1, depths + 1):
@@ -176,10 +183,9 @@ def _draft_times(runner, model, batch: int, widths: list[int], depths: int, meas
                 hidden = torch.zeros(batch, w, (earlier - 1) * w, dtype=torch.bool, device=runner.device)
                 steps.run(tokens, feats, earlier, hidden)
             sees = torch.zeros(batch, w, (d - 1) * w, dtype=torch.bool, device=runner.device)
-            forward = functools.partial(_draft_step, steps, steps.temp, tokens, feats, d, sees)
-            table[d - 1][j] = measure(forward)
-            bar.update()
-    return table
+            calls.append(functools.partial(_draft_step, steps, steps.temp, tokens, feats, d, sees))
+    times = measure(calls)
+    return [[times[j * depths + d] for j in range(len(widths))] for d in range(depths)]
 
 
 def _draft_step(steps: _Steps, temp, tokens: Tensor, feats: Tensor, depth: int, sees: Tensor) -> None:
@@ -193,16 +199,14 @@ def _pass_step(drafting: PEagleDrafting, rows: Tensor, host_rows: list[int], roo
     drafting.cache.advance(rows, host_rows, -torch.ones_like(rows), [-1] * len(host_rows))
 
 
-def _pass_times(runner, model, batch: int, passes: int, measure, bar) -> list[float]:
+def _pass_times(runner, model, batch: int, passes: int, measure) -> list[float]:
     """[K - 1] seconds of one P-EAGLE pass (one pending element, K - 1 mask elements) and its chain."""
-    out = []
+    calls = []
     for k in range(1, passes + 1):
         drafting, rows = _drafting(PEagleDrafting, runner, model, batch, k, k + 1)
         host_rows = list(range(batch))
         roots = torch.zeros(batch, dtype=torch.long, device=runner.device)
         sampling = Sampling(0.0, False, [0] * batch, 0)
 
-        draft = functools.partial(_pass_step, drafting, rows, host_rows, roots, sampling)
-        out.append(measure(draft))
-        bar.update()
-    return out
+        calls.append(functools.partial(_pass_step, drafting, rows, host_rows, roots, sampling))
+    return measure(calls)
