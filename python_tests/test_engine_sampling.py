@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import peagle.decode.engine as engine
 from peagle.decode import SpeculativeDecoder
-from testkit import chain_cost_table, flat_cost_table, self_distilled_rows, tiny_target, train_tiny_drafter
+from testkit import flat_cost_table, self_distilled_rows, tiny_target, train_tiny_drafter
 
 stats = pytest.importorskip("scipy.stats")
 
@@ -33,7 +33,6 @@ CASES = {
     "eagle3-tree-topk": ("eagle3", "tree", "topk", 0.9, 0, 0.8),
     "peagle-harness-gumbel": ("peagle", "harness", "gumbel", 1.0, 0, 0.9),
     "peagle-harness-topk": ("peagle", "harness", "topk", 0.9, 6, 1.0),
-    "peagle-harness-chain-gumbel": ("peagle", "harness-chain", "gumbel", 1.0, 0, 0.9),
     "eagle3-harness-gumbel": ("eagle3", "harness", "gumbel", 1.0, 0, 1.0),
     "eagle3-harness-topk": ("eagle3", "harness", "topk", 1.0, 0, 0.9),
 }
@@ -42,8 +41,6 @@ OPTIONS = {
     ("peagle", "tree"): dict(topk=[3, 2, 2], num_nodes=10),
     ("eagle3", "tree"): dict(depth=3, topk=3, num_nodes=10),
     ("peagle", "harness"): dict(cost_table=flat_cost_table(), num_nodes=10),
-    # A chain plan: sampled chains of the length the observed acceptance rate picks after each round.
-    ("peagle", "harness-chain"): dict(cost_table=chain_cost_table(), num_nodes=10),
     ("eagle3", "harness"): dict(depth=3, cost_table=flat_cost_table(), num_nodes=10),
 }
 
@@ -128,7 +125,6 @@ def chi_square_pvalue(counts: torch.Tensor, joint: torch.Tensor) -> float:
 def decoder_for(setup, method: str, mode: str, draft_sampling: str) -> SpeculativeDecoder:
     drafter = setup.peagle if method == "peagle" else setup.eagle3
     options = OPTIONS[(method, mode)]
-    mode = mode.split("-")[0]  # "harness-chain": the harness with a cost table of chains
     return SpeculativeDecoder(setup.model, drafter, mode, method=method, draft_sampling=draft_sampling, block_size=4,
                               **options)  # fmt: skip
 

@@ -210,10 +210,14 @@ def test_every_request_verifies_the_widest_budget(generator):
     assert tree.num_nodes.tolist() == [min(max(alone), int(n)) for n in spec.num_nodes]
 
 
-def test_sampled_chains_take_their_length_from_the_observed_acceptance_rate(generator):
-    """A sampled chain round verifies its whole chain, whose length was fixed after the previous round: the chain
-    length of the table at the per-position acceptance rate so far. Its own drafter distributions (and draws) decide
-    nothing, so two runs that see the same acceptance but different drafts choose the same depths."""
+def test_sampled_rounds_draft_chains_of_the_observed_acceptance_rate(generator):
+    """A sampled round drafts a chain (a tree plan's too) and verifies it whole; its length was fixed after the
+    previous round: the chain length of the table at the per-position acceptance rate so far. Its own drafter
+    distributions (and draws) decide nothing, so two runs that see the same acceptance but different drafts choose the
+    same depths."""
+    tree_plan = PassHarness(HarnessPolicy(FLAT, MAX_NODES), 1, DEPTH, 0, VOCAB, "cpu")
+    assert tree_plan.plan.kind == "tree" and tree_plan.topk(4, sampled=True) == [1] * 4
+    assert tree_plan.topk(4) == [4, 2, 2, 2]
     steps = [1e-3 * (n - 1) for n in [1, 2, 4, 8, 16, 32]]
     table = cost_table([10e-3 + s for s in steps], [1e-3 + 0.2e-3 * k for k in range(DEPTH)])
     policy = HarnessPolicy(table, MAX_NODES)
@@ -227,7 +231,8 @@ def test_sampled_chains_take_their_length_from_the_observed_acceptance_rate(gene
             depth = harness.depth(rows)
             run.append(depth)
             probs = torch.softmax(torch.randn(2, depth, VOCAB, generator=generator) * sharpness, -1)
-            tree = harness.select(rows, tree_build_parallel(probs, harness.topk(depth), MAX_NODES), depth, sampled=True)
+            spec = tree_build_parallel(probs, harness.topk(depth, sampled=True), MAX_NODES)
+            tree = harness.select(rows, spec, depth, sampled=True)
             assert tree.num_nodes.tolist() == [depth + 1] * 2 and tree.tokens.shape[1] == depth + 1
             got = accepted[r].clamp(max=depth)
             path = torch.where(torch.arange(depth + 1) <= got[:, None], torch.arange(depth + 1), -1)

@@ -499,17 +499,6 @@ def train_tiny_drafter(
 def flat_cost_table(depths: int = 8):
     """A harness cost table of a target whose verify time barely grows with the verified nodes (batch sizes 1, 4, 16;
     drafting a tenth of a verify): the harness then drafts trees and long chains, so engine tests exercise them."""
-    return _linear_cost_table(lambda batch: 0.05e-3 * batch, depths)
-
-
-def chain_cost_table(depths: int = 8):
-    """A harness cost table of a target whose verify time grows by a tenth of a forward per node (batch sizes 1, 4,
-    16): the harness drafts chains (about 4 drafts at acceptance 0.7), never trees."""
-    return _linear_cost_table(lambda batch: 1e-3, depths)
-
-
-def _linear_cost_table(per_node, depths: int):
-    """Verify 10 ms + per_node(batch) seconds per node after the root; drafting a tenth of that."""
     from peagle.decode.harness import CostTable
 
     nodes = [1, 2, 4, 8, 16, 32, 64]
@@ -518,7 +507,7 @@ def _linear_cost_table(per_node, depths: int):
         batch_sizes=batches,
         contexts=[0],
         verify_nodes=nodes,
-        verify_s=[[[10e-3 + per_node(b) * (n - 1) for n in nodes]] for b in batches],
+        verify_s=[[[10e-3 + 0.05e-3 * b * (n - 1) for n in nodes]] for b in batches],
         draft_widths=[1, 2, 4],
         draft_s=[[[0.5e-3, 0.6e-3, 0.8e-3]] * depths] * len(batches),
         pass_s=[[1e-3 + 0.1e-3 * k for k in range(depths)]] * len(batches),

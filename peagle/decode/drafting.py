@@ -73,7 +73,7 @@ class PassPlanner(Protocol):
 
     def depth(self, rows: Tensor) -> int: ...
 
-    def topk(self, depth: int) -> list[int]: ...
+    def topk(self, depth: int, sampled: bool) -> list[int]: ...
 
     def select(self, rows: Tensor, spec: TreeSpec, depth: int, sampled: bool) -> TreeSpec: ...
 
@@ -377,7 +377,7 @@ class PEagleDrafting(_CachedDrafter):
             topk = [1] * depths if self.mode == "chain" else self.topk
             spec = tree_build_parallel(probs, topk, self.max_nodes)
         else:
-            topk = harness.topk(depths)
+            topk = harness.topk(depths, sampling.gumbel)
             spec = harness.select(rows, tree_build_parallel(probs, topk, self.max_nodes), depths, sampling.gumbel)
         if not sampling.gumbel:
             return self._from_spec(roots, spec)

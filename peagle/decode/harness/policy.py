@@ -30,10 +30,11 @@ for n nodes (root included, from the cost table row of the batch-size bucket and
   candidates form a dynamic tree (top-k children per depth); where it grows fast, a chain (one child per depth) whose
   length the budget still chooses per request; :meth:`HarnessPolicy.chain_widths` is the per-bucket table of the best
   chain length at a given acceptance rate, and a bucket whose best length is 0 decodes without speculation.
-* **Temperature > 0.** A sampled round's depth and budget are fixed after the previous round, before this round's
-  draws, so verification stays lossless: a chain is the chain length of the cost table at the per-position
-  acceptance rate observed so far (:class:`ChainAcceptance`, as sampled EAGLE-3 chains do), a tree verifies the
-  budget the previous tree round decided from that round's drafter distributions.
+* **Temperature > 0.** Sampled rounds (drafts drawn) draft chains, P-EAGLE's as EAGLE-3's, whose length is fixed
+  after the previous round, before this round's draws, so verification stays lossless: the chain length of the cost
+  table at the per-position acceptance rate observed so far (:class:`ChainAcceptance`). Path scores of the drafter's
+  unperturbed distributions predict the acceptance of drawn drafts poorly (on the demo target at temperature 1 the
+  harness's sampled trees ran at 0.8x the best fixed chain, whose length this rule finds).
 """
 
 from __future__ import annotations
@@ -305,11 +306,8 @@ class PassHarness:
 
     Per round: :meth:`select` turns the pass's candidate tree (``topk`` children per node at every depth, at most
     ``max_nodes`` kept by score) into the verified tree, and :meth:`observe` folds the verified acceptance into the
-    calibration. Greedy rounds use this round's budget. A sampled round's depth and budget are fixed before its
-    draws, after the previous round: a chain (a chain plan, or a tree plan's chain round) is the chain length of the
-    cost table at the acceptance rate observed so far (:class:`ChainAcceptance`; the previous round's path scores,
-    taken from another context, predict a sampled round's acceptance worse than that rate does), a tree verifies the
-    budget the previous tree round decided.
+    calibration. Sampled rounds draft a chain whose length :meth:`observe` fixed after the previous round, from the
+    observed acceptance rate (see the module doc), and verify it whole.
     """
 
     def __init__(
@@ -325,25 +323,18 @@ class PassHarness:
         self.verify_cost = self.plan.verify_cost.to(device)
         self.policy = policy
         self.gamma, self.calibration = policy.start_state(batch, device)
-        first = min(policy.chain_length(batch, context) + 1, self.max_nodes)
-        self.budget = torch.full((batch,), max(first, 2), dtype=torch.long, device=device)
         self.next_depth = torch.full((batch,), max_depth, dtype=torch.long, device=device)
         self.predicted = torch.zeros(batch, dtype=torch.float64, device=device)
         self.off_chain = list(policy.learnt_off_chain)  # accepted drafts off the top-1 chain, accepted drafts
         self.explore_every, self.since_tree = policy.learnt_explore_every, 0
         self.chain_round = False  # this round's candidates form a chain (set by topk)
         self.exploring = False  # ... or a tree drafted only to look for accepted drafts off the chain
-        self.sampled = False  # this round's drafts were drawn (set by select)
+        self.sampled = False  # this round's drafts are drawn (set by topk)
         self.chain_acceptance = ChainAcceptance()
 
     @property
     def speculate(self) -> bool:
         return self.plan.kind != "plain"
-
-    @property
-    def sampled_chains(self) -> bool:
-        """This round drew a chain's drafts: only the chain acceptance rate decides (see the class doc)."""
-        return self.sampled and self.chain_round
 
     def depth(self, rows: Tensor) -> int:
         """The pass depth K of a round of ``rows`` (the deepest any of them wants; one host read)."""
@@ -361,14 +352,19 @@ class PassHarness:
         else:
             values[rows] = new
 
-    def topk(self, depth: int) -> list[int]:
-        """Children per candidate node: the plan's top-k at the root, then 2 (a tree) or 1 (a chain) per depth.
+    def topk(self, depth: int, sampled: bool = False) -> list[int]:
+        """Children per candidate node: the plan's top-k at the root, then 2 (a tree) or 1 (a chain) per depth; a
+        chain when the round's drafts are ``sampled``.
 
         A tree plan drafts chains while the accepted paths almost never leave the drafter's top-1 chain (fewer than
         OFF_CHAIN_RATE of the accepted drafts, with a prior of 1 in 10): siblings would only cost verify time. Every
         ``explore_every``-th round still drafts the tree, so a change is noticed; that interval starts at
         EXPLORE_EVERY, doubles after each exploring round whose accepted drafts all stayed on the chain (up to
         MAX_EXPLORE_EVERY) and starts over when one left it (:meth:`observe`)."""
+        self.sampled = sampled
+        if sampled:
+            self.chain_round, self.exploring = True, False
+            return [1] * depth
         self.since_tree += 1
         off, accepted = self.off_chain
         on_chain = (off + 1.0) / (accepted + 10.0) < OFF_CHAIN_RATE
@@ -382,8 +378,7 @@ class PassHarness:
         return [min(k, self.draft_vocab) for k in [top] + [deeper] * (depth - 1)]
 
     def select(self, rows: Tensor, spec: TreeSpec, depth: int, sampled: bool) -> TreeSpec:
-        self.sampled = sampled
-        if self.sampled_chains:  # its length, fixed after the previous round, is the pass depth: verify it whole
+        if sampled:  # a chain whose length, fixed after the previous round, is the pass depth: verify it whole
             width = tree_width(spec.num_nodes, spec.tokens.shape[1], self.max_nodes)
             return tree_select(spec.tokens, spec.parent, spec.scores, spec.num_nodes, width)
         calibration = self._of(rows, self.calibration)
@@ -392,18 +387,14 @@ class PassHarness:
         # At least one draft: a round that verifies none teaches the calibration nothing (it would never recover from
         # a drafter whose scores start far too low).
         floored = torch.maximum(budget, torch.clamp(spec.num_nodes, max=2))
-        use = self._of(rows, self.budget) if sampled else floored
-        # Every request verifies up to the widest budget of its best nodes (fixed before a sampled round's draws too,
-        # as the budgets it widens were).
-        use = widest(use, spec.num_nodes)
+        use = widest(floored, spec.num_nodes)  # every request verifies up to the widest budget of its best nodes
         if self.chain_round:  # a chain's best n nodes are its first n: tree_select lays them out as they are
             width = tree_width(use, spec.tokens.shape[1], self.max_nodes)
             tree = tree_select(spec.tokens, spec.parent, spec.scores, use, width)
         else:
             tree = select_budget(spec, use, self.max_nodes)
-        if sampled or bool((use != budget).any()):  # the op's prediction is that of the greedy budget
+        if bool((use != budget).any()):  # the op's prediction is that of its own budget
             predicted = predicted_acceptance(tree, calibration)
-        self._set(rows, self.budget, floored)
         self._set(rows, self.next_depth, next_depth)
         self._set(rows, self.predicted, predicted)
         return tree
@@ -417,9 +408,9 @@ class PassHarness:
         accepted_path: Tensor | None = None,
     ) -> None:
         """Folds the verified acceptance of ``rows`` into their calibration; with the verified trees' ``parent`` and
-        the ``accepted_path``, counts the accepted drafts that were not their parent's first child. After a round
-        of sampled chains: only the chain acceptance rate, and the next chain length from it."""
-        if self.sampled_chains:
+        the ``accepted_path``, counts the accepted drafts that were not their parent's first child. After a sampled
+        round: only the chain acceptance rate, and the next chain length from it."""
+        if self.sampled:
             self.chain_acceptance.observe(num_accepted, num_nodes)
             rate = self.chain_acceptance.rate
             self.next_depth.fill_(min(max(1, self.policy.chain_length(self.batch, self.context, rate)), self.max_depth))
