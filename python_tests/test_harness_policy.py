@@ -240,7 +240,7 @@ def test_sampled_rounds_draft_chains_of_the_observed_acceptance_rate(generator):
             seen += int(got.sum())
             trials += int(got.sum()) + int((got < depth).sum())
             rate = (seen + 1.4) / (trials + 2.0)
-            assert harness.depth(rows) == min(max(1, policy.chain_length(2, 0, rate)), DEPTH)
+            assert harness.depth(rows) == min(max(1, policy.chain_length(2, 0, rate, sampled=True)), DEPTH)
         assert torch.equal(harness.calibration, calibration) and torch.equal(harness.gamma, gamma)
         depths.append(run)
     assert depths[0] == depths[1] and len(set(depths[0])) > 1, depths
@@ -368,3 +368,34 @@ def test_cost_table_round_trip_and_errors(tmp_path):
     assert FLAT.bucket(3) == 0
     expected = torch.tensor([10e-3, 10e-3, 10.2e-3, 10.4e-3], dtype=torch.float64)
     assert torch.allclose(FLAT.verify_row(1, 0, 3), expected)
+
+
+def test_sampled_rounds_read_the_sampled_grids(tmp_path):
+    """A version 2 table holds the costs of sampled rounds too; sampled chain lengths come from them (sampled
+    verification costs more per node, so chains shorten), and a version 1 table (none) gives the greedy costs."""
+    nodes = [1, 2, 4, 8, 16, 32]
+    steep = [10e-3 + 2e-3 * (n - 1) for n in nodes]
+    passes = [1e-3 + 0.2e-3 * k for k in range(DEPTH)]
+    table = CostTable(**{**vars(FLAT), "sampled_verify_s": [[steep]], "sampled_pass_s": [[2 * p for p in passes]]})
+    assert torch.equal(table.verify_row(1, 0, 32, sampled=True), cost_table(steep, passes).verify_row(1, 0, 32))
+    assert torch.equal(table.verify_row(1, 0, 32), FLAT.verify_row(1, 0, 32))
+    assert table.pass_time(1, 3, sampled=True) == 2 * FLAT.pass_time(1, 3) and FLAT.pass_time(1, 3, sampled=True) == (
+        FLAT.pass_time(1, 3)
+    )
+    policy = HarnessPolicy(table, MAX_NODES)
+    assert (
+        policy.chain_length(1, 0, 0.8, sampled=True)
+        < policy.chain_length(1, 0, 0.8)
+        == (HarnessPolicy(FLAT, MAX_NODES).chain_length(1, 0, 0.8, sampled=True))
+    )
+    assert CostTable.load(table.save(tmp_path / "v2.json")) == table
+    data = json.loads(FLAT.save(tmp_path / "v1.json").read_text())
+    data["version"] = 1
+    for key in ("sampled_verify_s", "sampled_pass_s"):
+        del data[key]
+    (tmp_path / "v1.json").write_text(json.dumps(data))
+    assert CostTable.load(tmp_path / "v1.json").verify_row(1, 0, 8, sampled=True).equal(FLAT.verify_row(1, 0, 8))
+    with pytest.raises(ValueError, match="sampled_verify_s must be a grid"):
+        CostTable(**{**vars(FLAT), "sampled_verify_s": [[steep[:3]]]})
+    with pytest.raises(ValueError, match="sampled_pass_s must be a grid"):
+        CostTable(**{**vars(FLAT), "sampled_pass_s": [[1.0]]})

@@ -1,7 +1,6 @@
 """`peagle profile` on the CPU: a versioned cost table with the machine and model identity and a positive time at
-every point of its axes (how the times compare is the benchmarks' business: a tiny target on a loaded CPU is noise);
-the engine decodes with it in mode "harness" (greedy output equal
-to the target's own)."""
+every point of its axes, greedy and sampled (how the times compare is the benchmarks' business: a tiny target on a
+loaded CPU is noise); the engine decodes with it in mode "harness" (greedy output equal to the target's own)."""
 
 from __future__ import annotations
 
@@ -41,6 +40,9 @@ def test_profile_command_writes_a_cost_table_the_engine_uses(tmp_path, capsys):
         assert list(verify.shape) == [2, 2, 3] and bool((verify > 0).all())
         assert list(torch.tensor(table.draft_s).shape) == [2, 2, 2] and bool((torch.tensor(table.draft_s) > 0).all())
         assert list(torch.tensor(table.pass_s).shape) == [2, 3]
+        sampled_verify, sampled_pass = torch.tensor(table.sampled_verify_s), torch.tensor(table.sampled_pass_s)
+        assert list(sampled_verify.shape) == [2, 2, 3] and bool((sampled_verify > 0).all())
+        assert list(sampled_pass.shape) == [2, 3] and bool((sampled_pass > 0).all())
 
         prompt = [3, 9, 1, 4]
         decoder = SpeculativeDecoder(model, drafter, "harness", cost_table=out)

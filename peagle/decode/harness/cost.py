@@ -5,7 +5,11 @@ A versioned JSON file holding the machine and model identity and two tables of w
 * ``verify_s[b][c][i]``: one batched target forward (tree verification) of ``batch_sizes[b]`` requests whose contexts
   lie in the interval starting at ``contexts[c]``, each verifying ``verify_nodes[i]`` tree nodes (root included);
 * ``draft_s[b][d][j]``: one drafter forward at draft depth ``d + 1`` over ``draft_widths[j]`` nodes per request
-  (autoregressive drafting), and ``pass_s[b][k]``: one P-EAGLE pass drafting ``k + 1`` depths.
+  (autoregressive drafting), and ``pass_s[b][k]``: one P-EAGLE pass drafting ``k + 1`` depths;
+* ``sampled_verify_s`` and ``sampled_pass_s`` (version 2; optional): the same as ``verify_s`` and ``pass_s`` for
+  sampled rounds (target probabilities and rejection sampling over every node; drafts drawn, with their
+  full-vocabulary draft rows), which cost more per node than greedy ones. Sampled rounds read the greedy grids where a
+  table has none (version 1 files).
 
 Between measured points the policy interpolates linearly (node counts) and takes the nearest bucket (batch sizes: the
 smallest measured one >= the batch, else the largest; contexts: the interval the context falls in).
@@ -28,7 +32,8 @@ from peagle.io import atomic_write_json
 
 __all__ = ["COST_TABLE_VERSION", "CostTable", "machine_identity"]
 
-COST_TABLE_VERSION = 1
+COST_TABLE_VERSION = 2
+_READABLE_VERSIONS = (1, 2)  # version 1: no sampled grids
 
 
 def machine_identity(device: torch.device | str = "cpu") -> dict[str, Any]:
@@ -58,6 +63,8 @@ class CostTable:
     draft_widths: list[int]
     draft_s: list[list[list[float]]]
     pass_s: list[list[float]] = field(default_factory=list)
+    sampled_verify_s: list[list[list[float]]] = field(default_factory=list)
+    sampled_pass_s: list[list[float]] = field(default_factory=list)
     machine: dict[str, Any] = field(default_factory=dict)
     target: dict[str, Any] = field(default_factory=dict)
     drafter: dict[str, Any] = field(default_factory=dict)
@@ -76,6 +83,11 @@ class CostTable:
         _check_grid("draft_s", self.draft_s, [len(self.batch_sizes), depths, len(self.draft_widths)])
         if self.pass_s:
             _check_grid("pass_s", self.pass_s, [len(self.batch_sizes), len(self.pass_s[0])])
+        if self.sampled_verify_s:
+            _check_grid("sampled_verify_s", self.sampled_verify_s, shape)
+        if self.sampled_pass_s:
+            depths = len(self.pass_s[0]) if self.pass_s else 0  # the depths of pass_s, which it needs
+            _check_grid("sampled_pass_s", self.sampled_pass_s, [len(self.batch_sizes), depths])
 
     @property
     def max_depth(self) -> int:
@@ -88,10 +100,11 @@ class CostTable:
     def context_index(self, context: int) -> int:
         return max(bisect.bisect_right(self.contexts, context) - 1, 0)
 
-    def verify_row(self, batch: int, context: int, max_nodes: int) -> Tensor:
+    def verify_row(self, batch: int, context: int, max_nodes: int, sampled: bool = False) -> Tensor:
         """V[n] for n = 0 .. max_nodes (float64; V[0] = V[1]): linear between measured node counts, linear
-        extrapolation from the last two beyond them."""
-        row = self.verify_s[self.bucket(batch)][self.context_index(context)]
+        extrapolation from the last two beyond them. ``sampled``: of sampled rounds (the greedy grid without one)."""
+        grid = self.sampled_verify_s if sampled and self.sampled_verify_s else self.verify_s
+        row = grid[self.bucket(batch)][self.context_index(context)]
         return _interpolate(self.verify_nodes, row, max_nodes)
 
     def draft_row(self, batch: int, depth: int) -> Tensor:
@@ -99,11 +112,13 @@ class CostTable:
         rows = self.draft_s[self.bucket(batch)]
         return torch.tensor(rows[min(max(depth, 1), len(rows)) - 1], dtype=torch.float64)
 
-    def pass_time(self, batch: int, depths: int) -> float:
-        """Seconds of one P-EAGLE pass drafting ``depths`` depths (0 when not profiled)."""
-        if not self.pass_s:
+    def pass_time(self, batch: int, depths: int, sampled: bool = False) -> float:
+        """Seconds of one P-EAGLE pass drafting ``depths`` depths (0 when not profiled). ``sampled``: of sampled
+        rounds (the greedy grid without one)."""
+        grid = self.sampled_pass_s if sampled and self.sampled_pass_s else self.pass_s
+        if not grid:
             return 0.0
-        row = self.pass_s[self.bucket(batch)]
+        row = grid[self.bucket(batch)]
         return float(row[min(max(depths, 1), len(row)) - 1])
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -115,9 +130,9 @@ class CostTable:
     def load(cls, path: str | os.PathLike) -> CostTable:
         data = json.loads(Path(path).read_text())
         version = data.get("version")
-        if version != COST_TABLE_VERSION:
+        if version not in _READABLE_VERSIONS:
             raise ValueError(
-                f"cost table {path}: version {version!r} is not supported (expected {COST_TABLE_VERSION}); "
+                f"cost table {path}: version {version!r} is not supported (expected one of {_READABLE_VERSIONS}); "
                 "run `peagle profile` again"
             )
         return cls(**data)

@@ -248,7 +248,7 @@ class HarnessPolicy:
         self.learnt_gamma, self.learnt_calibration = 1.0, (0.0, 0.0)
         self.learnt_off_chain = (0.0, 0.0)
         self.learnt_explore_every = EXPLORE_EVERY
-        self._chain_cost_cache: dict[tuple[int, int], list[float]] = {}
+        self._chain_cost_cache: dict[tuple[int, int, bool], list[float]] = {}
 
     def start_state(self, batch: int, device) -> tuple[Tensor, Tensor]:
         """(gamma [B], calibration [B, 2]) for the requests of a new generate call."""
@@ -261,10 +261,11 @@ class HarnessPolicy:
         self.learnt_gamma = float(gamma.mean())
         self.learnt_calibration = tuple(calibration.mean(0).tolist())
 
-    def chain_length(self, batch: int, context: int, acceptance: float | None = None) -> int:
-        """The chain length L (drafts; 0 = plain decoding) maximising (1 + a + .. + a^L) / (pass(L) + V[L + 1])."""
+    def chain_length(self, batch: int, context: int, acceptance: float | None = None, sampled: bool = False) -> int:
+        """The chain length L (drafts; 0 = plain decoding) maximising (1 + a + .. + a^L) / (pass(L) + V[L + 1]);
+        ``sampled``: with the costs of sampled rounds."""
         a = self.acceptance if acceptance is None else acceptance
-        costs = self._chain_costs(batch, context)
+        costs = self._chain_costs(batch, context, sampled)
         best, length, gain = 1.0 / costs[0], 0, 0.0
         for n in range(1, len(costs)):
             gain += a**n
@@ -272,19 +273,19 @@ class HarnessPolicy:
                 best, length = (1 + gain) / costs[n], n
         return length
 
-    def _chain_costs(self, batch: int, context: int) -> list[float]:
-        """Seconds of a round of a chain of n drafts, n = 0 .. max_nodes - 1 (kept per batch-size bucket and context
-        interval: sampled rounds ask every round)."""
-        key = (self.table.bucket(batch), self.table.context_index(context))
+    def _chain_costs(self, batch: int, context: int, sampled: bool) -> list[float]:
+        """Seconds of a round of a chain of n drafts, n = 0 .. max_nodes - 1 (kept per batch-size bucket, context
+        interval and kind of round: sampled rounds ask every round)."""
+        key = (self.table.bucket(batch), self.table.context_index(context), sampled)
         if key not in self._chain_cost_cache:
-            verify = self.table.verify_row(batch, context, self.max_nodes).tolist()
-            draft = [0.0] + [self._chain_draft_time(batch, n) for n in range(1, self.max_nodes)]
+            verify = self.table.verify_row(batch, context, self.max_nodes, sampled).tolist()
+            draft = [0.0] + [self._chain_draft_time(batch, n, sampled) for n in range(1, self.max_nodes)]
             self._chain_cost_cache[key] = [d + v for d, v in zip(draft, verify[1:], strict=True)]
         return self._chain_cost_cache[key]
 
-    def _chain_draft_time(self, batch: int, length: int) -> float:
+    def _chain_draft_time(self, batch: int, length: int, sampled: bool) -> float:
         if self.table.pass_s:
-            return self.table.pass_time(batch, length)
+            return self.table.pass_time(batch, length, sampled)
         return sum(float(self.table.draft_row(batch, d)[0]) for d in range(1, length + 1))
 
     def chain_widths(self, acceptance: float | None = None, context: int = 0) -> dict[int, int]:
@@ -413,7 +414,8 @@ class PassHarness:
         if self.sampled:
             self.chain_acceptance.observe(num_accepted, num_nodes)
             rate = self.chain_acceptance.rate
-            self.next_depth.fill_(min(max(1, self.policy.chain_length(self.batch, self.context, rate)), self.max_depth))
+            length = self.policy.chain_length(self.batch, self.context, rate, sampled=True)
+            self.next_depth.fill_(min(max(1, length), self.max_depth))
             return
         if parent is not None and accepted_path is not None and self.chain_round:
             self.off_chain[1] += float(num_accepted.sum())  # a chain has no siblings: no accepted draft is off it
@@ -595,7 +597,7 @@ class DepthHarness:
 
     def chain_depth(self, rows: Tensor) -> int:
         """Sampled rounds: the chain length of the table at the acceptance rate observed so far (prior 0.7)."""
-        return max(1, self.policy.chain_length(self.batch, self.context, self.chain_acceptance.rate))
+        return max(1, self.policy.chain_length(self.batch, self.context, self.chain_acceptance.rate, sampled=True))
 
     def observe(self, rows: Tensor, num_accepted: Tensor, num_nodes: Tensor, parent=None, accepted_path=None) -> None:
         """Folds the verified acceptance of ``rows`` into their calibration and the chain acceptance rate."""

@@ -4,7 +4,10 @@ on this machine, with the engine's own components.
 * verify: :meth:`TargetRunner.forward` over a chain of n nodes per request (plus the LM head and greedy verification)
   after a prefill of the context interval's length, for every batch-size bucket, context and node count;
 * drafting: the autoregressive drafter forward of w nodes per request at each depth d (after d - 1 earlier forwards of
-  w nodes, as a round drafts them) and the P-EAGLE pass drafting K depths, for every batch-size bucket.
+  w nodes, as a round drafts them) and the P-EAGLE pass drafting K depths, for every batch-size bucket;
+* sampled rounds: the verify chain again with the target's probabilities at temperature 1 and rejection sampling
+  against full-vocabulary draft rows, and the P-EAGLE pass drawing its drafts (Gumbel top-k), as the engine's sampled
+  rounds do them.
 
 Each point is the fastest of ``repeats`` timed calls after one warm-up call (other processes only ever add time, so
 the minimum is the steadiest estimate on a shared machine), the points of a row taking turns call by call (a machine
@@ -27,9 +30,10 @@ from torch import Tensor, nn
 
 from peagle.decode.drafting import Eagle3Drafting, PEagleDrafting, Sampling, _Steps
 from peagle.decode.harness.cost import CostTable, machine_identity
+from peagle.decode.sampling import target_probs, uniforms
 from peagle.decode.target import TargetRunner
 from peagle.model import PEagleDrafter, from_pretrained
-from peagle.ops import ancestor_mask, tree_verify_greedy
+from peagle.ops import ancestor_mask, tree_rejection_sample, tree_verify_greedy
 
 __all__ = ["profile_costs"]
 
@@ -104,33 +108,36 @@ def profile_costs(
     )
     passes = model.config.num_depths
     total = len(table_axes["batch_sizes"]) * (
-        len(table_axes["contexts"]) * len(table_axes["verify_nodes"])
+        2 * len(table_axes["contexts"]) * len(table_axes["verify_nodes"])
         + depths * len(table_axes["draft_widths"])
-        + passes
+        + 2 * passes
     )
     bar = tqdm(total=total, desc="profile", disable=not progress)
     measure = _timer(runner.device, repeats, bar)
-    verify_s, draft_s, pass_s = [], [], []
+    names = ("verify_s", "sampled_verify_s", "draft_s", "pass_s", "sampled_pass_s")
+    grids: dict[str, list] = {name: [] for name in names}
     for batch in table_axes["batch_sizes"]:
-        rows = []
-        for context in table_axes["contexts"]:
-            rows.append(_verify_times(runner, batch, max(context, 2), table_axes["verify_nodes"], measure))
-        verify_s.append(rows)
-        draft_s.append(_draft_times(runner, model, batch, table_axes["draft_widths"], depths, measure))
-        pass_s.append(_pass_times(runner, model, batch, passes, measure))
+        for sampled, name in ((False, "verify_s"), (True, "sampled_verify_s")):
+            nodes = table_axes["verify_nodes"]
+            rows = [_verify_times(runner, batch, max(c, 2), nodes, measure, sampled) for c in table_axes["contexts"]]
+            grids[name].append([_monotone(row) for row in rows])
+        draft = _draft_times(runner, model, batch, table_axes["draft_widths"], depths, measure)
+        grids["draft_s"].append([_monotone(row) for row in draft])
+        grids["pass_s"].append(_monotone(_pass_times(runner, model, batch, passes, measure, sampled=False)))
+        grids["sampled_pass_s"].append(_monotone(_pass_times(runner, model, batch, passes, measure, sampled=True)))
     bar.close()
     return CostTable(
         **table_axes,
-        verify_s=[[_monotone(row) for row in rows] for rows in verify_s],
-        draft_s=[[_monotone(row) for row in rows] for rows in draft_s],
-        pass_s=[_monotone(row) for row in pass_s],
+        **grids,
         machine=machine_identity(runner.device),
         target=_identity(target),
         drafter=_identity(drafter),
     )
 
 
-def _verify_times(runner: TargetRunner, batch: int, context: int, nodes: list[int], measure) -> list[float]:
+def _verify_times(
+    runner: TargetRunner, batch: int, context: int, nodes: list[int], measure, sampled: bool
+) -> list[float]:
     gen = torch.Generator().manual_seed(0)
     vocab, device = runner.vocab_size, runner.device
     runner.allocate(batch, context + max(nodes) + 1)
@@ -145,13 +152,25 @@ def _verify_times(runner: TargetRunner, batch: int, context: int, nodes: list[in
         mask = ancestor_mask(parent)
         count = torch.full((batch,), n, dtype=torch.long, device=device)
 
-        calls.append(functools.partial(_verify_step, runner, rows, host_rows, tokens, depth, mask, parent, count))
+        if sampled:
+            draft_probs = torch.rand(batch, n, vocab, generator=gen).softmax(-1).to(device)
+            step = functools.partial(_sampled_verify_step, draft_probs)
+        else:
+            step = _verify_step
+        calls.append(functools.partial(step, runner, rows, host_rows, tokens, depth, mask, parent, count))
     return measure(calls)
 
 
 def _verify_step(runner: TargetRunner, rows, host_rows, tokens, depth, mask, parent, count) -> Tensor:
     final, _ = runner.forward(rows, host_rows, tokens, depth, mask, parent, count)
     return tree_verify_greedy(parent, tokens, count, runner.logits(final).float().softmax(-1))
+
+
+def _sampled_verify_step(draft_probs, runner: TargetRunner, rows, host_rows, tokens, depth, mask, parent, count):
+    final, _ = runner.forward(rows, host_rows, tokens, depth, mask, parent, count)
+    probs = target_probs(runner.logits(final), 1.0)
+    u = uniforms(host_rows, 0, tokens.shape[1], runner.device)
+    return tree_rejection_sample(parent, tokens, count, probs, draft_probs, u)
 
 
 def _drafting(cls, runner: TargetRunner, model: PEagleDrafter, batch: int, depth: int, num_nodes: int):
@@ -199,14 +218,15 @@ def _pass_step(drafting: PEagleDrafting, rows: Tensor, host_rows: list[int], roo
     drafting.cache.advance(rows, host_rows, -torch.ones_like(rows), [-1] * len(host_rows))
 
 
-def _pass_times(runner, model, batch: int, passes: int, measure) -> list[float]:
-    """[K - 1] seconds of one P-EAGLE pass (one pending element, K - 1 mask elements) and its chain."""
+def _pass_times(runner, model, batch: int, passes: int, measure, sampled: bool) -> list[float]:
+    """[K - 1] seconds of one P-EAGLE pass (one pending element, K - 1 mask elements) and its chain (``sampled``:
+    drawn, with the draft rows rejection sampling reads)."""
     calls = []
     for k in range(1, passes + 1):
         drafting, rows = _drafting(PEagleDrafting, runner, model, batch, k, k + 1)
         host_rows = list(range(batch))
         roots = torch.zeros(batch, dtype=torch.long, device=runner.device)
-        sampling = Sampling(0.0, False, [0] * batch, 0)
+        sampling = Sampling(1.0, True, list(range(batch)), 0) if sampled else Sampling(0.0, False, [0] * batch, 0)
 
         calls.append(functools.partial(_pass_step, drafting, rows, host_rows, roots, sampling))
     return measure(calls)
