@@ -32,6 +32,7 @@ class PassResult(NamedTuple):
     cpu_tokens_per_s: float  # this process's CPU time: one thread, so the other processes' load barely counts
     acceptance_length: float
     accepted: list[list[list[int]]]  # per batch, the requests' accepted drafts per round
+    phase_ms: tuple[float, float, float]  # per batched round: drafting, verification, the rest (GenerateMetrics)
 
 
 class Call(NamedTuple):
@@ -43,6 +44,8 @@ class Call(NamedTuple):
     emitted: int
     rounds: int
     accepted: list[list[int]]  # the requests' accepted drafts per round
+    batched_rounds: int
+    phases: tuple[float, float, float]  # seconds drafting, verifying and the rest
 
 
 def one_call(
@@ -53,7 +56,9 @@ def one_call(
     seconds, cpu = time.perf_counter() - begin, time.process_time() - begin_cpu
     emitted = sum(r.emitted for r in out.requests)
     accepted = [r.accepted for r in out.requests]
-    return Call(seconds, cpu, out.metrics.new_tokens, emitted, out.metrics.request_rounds, accepted)
+    m = out.metrics
+    phases = (m.draft_s, m.verify_s, m.other_s)
+    return Call(seconds, cpu, m.new_tokens, emitted, m.request_rounds, accepted, m.rounds, phases)
 
 
 def run(
@@ -79,6 +84,8 @@ def run(
             for name in names[shift:] + names[:shift]:
                 call = one_call(decoders[name], prompts[start : start + batch], new_tokens, start, temperature)
                 old = best.get((name, start))
+                if old is not None and old.seconds < call.seconds:
+                    call = call._replace(phases=old.phases)  # the fastest call's phases
                 if old is not None:
                     call = call._replace(
                         seconds=min(call.seconds, old.seconds), cpu_seconds=min(call.cpu_seconds, old.cpu_seconds)
@@ -93,6 +100,9 @@ def run(
             tokens / sum(c.cpu_seconds for c in calls),
             sum(c.emitted for c in calls) / max(sum(c.rounds for c in calls), 1),
             [c.accepted for c in calls],
+            tuple(
+                1e3 * sum(c.phases[i] for c in calls) / max(sum(c.batched_rounds for c in calls), 1) for i in range(3)
+            ),
         )
     return results
 
@@ -158,11 +168,13 @@ def main() -> None:
         prompts = [torch.randint(0, runner.vocab_size, (args.prompt_len,), generator=gen).tolist() for _ in range(16)]
         prompts = prompts[: args.prompts]
     context = max(len(p) for p in prompts)
-    print(f"{'batch':>5} {'config':<10} {'tok/s':>8} {'cpu tok/s':>10} {'AL':>6}")
+    print(f"{'batch':>5} {'config':<10} {'tok/s':>8} {'cpu tok/s':>10} {'AL':>6}  ms a round: draft / verify / other")
     for batch in batches:
         results = run(decoders, prompts, batch, args.new_tokens, args.passes, args.temperature)
         for name, r in results.items():
-            print(f"{batch:>5} {name:<10} {r.tokens_per_s:8.1f} {r.cpu_tokens_per_s:10.1f} {r.acceptance_length:6.2f}")
+            phases = " / ".join(f"{ms:.3f}" for ms in r.phase_ms)
+            speed = f"{r.tokens_per_s:8.1f} {r.cpu_tokens_per_s:10.1f} {r.acceptance_length:6.2f}"
+            print(f"{batch:>5} {name:<10} {speed}  {phases}")
         ours = results["harness"]
         for kind in ("chain", "tree"):
             name = max((n for n in results if n.startswith(kind)), key=lambda n: results[n].tokens_per_s)
