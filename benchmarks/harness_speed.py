@@ -84,11 +84,11 @@ def run(
             for name in names[shift:] + names[:shift]:
                 call = one_call(decoders[name], prompts[start : start + batch], new_tokens, start, temperature)
                 old = best.get((name, start))
-                if old is not None and old.seconds < call.seconds:
-                    call = call._replace(phases=old.phases)  # the fastest call's phases
                 if old is not None:
                     call = call._replace(
-                        seconds=min(call.seconds, old.seconds), cpu_seconds=min(call.cpu_seconds, old.cpu_seconds)
+                        seconds=min(call.seconds, old.seconds),
+                        cpu_seconds=min(call.cpu_seconds, old.cpu_seconds),
+                        phases=old.phases if old.seconds < call.seconds else call.phases,  # the fastest call's
                     )
                 best[name, start] = call
     results = {}

@@ -117,10 +117,11 @@ def profile_costs(
     names = ("verify_s", "sampled_verify_s", "draft_s", "pass_s", "sampled_pass_s")
     grids: dict[str, list] = {name: [] for name in names}
     for batch in table_axes["batch_sizes"]:
-        for sampled, name in ((False, "verify_s"), (True, "sampled_verify_s")):
-            nodes = table_axes["verify_nodes"]
-            rows = [_verify_times(runner, batch, max(c, 2), nodes, measure, sampled) for c in table_axes["contexts"]]
-            grids[name].append([_monotone(row) for row in rows])
+        rows = [
+            _verify_times(runner, batch, max(c, 2), table_axes["verify_nodes"], measure) for c in table_axes["contexts"]
+        ]
+        grids["verify_s"].append([_monotone(greedy) for greedy, _ in rows])
+        grids["sampled_verify_s"].append([_monotone(sampled) for _, sampled in rows])
         draft = _draft_times(runner, model, batch, table_axes["draft_widths"], depths, measure)
         grids["draft_s"].append([_monotone(row) for row in draft])
         grids["pass_s"].append(_monotone(_pass_times(runner, model, batch, passes, measure, sampled=False)))
@@ -136,8 +137,9 @@ def profile_costs(
 
 
 def _verify_times(
-    runner: TargetRunner, batch: int, context: int, nodes: list[int], measure, sampled: bool
-) -> list[float]:
+    runner: TargetRunner, batch: int, context: int, nodes: list[int], measure
+) -> tuple[list[float], list[float]]:
+    """(greedy, sampled) verify seconds per node count, after one prefill of the context (the calls take turns)."""
     gen = torch.Generator().manual_seed(0)
     vocab, device = runner.vocab_size, runner.device
     runner.allocate(batch, context + max(nodes) + 1)
@@ -152,13 +154,12 @@ def _verify_times(
         mask = ancestor_mask(parent)
         count = torch.full((batch,), n, dtype=torch.long, device=device)
 
-        if sampled:
-            draft_probs = torch.rand(batch, n, vocab, generator=gen).softmax(-1).to(device)
-            step = functools.partial(_sampled_verify_step, draft_probs)
-        else:
-            step = _verify_step
-        calls.append(functools.partial(step, runner, rows, host_rows, tokens, depth, mask, parent, count))
-    return measure(calls)
+        draft_probs = torch.rand(batch, n, vocab, generator=gen).softmax(-1).to(device)
+        sampled = functools.partial(_sampled_verify_step, draft_probs)
+        for step in (_verify_step, sampled):
+            calls.append(functools.partial(step, runner, rows, host_rows, tokens, depth, mask, parent, count))
+    times = measure(calls)
+    return times[0::2], times[1::2]
 
 
 def _verify_step(runner: TargetRunner, rows, host_rows, tokens, depth, mask, parent, count) -> Tensor:
