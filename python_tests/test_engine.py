@@ -15,6 +15,8 @@ import torch
 from peagle.decode import SpeculativeDecoder, TargetRunner
 from peagle.decode.drafting import Eagle3Drafting, PEagleDrafting, Sampling
 from peagle.decode.engine import _Generation
+from peagle.decode.harness import CostTable, HarnessPolicy
+from peagle.decode.harness.policy import MIN_TRIALS
 from peagle.model import DrafterConfig, PEagleDrafter
 from peagle.ops.gdn import tree_path
 from peagle.train.evaluate import chain_drafts
@@ -110,6 +112,7 @@ def test_greedy_output_is_the_targets_greedy_output(request, kind, method, mode,
     assert len(metrics.conditional_acceptance) == (4 if method == "peagle" else OPTIONS[(method, mode)]["depth"])
     if mode == "harness":  # the harness verified trees of more than one shape
         assert len({a for r in out.requests for a in r.accepted}) > 1
+    assert metrics.drafted_rounds == metrics.rounds  # the flat table's break-even rate is far below these drafters'
     assert metrics.total_s >= metrics.draft_s + metrics.verify_s + metrics.other_s
 
 
@@ -118,6 +121,42 @@ def test_target_alone_decodes_greedily_one_token_per_forward(dense):
     assert out.tokens == [dense.reference(p)[:40] for p in PROMPTS]
     assert out.metrics.acceptance_length == 1.0
     assert [r.rounds for r in out.requests] == [39] * 4  # prefill emits the first token
+    assert out.metrics.drafted_rounds == 0
+
+
+def costly_drafts_table():
+    """Drafting costs about a third of a verify and each verified node a tenth: speculation pays above a per-position
+    acceptance rate of about 0.45, and at the policy's prior (0.7) the plan speculates."""
+    nodes, batches, depths = [1, 2, 4, 8, 16], [1, 4, 16], 8
+    return CostTable(
+        batch_sizes=batches,
+        contexts=[0],
+        verify_nodes=nodes,
+        verify_s=[[[10e-3 + 1e-3 * (n - 1) for n in nodes]]] * len(batches),
+        draft_widths=[1, 2, 4],
+        draft_s=[[[3.5e-3, 4e-3, 5e-3]] * depths] * len(batches),
+        pass_s=[[3.5e-3 + 0.5e-3 * k for k in range(depths)]] * len(batches),
+    )
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+def test_harness_stops_drafting_where_the_observed_acceptance_loses(dense, method, batch):
+    """An untrained drafter (acceptance near 0) under a table whose break-even rate is about 0.45: after MIN_TRIALS
+    observations the call decodes without drafting, and its output is still the target's greedy output. (A drafter
+    above the break-even rate drafts to the end: the greedy test above, under the flat table.)"""
+    table = costly_drafts_table()
+    policy = HarnessPolicy(table, 12)
+    assert policy.plan(batch, 0).kind != "plain" and 0.3 < policy.break_even_rate(batch, 0) < 0.6
+    torch.manual_seed(fresh_seed())
+    untrained = PEagleDrafter((dense.peagle if method == "peagle" else dense.eagle3).config).eval()
+    prompts = PROMPTS[:batch]
+    options = dict(method=method, cost_table=table, num_nodes=12, **(dict(depth=4) if method == "eagle3" else {}))
+    out = SpeculativeDecoder(dense.model, untrained, "harness", **options).generate(prompts, NEW_TOKENS)
+    assert out.tokens == [dense.reference(p) for p in prompts]
+    m = out.metrics
+    # Each drafting round observes at least one trial per live request and at most 1 + depth.
+    assert MIN_TRIALS / (5 * batch) <= m.drafted_rounds <= MIN_TRIALS / batch + 1 < m.rounds
 
 
 def test_num_threads_applies_during_generate_only(dense, monkeypatch):

@@ -20,7 +20,7 @@ from peagle.decode.harness import (
     harness_budget,
     select_budget,
 )
-from peagle.decode.harness.policy import recalibrate, sharpen
+from peagle.decode.harness.policy import MIN_TRIALS, ChainAcceptance, recalibrate, sharpen
 from peagle.ops import calibration_scale, tree_build_parallel
 
 DEPTH, VOCAB, MAX_NODES = 6, 8, 32
@@ -131,6 +131,63 @@ def test_harness_decodes_plainly_where_speculation_loses():
     assert HarnessPolicy(STEEP, MAX_NODES).chain_widths() == {1: 0}
     for topk, nodes in fixed_configs():
         assert ours > fixed_goodput(STEEP, probs, truth, topk, nodes)
+
+
+# Drafting a chain costs about a third of a verify (break-even acceptance rate near 0.45, between FLAT and STEEP).
+COSTLY_DRAFTS = cost_table([10e-3, 11e-3, 13e-3, 17e-3, 25e-3, 41e-3], [3.5e-3 + 0.5e-3 * k for k in range(DEPTH)])
+
+
+@pytest.mark.parametrize("table", [FLAT, COSTLY_DRAFTS, STEEP], ids=["flat", "costly-drafts", "steep"])
+def test_break_even_rate_is_where_some_chain_starts_to_beat_plain_decoding(table):
+    policy = HarnessPolicy(table, MAX_NODES)
+    rate = policy.break_even_rate(1, 0)
+    if table is STEEP:  # every node costs a forward: no acceptance rate pays
+        assert rate > 1 and policy.chain_length(1, 0, 1.0) == 0
+        return
+    assert 0 < rate < 1
+    assert policy.chain_length(1, 0, rate + 1e-5) > 0
+    assert policy.chain_length(1, 0, rate - 1e-5) == 0
+    # Brute force over chain lengths at the rate found: plain decoding is (nearly) as fast as the best chain.
+    plain = 1 / float(table.verify_row(1, 0, MAX_NODES)[1])
+    best = max(
+        sum(rate**i for i in range(n + 1)) / (table.pass_time(1, n) + float(table.verify_row(1, 0, MAX_NODES)[n + 1]))
+        for n in range(1, DEPTH + 1)
+    )
+    assert best == pytest.approx(plain, rel=1e-4)
+
+
+def test_speculation_stops_paying_only_after_enough_observations_below_break_even():
+    policy = HarnessPolicy(COSTLY_DRAFTS, MAX_NODES)
+    rate = policy.break_even_rate(1, 0)
+    assert 0.3 < rate < 0.6
+    acceptance = ChainAcceptance()
+    while acceptance.trials + 1 < MIN_TRIALS:  # every round rejects its first draft
+        acceptance.observe(torch.tensor([0]), torch.tensor([4]))
+        assert policy.speculation_pays(1, 0, acceptance)  # too few observations to decide
+    acceptance.observe(torch.tensor([0]), torch.tensor([4]))
+    assert acceptance.rate < rate and not policy.speculation_pays(1, 0, acceptance)
+    good = ChainAcceptance()  # 3 of 4 drafts accepted per position: above break-even
+    while good.trials < 4 * MIN_TRIALS:
+        good.observe(torch.tensor([3]), torch.tensor([5]))
+    assert good.rate > rate and policy.speculation_pays(1, 0, good)
+
+
+def test_chain_acceptance_counts_a_rejection_where_the_accepted_path_ends_above_verified_children():
+    # One tree per request: root 0 with children 1 and 2, node 3 under node 1, one padding slot.
+    parent = torch.tensor([[-1, 0, 0, 1, -1]]).repeat(4, 1)
+    num_nodes = torch.tensor([4, 4, 4, 4])
+    # Paths: 0-1-3 (ends at a leaf), 0-2 (a leaf), 0-1 (node 3 below was rejected), 0 (both children rejected).
+    path = torch.tensor([[0, 1, 3, -1, -1], [0, 2, -1, -1, -1], [0, 1, -1, -1, -1], [0, -1, -1, -1, -1]])
+    accepted = torch.tensor([2, 1, 1, 0])
+    tree = ChainAcceptance()
+    assert tree.observe(accepted, num_nodes, parent, path) == 4
+    assert (tree.accepted, tree.trials) == (4, 6)
+    chain = ChainAcceptance()  # read as chains of 4 nodes, every path above would end early
+    chain.observe(accepted, num_nodes)
+    assert (chain.accepted, chain.trials) == (4, 8)
+    nothing = ChainAcceptance()  # a round that verified no draft gained nothing from drafting: a rejection
+    nothing.observe(torch.tensor([0]), torch.tensor([1]), torch.tensor([[-1, -1]]), torch.tensor([[0, -1]]))
+    assert (nothing.accepted, nothing.trials) == (0, 1)
 
 
 def test_chain_width_table_per_batch_bucket():

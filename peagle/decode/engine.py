@@ -95,6 +95,9 @@ class GenerateMetrics:
     # How EAGLE-3 harness rounds ran their depth steps (DepthStepper mode: "device" = CUDA graphs chained on the
     # device, "host" = the host loop; a fallback to the host loop on a GPU says why in parentheses); "" if none ran.
     depth_chain: str = ""
+    # Batched rounds that drafted: all of them, except under mode "harness" once the observed acceptance said that
+    # speculation loses (plain decoding from there on) or when the cost table said so from the start (0).
+    drafted_rounds: int = 0
 
 
 @dataclass
@@ -384,7 +387,8 @@ class _Generation:
         self.finish = [""] * batch
         self.accepted: list[list[int]] = [[] for _ in range(batch)]
         self.clock = _Clock(self.device)
-        self.batched_rounds = 0
+        self.batched_rounds = self.drafted_rounds = 0
+        self.depth_chain = ""  # the harness's chain_report
         self.harness: PassHarness | DepthHarness | None = None
         if decoder.policy is not None:
             longest = max(len(p) for p in prompts)
@@ -407,7 +411,7 @@ class _Generation:
             active = self._round(active, roots, step)
             step += 1
         if self.harness is not None:
-            self.harness.finish()
+            self._end_harness()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return self._output(time.perf_counter() - start)
@@ -486,6 +490,9 @@ class _Generation:
         check_errors()
         if self.harness is not None:
             self.harness.observe(rows, result.num_accepted, tree.num_nodes, tree.parent, result.accepted_path)
+            if not self.harness.speculate:  # the acceptance observed so far: speculation loses at this batch size
+                self._end_harness()
+                self.drafting = None  # plain decoding for the rest of the call
         runner.commit(rows, active, result.accepted_path, result.num_accepted, result.last_node, host_accepted)
         width = max(host_accepted) + 1
         rows_index = torch.arange(len(active), device=self.device)
@@ -501,10 +508,17 @@ class _Generation:
             self.accepted[r].append(m)
             self._emit(r, host_emitted[i][: m + 1])
         self.batched_rounds += 1
+        self.drafted_rounds += drafting is not None
         clock.add("draft", t0, t1)
         clock.add("verify", t1, t2)
         clock.add("other", t2, clock.mark())
         return [r for r in active if not self.finish[r]]
+
+    def _end_harness(self) -> None:
+        """Hands the harness's learning to the policy and keeps its report."""
+        self.harness.finish()
+        self.depth_chain = getattr(self.harness, "chain_report", "")
+        self.harness = None
 
     def _output(self, total: float) -> GenerateOutput:
         depth = self.decoder.max_depth
@@ -526,6 +540,7 @@ class _Generation:
             other_s=self.clock.total("other"),
             total_s=total,
             tokens_per_s=new_tokens / total if total > 0 else 0.0,
-            depth_chain=getattr(self.harness, "chain_report", ""),
+            depth_chain=self.depth_chain,
+            drafted_rounds=self.drafted_rounds,
         )
         return GenerateOutput(self.tokens, requests, metrics)

@@ -29,7 +29,10 @@ for n nodes (root included, from the cost table row of the batch-size bucket and
 * **Batch size.** :meth:`HarnessPolicy.plan`: at batch sizes whose verify cost grows slowly with the node count the
   candidates form a dynamic tree (top-k children per depth); where it grows fast, a chain (one child per depth) whose
   length the budget still chooses per request; :meth:`HarnessPolicy.chain_widths` is the per-bucket table of the best
-  chain length at a given acceptance rate, and a bucket whose best length is 0 decodes without speculation.
+  chain length at a given acceptance rate, and a bucket whose best length is 0 decodes without speculation. Once a
+  generate call has observed :data:`MIN_TRIALS` drafts and rejections, it also stops drafting for the rest of the
+  call when the observed per-position acceptance rate is at or below the cost table's break-even rate, the rate
+  below which no chain length emits more tokens per second than plain decoding (:meth:`HarnessPolicy.speculation_pays`).
 * **Temperature > 0.** Sampled rounds (drafts drawn) draft chains, P-EAGLE's as EAGLE-3's, whose length is fixed
   after the previous round, before this round's draws, so verification stays lossless: the chain length of the cost
   table at the per-position acceptance rate observed so far (:class:`ChainAcceptance`). Path scores of the drafter's
@@ -61,6 +64,7 @@ from peagle.ops.harness import best_candidates, budget_ratios
 
 __all__ = [
     "CALIBRATION_DECAY",
+    "MIN_TRIALS",
     "ChainAcceptance",
     "DepthHarness",
     "DepthRound",
@@ -80,6 +84,9 @@ __all__ = [
     "widest",
 ]
 
+# Rejections and accepted drafts a generate call observes before the harness may stop speculating for the rest of it
+# (the rate is then within about 0.09 at 1 sigma: a drafter that pays is rarely stopped).
+MIN_TRIALS = 32
 OFF_CHAIN_RATE = 0.05  # below this share of accepted drafts off the top-1 chain, a tree plan drafts chains
 EXPLORE_EVERY = 8  # ... except every 8th round, an interval that doubles (up to 64) while exploring finds nothing
 MAX_EXPLORE_EVERY = 64
@@ -194,15 +201,34 @@ def predicted_acceptance(spec: TreeSpec, calibration: Tensor) -> Tensor:
 
 class ChainAcceptance:
     """The per-position acceptance rate of verified rounds, accepted drafts over accepted drafts + rejections (prior
-    0.7 over 2 trials): what sampled rounds size their chains by, since their depth is fixed before their draws."""
+    0.7 over 2 trials): what sampled rounds size their chains by, since their depth is fixed before their draws, and
+    what decides whether speculating pays at all (:meth:`HarnessPolicy.speculation_pays`)."""
 
     def __init__(self) -> None:
         self.accepted, self.trials = 0.0, 0.0
 
-    def observe(self, num_accepted: Tensor, num_nodes: Tensor) -> None:
-        accepted = float(num_accepted.sum())
+    def observe(
+        self,
+        num_accepted: Tensor,
+        num_nodes: Tensor | None,
+        parent: Tensor | None = None,
+        accepted_path: Tensor | None = None,
+    ) -> float:
+        """Counts a round; returns its accepted drafts. A rejection is a request whose accepted path ends at a node with
+        verified children (with the trees' ``parent`` and the ``accepted_path``; without them the trees are chains
+        of ``num_nodes``: a path that ends before the last node), or that verified no draft (``num_nodes`` 1: it
+        drafted and gained nothing, as a rejection of its first draft would). One host read."""
+        if parent is None or accepted_path is None:
+            rejected = num_accepted < num_nodes - 1
+        else:
+            last = accepted_path.gather(1, num_accepted[:, None].long())
+            rejected = ((parent == last) & (last >= 0)).any(1)
+        if num_nodes is not None:
+            rejected = rejected | (num_nodes <= 1)
+        accepted, rejections = torch.stack([num_accepted.sum().double(), rejected.sum().double()]).tolist()
         self.accepted += accepted
-        self.trials += accepted + float((num_accepted < num_nodes - 1).sum())
+        self.trials += accepted + rejections
+        return accepted
 
     @property
     def rate(self) -> float:
@@ -249,6 +275,7 @@ class HarnessPolicy:
         self.learnt_off_chain = (0.0, 0.0)
         self.learnt_explore_every = EXPLORE_EVERY
         self._chain_cost_cache: dict[tuple[int, int, bool], list[float]] = {}
+        self._break_even_cache: dict[tuple[int, int, bool], float] = {}
 
     def start_state(self, batch: int, device) -> tuple[Tensor, Tensor]:
         """(gamma [B], calibration [B, 2]) for the requests of a new generate call."""
@@ -272,6 +299,34 @@ class HarnessPolicy:
             if costs[n] > 0 and (1 + gain) / costs[n] > best:
                 best, length = (1 + gain) / costs[n], n
         return length
+
+    def break_even_rate(self, batch: int, context: int, sampled: bool = False) -> float:
+        """The per-position acceptance rate above which some chain emits more tokens per second than plain decoding
+        (``chain_length`` > 0; it grows with the rate), to 1e-6 by bisection, kept per batch-size bucket, context
+        interval and kind of round; above 1 when no rate makes speculation pay."""
+        key = (self.table.bucket(batch), self.table.context_index(context), sampled)
+        if key not in self._break_even_cache:
+            if self.chain_length(batch, context, 1.0, sampled) == 0:
+                rate = 2.0
+            elif self.chain_length(batch, context, 0.0, sampled) > 0:
+                rate = 0.0
+            else:
+                low, high = 0.0, 1.0  # chain_length(low) == 0 < chain_length(high)
+                while high - low > 1e-6:
+                    middle = (low + high) / 2
+                    low, high = (
+                        (low, middle) if self.chain_length(batch, context, middle, sampled) > 0 else (middle, high)
+                    )
+                rate = high
+            self._break_even_cache[key] = rate
+        return self._break_even_cache[key]
+
+    def speculation_pays(self, batch: int, context: int, acceptance: ChainAcceptance, sampled: bool = False) -> bool:
+        """False once :data:`MIN_TRIALS` observations put the acceptance rate at or below the break-even rate: no
+        chain beats plain decoding at it. The rate of tree rounds is per level (a rejection: no verified child of the
+        path's end accepted); a tree that accepts a level as often as a chain accepts a position costs more per
+        level, so it does not pay either."""
+        return acceptance.trials < MIN_TRIALS or acceptance.rate > self.break_even_rate(batch, context, sampled)
 
     def _chain_costs(self, batch: int, context: int, sampled: bool) -> list[float]:
         """Seconds of a round of a chain of n drafts, n = 0 .. max_nodes - 1 (kept per batch-size bucket, context
@@ -335,7 +390,10 @@ class PassHarness:
 
     @property
     def speculate(self) -> bool:
-        return self.plan.kind != "plain"
+        """Whether rounds draft: the cost table's plan, then the acceptance observed so far
+        (:meth:`HarnessPolicy.speculation_pays`)."""
+        pays = self.policy.speculation_pays(self.batch, self.context, self.chain_acceptance, self.sampled)
+        return self.plan.kind != "plain" and pays
 
     def depth(self, rows: Tensor) -> int:
         """The pass depth K of a round of ``rows`` (the deepest any of them wants; one host read)."""
@@ -410,16 +468,20 @@ class PassHarness:
     ) -> None:
         """Folds the verified acceptance of ``rows`` into their calibration; with the verified trees' ``parent`` and
         the ``accepted_path``, counts the accepted drafts that were not their parent's first child. After a sampled
-        round: only the chain acceptance rate, and the next chain length from it."""
+        round: only the chain acceptance rate, and the next chain length from it. Every round with ``num_nodes`` or
+        the trees also counts into the acceptance rate that decides whether speculating still pays."""
+        tree_known = parent is not None and accepted_path is not None
+        accepted = None
+        if num_nodes is not None or tree_known:
+            accepted = self.chain_acceptance.observe(num_accepted, num_nodes, parent, accepted_path)
         if self.sampled:
-            self.chain_acceptance.observe(num_accepted, num_nodes)
             rate = self.chain_acceptance.rate
             length = self.policy.chain_length(self.batch, self.context, rate, sampled=True)
             self.next_depth.fill_(min(max(1, length), self.max_depth))
             return
-        if parent is not None and accepted_path is not None and self.chain_round:
-            self.off_chain[1] += float(num_accepted.sum())  # a chain has no siblings: no accepted draft is off it
-        elif parent is not None and accepted_path is not None:
+        if tree_known and self.chain_round:
+            self.off_chain[1] += accepted  # a chain has no siblings: no accepted draft is off it
+        elif tree_known:
             nodes = parent.shape[1]
             index = torch.arange(nodes, device=parent.device)
             earlier = (parent[:, :, None] == parent[:, None, :]) & (index[None, None, :] < index[None, :, None])
@@ -427,7 +489,7 @@ class PassHarness:
             path = accepted_path[:, 1:nodes]
             off = (rank.gather(1, path.clamp(min=0)) > 0) & (path >= 0)
             self.off_chain[0] += float(off.sum())
-            self.off_chain[1] += float(num_accepted.sum())
+            self.off_chain[1] += accepted
             if self.exploring:
                 found = bool(off.any())
                 self.explore_every = EXPLORE_EVERY if found else min(2 * self.explore_every, MAX_EXPLORE_EVERY)
@@ -574,14 +636,18 @@ class DepthHarness:
         self.verify_cost = self.plan.verify_cost.to(self.device)
         self.gamma, self.calibration = policy.start_state(batch, self.device)
         self.predicted = torch.zeros(batch, dtype=torch.float64, device=self.device)
-        self.chain_acceptance = ChainAcceptance()  # for sampled chains
+        self.chain_acceptance = ChainAcceptance()  # sampled chains' length; whether speculating pays
+        self.sampled = False  # this call's drafts are drawn (set by chain_depth, which only sampled rounds ask)
         self.rounds: dict[int, DepthRound] = {}
         self.chain_mode = "auto"
         self.chain_report = ""
 
     @property
     def speculate(self) -> bool:
-        return self.plan.kind != "plain"
+        """Whether rounds draft: the cost table's plan, then the acceptance observed so far
+        (:meth:`HarnessPolicy.speculation_pays`)."""
+        pays = self.policy.speculation_pays(self.batch, self.context, self.chain_acceptance, self.sampled)
+        return self.plan.kind != "plain" and pays
 
     def padded(self, rows: Tensor) -> int:
         """The padded batch size of a round of ``rows``."""
@@ -597,12 +663,14 @@ class DepthHarness:
 
     def chain_depth(self, rows: Tensor) -> int:
         """Sampled rounds: the chain length of the table at the acceptance rate observed so far (prior 0.7)."""
+        self.sampled = True
         return max(1, self.policy.chain_length(self.batch, self.context, self.chain_acceptance.rate, sampled=True))
 
     def observe(self, rows: Tensor, num_accepted: Tensor, num_nodes: Tensor, parent=None, accepted_path=None) -> None:
-        """Folds the verified acceptance of ``rows`` into their calibration and the chain acceptance rate."""
+        """Folds the verified acceptance of ``rows`` into their calibration and the acceptance rate (per level of the
+        verified trees when their ``parent`` and the ``accepted_path`` come with it)."""
         recalibrate(self.calibration, self.gamma, self.predicted, rows, num_accepted)
-        self.chain_acceptance.observe(num_accepted, num_nodes)
+        self.chain_acceptance.observe(num_accepted, num_nodes, parent, accepted_path)
 
     def finish(self) -> None:
         """Hands what this call learnt to the policy (the next call starts from it)."""
