@@ -1,6 +1,8 @@
 """The harness against the best fixed configurations, in the engine on this CPU: tokens/s and acceptance length of
-``mode="harness"`` (a cost table profiled first, in the same run) against every P-EAGLE chain length and P-EAGLE trees
-at several node budgets, at batch sizes 1, 4 and 16, as ratios to the best fixed chain and the best fixed tree.
+``mode="harness"`` (a cost table profiled first, in the same run) against every P-EAGLE chain length (chain 0: the
+target alone) and P-EAGLE trees at several node budgets, at batch sizes 1, 4 and 16, as ratios to the best fixed chain
+and the best fixed tree: the fastest in the run (hindsight), and, with two passes or more, the one picked on the other
+half of the passes (:func:`held_out_ratio`: no winner's curse).
 
 Goal (issue 14): >= 1.1x the best fixed configuration at batch 1, never below 0.97x at any batch size.
 
@@ -14,7 +16,9 @@ With no --target / --drafter: the demo-sized random models of ``engine_speed.py`
 from __future__ import annotations
 
 import argparse
+import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -68,43 +72,71 @@ def run(
     new_tokens: int,
     passes: int,
     temperature: float,
-) -> dict[str, PassResult]:
-    """Decodes the prompts ``batch`` at a time with every configuration, ``passes`` times. The configurations take
-    turns call by call (in an order that rotates), and each call's fastest of the passes counts (wall clock and CPU
-    time each at its best): this shared machine's speed drifts by +-10% over seconds, which touches configurations
-    that alternate every ~0.1 s alike. Sampled rounds draw the same seeds in every pass."""
+) -> dict[tuple[str, int, int], Call]:
+    """Decodes the prompts ``batch`` at a time with every configuration, ``passes`` times: {(configuration, first
+    prompt of the batch, pass): call}. The configurations take turns call by call, in an order that rotates: this
+    shared machine's speed drifts by +-10% over seconds, which touches configurations that alternate every ~0.1 s
+    alike. Sampled rounds draw the same seeds in every pass."""
     for decoder in decoders.values():
         decoder.generate(prompts[:batch], 8, temperature=temperature)  # warm-up
     names = list(decoders)
-    starts = range(0, len(prompts), batch)
-    best: dict[tuple[str, int], Call] = {}
+    calls = {}
     for turn in range(passes):
-        for i, start in enumerate(starts):
+        for i, start in enumerate(range(0, len(prompts), batch)):
             shift = (turn + i) % len(names)
             for name in names[shift:] + names[:shift]:
-                call = one_call(decoders[name], prompts[start : start + batch], new_tokens, start, temperature)
-                old = best.get((name, start))
-                if old is not None:
-                    call = call._replace(
-                        seconds=min(call.seconds, old.seconds),
-                        cpu_seconds=min(call.cpu_seconds, old.cpu_seconds),
-                        phases=old.phases if old.seconds < call.seconds else call.phases,  # the fastest call's
-                    )
-                best[name, start] = call
+                batch_prompts = prompts[start : start + batch]
+                calls[name, start, turn] = one_call(decoders[name], batch_prompts, new_tokens, start, temperature)
+    return calls
+
+
+def summarize(calls: dict[tuple[str, int, int], Call], passes: Sequence[int]) -> dict[str, PassResult]:
+    """Every configuration's figures over the given ``passes``: each call's fastest of them counts (wall clock and CPU
+    time each at its best; the phases of the fastest call)."""
+    names = list(dict.fromkeys(name for name, _, _ in calls))
+    starts = sorted({start for _, start, _ in calls})
     results = {}
     for name in names:
-        calls = [best[name, start] for start in starts]
-        tokens = sum(c.tokens for c in calls)
+        fastest = []
+        for start in starts:
+            tries = [calls[name, start, turn] for turn in passes]
+            best = min(tries, key=lambda c: c.seconds)
+            fastest.append(best._replace(cpu_seconds=min(c.cpu_seconds for c in tries)))
+        tokens = sum(c.tokens for c in fastest)
         results[name] = PassResult(
-            tokens / sum(c.seconds for c in calls),
-            tokens / sum(c.cpu_seconds for c in calls),
-            sum(c.emitted for c in calls) / max(sum(c.rounds for c in calls), 1),
-            [c.accepted for c in calls],
+            tokens / sum(c.seconds for c in fastest),
+            tokens / sum(c.cpu_seconds for c in fastest),
+            sum(c.emitted for c in fastest) / max(sum(c.rounds for c in fastest), 1),
+            [c.accepted for c in fastest],
             tuple(
-                1e3 * sum(c.phases[i] for c in calls) / max(sum(c.batched_rounds for c in calls), 1) for i in range(3)
+                1e3 * sum(c.phases[i] for c in fastest) / max(sum(c.batched_rounds for c in fastest), 1)
+                for i in range(3)
             ),
         )
     return results
+
+
+def best_of(results: dict[str, PassResult], kind: str) -> str:
+    """The fastest configuration (wall clock) whose name starts with ``kind``."""
+    return max((n for n in results if n.startswith(kind)), key=lambda n: results[n].tokens_per_s)
+
+
+def held_out_ratio(calls: dict[tuple[str, int, int], Call], passes: int, kind: str) -> tuple[float, list[str]]:
+    """The harness over the best fixed ``kind`` configuration chosen without hindsight. Picking the fastest of several
+    nearly equal configurations on the same noisy passes that score it favours whichever was lucky (the winner's
+    curse), so here the passes split in two halves (even and odd turns): the configuration fastest on one half is
+    scored against the harness on the other, both ways. Returns the geometric mean of the two ratios and the two
+    picks."""
+    if passes < 2:
+        raise ValueError(f"held-out selection needs passes >= 2, got {passes}")
+    halves = (range(0, passes, 2), range(1, passes, 2))
+    ratios, picks = [], []
+    for pick_on, score_on in (halves, halves[::-1]):
+        name = best_of(summarize(calls, pick_on), kind)
+        scored = summarize(calls, score_on)
+        ratios.append(scored["harness"].tokens_per_s / scored[name].tokens_per_s)
+        picks.append(name)
+    return math.sqrt(ratios[0] * ratios[1]), picks
 
 
 def oracle_bound(table: CostTable, traces: list[list[list[int]]], depth: int, context: int) -> float:
@@ -134,7 +166,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--batch-sizes", default="1,4,16")
-    parser.add_argument("--passes", type=int, default=3, help="passes per configuration (the best counts)")
+    parser.add_argument(
+        "--passes",
+        type=int,
+        default=3,
+        help="passes per configuration (each call's fastest counts; >= 2: also the held-out pick)",
+    )
     parser.add_argument("--budgets", default="8,16,32")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy rounds; above 0: sampled ones")
     args = parser.parse_args()
@@ -155,11 +192,14 @@ def main() -> None:
         results.mkdir(exist_ok=True)
         print(f"cost table written: {table.save(results / 'harness-costs.json')}")
     depth, vocab = drafter.config.num_depths, drafter.config.draft_vocab_size
-    configs = {f"chain {k}": dict(mode="chain", depth=k) for k in range(1, depth + 1)}
+    configs = {"chain 0": dict(drafter=None)}  # width 0: the target alone
+    configs.update({f"chain {k}": dict(mode="chain", depth=k) for k in range(1, depth + 1)})
     for budget in (int(b) for b in args.budgets.split(",")):
         configs[f"tree {budget}"] = dict(mode="tree", topk=tree_topk(depth, vocab, budget), num_nodes=budget)
     configs["harness"] = dict(mode="harness", cost_table=table)
-    decoders = {name: SpeculativeDecoder(target, drafter, num_threads=1, **o) for name, o in configs.items()}
+    decoders = {
+        name: SpeculativeDecoder(target, o.pop("drafter", drafter), num_threads=1, **o) for name, o in configs.items()
+    }
     runner = decoders["harness"].runner
     if args.prompts_file:
         prompts = load_prompts(args.prompts_file, args.prompts, runner.vocab_size)
@@ -170,14 +210,15 @@ def main() -> None:
     context = max(len(p) for p in prompts)
     print(f"{'batch':>5} {'config':<10} {'tok/s':>8} {'cpu tok/s':>10} {'AL':>6}  ms a round: draft / verify / other")
     for batch in batches:
-        results = run(decoders, prompts, batch, args.new_tokens, args.passes, args.temperature)
+        calls = run(decoders, prompts, batch, args.new_tokens, args.passes, args.temperature)
+        results = summarize(calls, range(args.passes))
         for name, r in results.items():
             phases = " / ".join(f"{ms:.3f}" for ms in r.phase_ms)
             speed = f"{r.tokens_per_s:8.1f} {r.cpu_tokens_per_s:10.1f} {r.acceptance_length:6.2f}"
             print(f"{batch:>5} {name:<10} {speed}  {phases}")
         ours = results["harness"]
         for kind in ("chain", "tree"):
-            name = max((n for n in results if n.startswith(kind)), key=lambda n: results[n].tokens_per_s)
+            name = best_of(results, kind)
             cpu_name = max((n for n in results if n.startswith(kind)), key=lambda n: results[n].cpu_tokens_per_s)
             theirs, cpu_theirs = results[name], results[cpu_name]
             print(
@@ -185,6 +226,9 @@ def main() -> None:
                 f"CPU-time tokens/s {ours.cpu_tokens_per_s / cpu_theirs.cpu_tokens_per_s:.2f}x ({cpu_name}), "
                 f"acceptance length {ours.acceptance_length / theirs.acceptance_length:.2f}x"
             )
+            if args.passes >= 2:
+                ratio, picks = held_out_ratio(calls, args.passes, kind)
+                print(f"{batch:>5} harness / best {kind} picked on the other passes: {ratio:.2f}x ({', '.join(picks)})")
         bound = oracle_bound(table, results[f"chain {depth}"].accepted, depth, context)
         print(f"{batch:>5} oracle depth choice / chain {depth} (cost-table seconds, same rounds): {bound:.3f}x")
 
