@@ -88,6 +88,24 @@ def test_cuda_chain_equals_sequential(generator):
     assert rel_rms(o_cuda[0], expected) <= 1e-5
 
 
+@pytest.mark.parametrize("forget", [float("-inf"), -1e30])
+def test_full_forgets_cuda_equal_cpu(generator, forget):
+    """Log decays whose exp is 0 at random nodes: both backends sum them as kMinLogDecay (gdn.h), bit for bit."""
+    batch, nodes = 3, 33
+    x = random_gdn_inputs(generator, batch, nodes, 2, 4, 64, 48, kind="random")
+    x = x._replace(g=torch.where(torch.rand(x.g.shape, generator=generator) < 0.2, forget, x.g))
+    o, u = gdn_tree_verify(*x, use_qk_l2norm=True)
+    o_cuda, u_cuda = gdn_tree_verify(*to_cuda(x), use_qk_l2norm=True)
+    assert torch.isfinite(o).all()
+    assert_same_bits(o_cuda, o)
+    assert_same_bits(u_cuda, u)
+    last = torch.randint(0, nodes, (batch,), generator=generator)
+    pool, pool_cuda = x.state_pool.clone(), x.state_pool.cuda()
+    gdn_commit(x.k, x.g, u, x.parent, last, pool, x.slots, True)
+    gdn_commit(x.k.cuda(), x.g.cuda(), u.cuda(), x.parent.cuda(), last.cuda(), pool_cuda, x.slots.cuda(), True)
+    assert_same_bits(pool_cuda, pool)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_commit_cuda_equals_cpu(generator, kind, dtype):

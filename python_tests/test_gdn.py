@@ -391,10 +391,20 @@ def test_conv_width_limit(generator):
         causal_conv1d_commit(torch.randn(1, 5, 3), parent, torch.tensor([1]), torch.randn(1, 3, 64))
 
 
-@pytest.mark.parametrize("gate", ["zero", "strong", "mixed"])
+def full_forgets(generator, g: torch.Tensor, value: float, share: float = 0.2) -> torch.Tensor:
+    """``g`` with a ``share`` of its entries (random nodes and value heads) set to ``value``: log decays whose exp is 0
+    (the state is forgotten there)."""
+    return torch.where(torch.rand(g.shape, generator=generator) < share, torch.full_like(g, value), g)
+
+
+@pytest.mark.parametrize("gate", ["zero", "strong", "mixed", "-inf", "-1e30"])
 def test_verify_gate_and_beta_extremes_int32_indices(generator, gate):
+    """Full forgets (g = -inf, or a huge finite g) at random nodes: the closed form once gave NaN (-inf + inf) or a
+    decay of 1 (every sum rounding to -1e30) below them; the recurrence stays finite."""
     x = random_gdn_inputs(generator, 2, 24, 2, 4, 16, 16, kind="random")
-    g = {"zero": torch.zeros_like(x.g), "strong": torch.full_like(x.g, -30.0), "mixed": x.g * 40}[gate]
+    g = {"zero": torch.zeros_like(x.g), "strong": torch.full_like(x.g, -30.0), "mixed": x.g * 40}.get(gate)
+    if g is None:
+        g = full_forgets(generator, x.g, float(gate))
     beta = x.beta.clone()
     beta[:, ::3] = 0.0
     beta[:, 1::3] = 1.0

@@ -200,6 +200,29 @@ TEST(GdnMath, ClosedFormOverAChainIsTheSequentialRecurrence) {
   }
 }
 
+TEST(GdnMath, ClosedFormMatchesTheRecurrenceThroughFullForgets) {
+  // g = -inf (exp = 0: the state is forgotten) and a huge finite g gave NaN / decay-1 closed forms before their
+  // clamp to kMinLogDecay; the recurrence stays finite and exact. A forget at a root, in a chain and under a branch.
+  std::mt19937 rng(11);
+  const std::vector<int64_t> tree = {-1, 0, 1, 1, 3, 2, -1, 6, 7, 4};
+  for (const float forget : {-INFINITY, -1e30f, -300.0f}) {
+    for (const std::vector<int>& at : std::vector<std::vector<int>>{{0}, {1}, {3, 4}, {1, 2, 7}, {6, 8}}) {
+      GdnCase c = random_case(tree, 8, 5, rng);
+      for (const int i : at) c.g[i] = forget;
+      std::vector<double> u_ref, o_ref;
+      recurrence(c, u_ref, o_ref);
+      std::vector<float> u, o;
+      closed_form(c, {{0, c.value_dim}}, u, o);
+      SCOPED_TRACE(testing::Message() << "g " << forget << " at " << at.size() << " nodes from " << at[0]);
+      expect_close(u, u_ref, "u");
+      expect_close(o, o_ref, "o");
+    }
+  }
+  EXPECT_TRUE(std::isnan(gdn::summed_log_decay(NAN)));
+  EXPECT_EQ(gdn::summed_log_decay(-0.5f), -0.5f);
+  EXPECT_EQ(gdn::exp_rn(gdn::kMinLogDecay), 0.0f);
+}
+
 TEST(GdnMath, ColumnSplitsGiveTheSameBits) {
   // The CUDA kernel runs one value column per thread, the CPU kernel all columns at once: columns are independent.
   std::mt19937 rng(31);

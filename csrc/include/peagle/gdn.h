@@ -14,6 +14,10 @@
 // Verification therefore reads S0 once per head and never materialises a per-node state; commit rebuilds the state
 // of the last accepted node a from S0 and the u of its path (the closed form above with i = a).
 // Decay factors are always exp(G_i - G_j) with j an ancestor of i, i.e. <= 1 for g <= 0: nothing overflows.
+// A full forget (g = -inf, or any g whose exp is 0 in fp32) enters the sums as kMinLogDecay: with g = -inf itself
+// every G below it would be -inf and their differences -inf + inf = NaN, and with a huge finite g (-1e30) they would
+// all round to the same value (decay 1 instead of exp(sum of the g between)). exp(kMinLogDecay) is 0 like exp(g), so
+// nothing above the forget reaches below it, yet 0 * NaN still carries a NaN from above, as the recurrence does.
 #pragma once
 
 #include <cmath>
@@ -28,6 +32,8 @@ namespace gdn {
 constexpr int kMaxNodes = 64;        // ancestor sets are 64-bit masks
 constexpr int kMaxConvWidth = 64;    // conv windows live in a fixed-size array on the GPU
 constexpr float kL2NormEps = 1e-6f;  // as FLA / transformers: x * rsqrt(sum(x^2) + eps)
+// Log decays below this are a full forget: exp_rn is 0 below -104, and sums near -105 keep 2^-17 absolute precision.
+constexpr float kMinLogDecay = -105.0f;
 
 // Element strides of a [B, n, H, D] (or pool [P, HV, K, V]) tensor whose last dim is contiguous: the row of
 // (b, i, h) starts at at(b, i, h). The strided q/k/v splits of a fused projection (vLLM, FLA) need no copy.
@@ -83,15 +89,19 @@ PEAGLE_HD float exp_rn(float x) {
   return mul_rn(mul_rn(p, pow2(half)), pow2(k - half));
 }
 
+// A log decay as it enters the gate sums: at least kMinLogDecay (see the header comment); NaN stays NaN.
+PEAGLE_HD float summed_log_decay(float g) { return g < kMinLogDecay ? kMinLogDecay : g; }
+
 // Validates a tree's parent array and derives, per node, its ancestor-or-self bitmask, its depth and the cumulative
-// gate G. Returns the first bad node index, or -1 when the tree is valid (parent[i] in [-1, i)).
+// gate G (of the summed log decays). Returns the first bad node index, or -1 when the tree is valid (parent[i] in
+// [-1, i)).
 template <typename Index>
 PEAGLE_HD int build_tree(const Index* parent, int n, const float* g, int64_t g_stride, uint64_t* anc, int* depth,
                          float* gate_sum) {
   for (int i = 0; i < n; ++i) {
     const int64_t p = static_cast<int64_t>(parent[i]);
     if (p < -1 || p >= i) return i;
-    const float gi = g == nullptr ? 0.0f : g[i * g_stride];
+    const float gi = g == nullptr ? 0.0f : summed_log_decay(g[i * g_stride]);
     const uint64_t self = uint64_t{1} << i;
     if (p < 0) {
       anc[i] = self;
