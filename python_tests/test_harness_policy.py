@@ -37,8 +37,8 @@ def recorded_trace(seed: int, rounds: int = 300) -> tuple[torch.Tensor, torch.Te
     return probs, truth
 
 
-def accepted_drafts(spec, truth: torch.Tensor) -> torch.Tensor:
-    """Accepted drafts per round: the deepest node whose path spells the target's tokens."""
+def matched_nodes(spec, truth: torch.Tensor) -> torch.Tensor:
+    """[B, nodes] bool: the nodes whose path spells the target's tokens."""
     batch, nodes = spec.tokens.shape
     match = torch.zeros(batch, nodes, dtype=torch.bool)
     match[:, 0] = True
@@ -48,7 +48,24 @@ def accepted_drafts(spec, truth: torch.Tensor) -> torch.Tensor:
         depth = spec.depth[:, i].clamp(min=1)
         token_ok = spec.tokens[:, i] == truth.gather(1, (depth - 1)[:, None])[:, 0]
         match[:, i] = valid & match.gather(1, parent[:, None])[:, 0] & token_ok
-    return torch.where(match, spec.depth, 0).amax(1)
+    return match
+
+
+def accepted_drafts(spec, truth: torch.Tensor) -> torch.Tensor:
+    """Accepted drafts per round: the deepest node whose path spells the target's tokens."""
+    return torch.where(matched_nodes(spec, truth), spec.depth, 0).amax(1)
+
+
+def accepted_path(spec, truth: torch.Tensor) -> torch.Tensor:
+    """[B, nodes] the accepted path's node indices from the root, -1 padded (as the verification ops return it)."""
+    deepest = torch.where(matched_nodes(spec, truth), spec.depth, -1).argmax(1)  # ties: the first (distinct tokens)
+    path = torch.full(spec.tokens.shape, -1, dtype=torch.long)
+    for b, node in enumerate(deepest.tolist()):
+        nodes = [node]
+        while nodes[-1] > 0:
+            nodes.append(int(spec.parent[b, nodes[-1]]))
+        path[b, : len(nodes)] = torch.tensor(nodes[::-1])
+    return path
 
 
 def cost_table(verify: list[float], passes: list[float], batch: int = 1) -> CostTable:
@@ -94,7 +111,7 @@ def harness_goodput(table: CostTable, probs, truth) -> tuple[float, PassHarness]
         spec = tree_build_parallel(probs[r : r + 1, :depth], harness.topk(depth), MAX_NODES)
         tree = harness.select(rows, spec, depth, sampled=False)
         accepted = accepted_drafts(tree, truth[r : r + 1])
-        harness.observe(rows, accepted)
+        harness.observe(rows, accepted, tree.num_nodes, tree.parent, accepted_path(tree, truth[r : r + 1]))
         emitted += int(accepted) + 1
         seconds += float(harness.pass_time[depth - 1]) + float(harness.verify_cost[int(tree.num_nodes)])
     return emitted / seconds, harness
@@ -185,6 +202,13 @@ def test_chain_acceptance_counts_a_rejection_where_the_accepted_path_ends_above_
     chain = ChainAcceptance()  # read as chains of 4 nodes, every path above would end early
     chain.observe(accepted, num_nodes)
     assert (chain.accepted, chain.trials) == (4, 8)
+    for _ in range(20):  # chains counted from the engine's host read-back count as the device path does
+        num_nodes = torch.randint(1, 7, (5,))
+        accepted = (torch.rand(5) * num_nodes).long().clamp(max=(num_nodes - 1).clamp(min=0))
+        device, host = ChainAcceptance(), ChainAcceptance()
+        device.observe(accepted, num_nodes)
+        host.observe(accepted, num_nodes, host=(accepted.tolist(), num_nodes.tolist()))
+        assert (device.accepted, device.trials) == (host.accepted, host.trials)
     nothing = ChainAcceptance()  # a round that verified no draft gained nothing from drafting: a rejection
     nothing.observe(torch.tensor([0]), torch.tensor([1]), torch.tensor([[-1, -1]]), torch.tensor([[0, -1]]))
     assert (nothing.accepted, nothing.trials) == (0, 1)
@@ -368,31 +392,42 @@ def test_a_new_call_starts_from_what_earlier_calls_learnt():
     assert torch.equal(later.calibration, first.calibration.expand(3, 2))
 
 
-def test_tree_plan_drafts_chains_while_acceptance_stays_on_the_top1_chain():
+def test_tree_plan_drafts_chains_while_trees_gain_too_little_for_their_verify_time():
+    """Trees are drafted while (accepted drafts they gained over chains + 1) exceeds their extra verify seconds times
+    a chain round's tokens per second; chains otherwise, with every 8th round exploring the tree."""
     harness = PassHarness(HarnessPolicy(FLAT, MAX_NODES), 1, DEPTH, 0, VOCAB, "cpu")
-    assert harness.plan.kind == "tree" and harness.topk(3) == [4, 2, 2]
-    parent = torch.tensor([[-1, 0, 0, 1, 2]])  # nodes 1 and 2 are siblings (1 first), 3 under 1, 4 under 2
-    rows = torch.tensor([0])
-    for _ in range(20):  # the accepted path 0 -> 1 -> 3 stays on the first children
-        harness.observe(rows, torch.tensor([2]), None, parent, torch.tensor([[0, 1, 3, -1, -1]]))
-    assert harness.off_chain == [0.0, 40.0]
+    assert harness.plan.kind == "tree" and harness.topk(3) == [4, 2, 2]  # nothing measured yet: trees
+    chain_s = FLAT.pass_time(1, 3) + float(FLAT.verify_row(1, 0, MAX_NODES)[4])
+    harness.emitted = [40.0, 10]  # 4 tokens a round: a chain round makes 4 / chain_s tokens per second
+    harness.siblings = [1.0, 0.99 * 2.0 * chain_s / 4]  # 2 tokens gained per 0.99 x their time at that rate: trees
+    assert harness.topk(3) == [4, 2, 2] and not harness.chain_round
+    harness.siblings = [1.0, 1.01 * 2.0 * chain_s / 4]  # ... at 1.01 x: chains
     shapes = [harness.topk(3) for _ in range(16)]
     assert [i for i, shape in enumerate(shapes) if shape != [1, 1, 1]] == [7, 15]  # every 8th round explores the tree
     assert shapes[15] == [4, 2, 2] and harness.exploring
-    assert harness.topk(3) == [1, 1, 1] and harness.chain_round  # a chain round's accepted drafts are all on the chain
-    harness.observe(rows, torch.tensor([3]), None, torch.tensor([[-1, 0, 1, 2]]), torch.tensor([[0, 1, 2, 3]]))
-    assert harness.off_chain == [0.0, 43.0]
-    harness.chain_round = False  # the rounds below verify trees (exploring rounds)
-    for _ in range(20):  # now through the second child
-        harness.observe(rows, torch.tensor([2]), None, parent, torch.tensor([[0, 2, 4, -1, -1]]))
-    assert harness.off_chain == [20.0, 83.0] and harness.topk(3) == [4, 2, 2]
+
+
+def test_tree_rounds_count_their_gain_over_a_chain_and_their_extra_verify_time(generator):
+    harness = PassHarness(HarnessPolicy(FLAT, MAX_NODES), 1, DEPTH, 0, VOCAB, "cpu")
+    rows = torch.tensor([0])
+    probs = torch.softmax(torch.randn(1, 3, VOCAB, generator=generator), -1)
+    tree = harness.select(rows, tree_build_parallel(probs, harness.topk(3), MAX_NODES), 3, sampled=False)
+    verify = FLAT.verify_row(1, 0, MAX_NODES)
+    width = tree.tokens.shape[1]
+    assert width > 4 and harness.siblings == [0.0, pytest.approx(float(verify[width] - verify[4]))]
+    # Root 0 with children 1 and 2 (1 first), 3 under 1, 4 under 2, 5 under 4; one padding slot.
+    parent = torch.tensor([[-1, 0, 0, 1, 2, 4, -1]])
+    harness.observe(rows, torch.tensor([3]), None, parent, torch.tensor([[0, 2, 4, 5, -1, -1, -1]]))
+    assert harness.siblings[0] == 3.0  # a chain would have stopped at the root: nodes 2, 4 and 5 are the gain
+    harness.observe(rows, torch.tensor([2]), None, parent, torch.tensor([[0, 1, 3, -1, -1, -1, -1]]))
+    assert harness.siblings[0] == 3.0 and harness.emitted == [7.0, 2]  # on the chain: no gain
 
 
 def test_exploring_backs_off_while_it_finds_nothing_off_the_chain():
     """An exploring tree round whose accepted drafts all stay on the chain doubles the interval to the next one (up to
     MAX_EXPLORE_EVERY); one that finds an accepted draft off the chain starts it over at EXPLORE_EVERY."""
     harness = PassHarness(HarnessPolicy(FLAT, MAX_NODES), 1, DEPTH, 0, VOCAB, "cpu")
-    harness.off_chain = [0.0, 1000.0]  # long evidence that chains suffice
+    harness.siblings = [0.0, 1000.0]  # long evidence that trees do not pay
     parent, rows = torch.tensor([[-1, 0, 0, 1, 2]]), torch.tensor([0])
     on_chain, off_chain = torch.tensor([[0, 1, 3, -1, -1]]), torch.tensor([[0, 2, 4, -1, -1]])
     gaps = []
@@ -405,9 +440,10 @@ def test_exploring_backs_off_while_it_finds_nothing_off_the_chain():
         gaps.append(rounds)
         harness.observe(rows, torch.tensor([2]), None, parent, path)
     assert gaps == [8, 16, 32, 64, 64, 64, 8]
-    assert harness.off_chain[0] == 1.0  # the round that left the chain: node 2, a second child (4 is an only child)
+    assert harness.siblings[0] == 2.0  # the round that left the chain: nodes 2 and 4
     harness.finish()
     assert harness.policy.learnt_explore_every == 16  # the next call starts from it
+    assert harness.policy.learnt_siblings == (2.0, 1000.0)
 
 
 def test_cost_table_round_trip_and_errors(tmp_path):

@@ -480,16 +480,17 @@ class _Generation:
         final, aux = runner.forward(rows, active, tree.tokens, tree.depth, tree.mask, tree.parent, tree.num_nodes)
         result = self._verify(tree, runner.logits(final), active, step)
         t2 = clock.mark()
-        # The one read-back of the round.
-        emitted, accepted = (
-            torch.cat([result.emitted_tokens, result.num_accepted[:, None]], 1)
+        # The one read-back of the round (the verified node counts for the harness).
+        emitted, accepted, nodes = (
+            torch.cat([result.emitted_tokens, result.num_accepted[:, None], tree.num_nodes[:, None]], 1)
             .cpu()
-            .split([result.emitted_tokens.shape[1], 1], 1)
+            .split([result.emitted_tokens.shape[1], 1, 1], 1)
         )
         host_accepted = accepted[:, 0].tolist()
         check_errors()
         if self.harness is not None:
-            self.harness.observe(rows, result.num_accepted, tree.num_nodes, tree.parent, result.accepted_path)
+            host = (host_accepted, nodes[:, 0].tolist())
+            self.harness.observe(rows, result.num_accepted, tree.num_nodes, tree.parent, result.accepted_path, host)
             if not self.harness.speculate:  # the acceptance observed so far: speculation loses at this batch size
                 self._end_harness()
                 self.drafting = None  # plain decoding for the rest of the call

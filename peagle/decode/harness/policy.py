@@ -25,7 +25,8 @@ for n nodes (root included, from the cost table row of the batch-size bucket and
   above (at least one draft, so that the calibration keeps learning), and the next round's K is the K' whose ratio on
   this round's tree (nodes deeper than K' dropped, cost pass(K')) is best, one more when that is the drafted depth and
   the budget used it (:func:`pass_budget`): a shallow round stops paying for depths it does not use. A tree plan drafts
-  chains while the accepted drafts almost never leave the drafter's top-1 chain (observed; every 8th round explores).
+  chains while what its trees gained over chains (accepted drafts off the top-1 chain, observed) does not pay for
+  their extra verify time at a chain round's tokens per second (every 8th to 64th round explores a tree).
 * **Batch size.** :meth:`HarnessPolicy.plan`: at batch sizes whose verify cost grows slowly with the node count the
   candidates form a dynamic tree (top-k children per depth); where it grows fast, a chain (one child per depth) whose
   length the budget still chooses per request; :meth:`HarnessPolicy.chain_widths` is the per-bucket table of the best
@@ -87,7 +88,6 @@ __all__ = [
 # Rejections and accepted drafts a generate call observes before the harness may stop speculating for the rest of it
 # (the rate is then within about 0.09 at 1 sigma: a drafter that pays is rarely stopped).
 MIN_TRIALS = 32
-OFF_CHAIN_RATE = 0.05  # below this share of accepted drafts off the top-1 chain, a tree plan drafts chains
 EXPLORE_EVERY = 8  # ... except every 8th round, an interval that doubles (up to 64) while exploring finds nothing
 MAX_EXPLORE_EVERY = 64
 CALIBRATION_DECAY = 0.9  # weight of the past in the observed / predicted sums (about the last 10 rounds)
@@ -98,8 +98,8 @@ def sharpen(scores: Tensor, gamma: Tensor) -> Tensor:
     """Path scores p -> p^gamma per request (gamma [B]); padding (p <= 0) is kept. A path score is a product of edge
     probabilities and so is p^gamma (of the edges' p^gamma): the exponent recalibrates every edge at once, which a
     scale of the path cannot do for a drafter whose probabilities are far too flat or too sharp."""
-    positive = scores > 0
-    return torch.where(positive, scores.double().clamp(min=1e-300).pow(gamma[:, None]), scores.double())
+    scores = scores.double()
+    return torch.where(scores > 0, scores.clamp(min=1e-300).pow(gamma[:, None]), scores)
 
 
 def harness_budget(scores: Tensor, calibration: Tensor, draft_time: Tensor | float, verify_cost: Tensor) -> Tensor:
@@ -213,11 +213,19 @@ class ChainAcceptance:
         num_nodes: Tensor | None,
         parent: Tensor | None = None,
         accepted_path: Tensor | None = None,
+        host: tuple[list[int], list[int]] | None = None,
     ) -> float:
         """Counts a round; returns its accepted drafts. A rejection is a request whose accepted path ends at a node with
         verified children (with the trees' ``parent`` and the ``accepted_path``; without them the trees are chains
         of ``num_nodes``: a path that ends before the last node), or that verified no draft (``num_nodes`` 1: it
-        drafted and gained nothing, as a rejection of its first draft would). One host read."""
+        drafted and gained nothing, as a rejection of its first draft would). Chains with ``host`` (the requests'
+        accepted drafts and node counts, already read back) are counted on the host; otherwise one host read."""
+        if host is not None and (parent is None or accepted_path is None):
+            accepted_host, nodes_host = host
+            rejections = sum(1 for a, n in zip(accepted_host, nodes_host, strict=True) if a < n - 1 or n <= 1)
+            self.accepted += sum(accepted_host)
+            self.trials += sum(accepted_host) + rejections
+            return float(sum(accepted_host))
         if parent is None or accepted_path is None:
             rejected = num_accepted < num_nodes - 1
         else:
@@ -272,7 +280,7 @@ class HarnessPolicy:
         # What earlier generate calls learnt about the drafter (mean exponent and calibration sums): a new call's
         # requests start from it instead of from scratch.
         self.learnt_gamma, self.learnt_calibration = 1.0, (0.0, 0.0)
-        self.learnt_off_chain = (0.0, 0.0)
+        self.learnt_siblings = (0.0, 0.0)
         self.learnt_explore_every = EXPLORE_EVERY
         self._chain_cost_cache: dict[tuple[int, int, bool], list[float]] = {}
         self._break_even_cache: dict[tuple[int, int, bool], float] = {}
@@ -381,7 +389,11 @@ class PassHarness:
         self.gamma, self.calibration = policy.start_state(batch, device)
         self.next_depth = torch.full((batch,), max_depth, dtype=torch.long, device=device)
         self.predicted = torch.zeros(batch, dtype=torch.float64, device=device)
-        self.off_chain = list(policy.learnt_off_chain)  # accepted drafts off the top-1 chain, accepted drafts
+        # What tree rounds gained over chains: accepted drafts from where a path left the top-1 chain on, and the
+        # verify seconds their trees cost beyond a chain of the pass depth (:meth:`topk`).
+        self.siblings = list(policy.learnt_siblings)
+        self.emitted = [0.0, 0]  # tokens emitted and batched rounds of this call (greedy rounds)
+        self.pass_s, self.verify_s = self.pass_time.tolist(), self.verify_cost.tolist()  # host copies
         self.explore_every, self.since_tree = policy.learnt_explore_every, 0
         self.chain_round = False  # this round's candidates form a chain (set by topk)
         self.exploring = False  # ... or a tree drafted only to look for accepted drafts off the chain
@@ -404,10 +416,12 @@ class PassHarness:
         then it is arange(batch)), which spares a batch-1 round its gathers."""
         return values if rows.numel() == values.shape[0] else values[rows]
 
-    def _set(self, rows: Tensor, values: Tensor, new: Tensor) -> None:
-        """``values[rows] = new``, in place (a copy when ``rows`` holds every request)."""
+    def _set(self, rows: Tensor, name: str, new: Tensor) -> None:
+        """Per-request tensor ``name``: ``[rows] = new`` in place, or ``new`` itself when ``rows`` holds every request
+        (no copy)."""
+        values = getattr(self, name)
         if rows.numel() == values.shape[0]:
-            values.copy_(new)
+            setattr(self, name, new)
         else:
             values[rows] = new
 
@@ -415,18 +429,23 @@ class PassHarness:
         """Children per candidate node: the plan's top-k at the root, then 2 (a tree) or 1 (a chain) per depth; a
         chain when the round's drafts are ``sampled``.
 
-        A tree plan drafts chains while the accepted paths almost never leave the drafter's top-1 chain (fewer than
-        OFF_CHAIN_RATE of the accepted drafts, with a prior of 1 in 10): siblings would only cost verify time. Every
-        ``explore_every``-th round still drafts the tree, so a change is noticed; that interval starts at
-        EXPLORE_EVERY, doubles after each exploring round whose accepted drafts all stayed on the chain (up to
-        MAX_EXPLORE_EVERY) and starts over when one left it (:meth:`observe`)."""
+        A tree plan drafts trees while what they gained pays for what they cost: the accepted drafts from where a
+        path left the top-1 chain on (plus a prior of one), per second of verify time the trees took beyond chains of
+        the same pass depth, must beat the tokens per second of a chain round (this call's tokens per round over the
+        cost table's time of a chain round). Budgets come from calibrated path scores, and a drafter whose siblings
+        score far above how often they are accepted would otherwise verify wide trees for nothing. Otherwise it
+        drafts chains, and every ``explore_every``-th round still drafts the tree, so a change is noticed; that
+        interval starts at EXPLORE_EVERY, doubles after each exploring round whose accepted drafts all stayed on the
+        chain (up to MAX_EXPLORE_EVERY) and starts over when one left it (:meth:`observe`)."""
         self.sampled = sampled
         if sampled:
             self.chain_round, self.exploring = True, False
             return [1] * depth
         self.since_tree += 1
-        off, accepted = self.off_chain
-        on_chain = (off + 1.0) / (accepted + 10.0) < OFF_CHAIN_RATE
+        gain, cost = self.siblings
+        tokens, rounds = self.emitted
+        chain_rate = (tokens / rounds if rounds else 1.0 + depth) / self._chain_seconds(depth)
+        on_chain = (gain + 1.0) < chain_rate * cost
         chain = on_chain and self.since_tree < self.explore_every
         self.exploring = on_chain and not chain
         if not chain:
@@ -435,6 +454,10 @@ class PassHarness:
         deeper = min(2, top)
         self.chain_round = top == 1 or self.draft_vocab == 1 or depth == 0
         return [min(k, self.draft_vocab) for k in [top] + [deeper] * (depth - 1)]
+
+    def _chain_seconds(self, depth: int) -> float:
+        """The cost table's seconds of a round that drafts and verifies a chain of ``depth``."""
+        return self.pass_s[max(depth, 1) - 1] + self.verify_s[min(depth + 1, len(self.verify_s) - 1)]
 
     def select(self, rows: Tensor, spec: TreeSpec, depth: int, sampled: bool) -> TreeSpec:
         if sampled:  # a chain whose length, fixed after the previous round, is the pass depth: verify it whole
@@ -452,10 +475,13 @@ class PassHarness:
             tree = tree_select(spec.tokens, spec.parent, spec.scores, use, width)
         else:
             tree = select_budget(spec, use, self.max_nodes)
-        if bool((use != budget).any()):  # the op's prediction is that of its own budget
+            # The target verifies every slot: what this tree costs beyond a chain of the pass depth.
+            width, chain = tree.tokens.shape[1], min(depth + 1, len(self.verify_s) - 1)
+            self.siblings[1] += max(0.0, self.verify_s[min(width, len(self.verify_s) - 1)] - self.verify_s[chain])
+        if not torch.equal(use, budget):  # the op's prediction is that of its own budget
             predicted = predicted_acceptance(tree, calibration)
-        self._set(rows, self.next_depth, next_depth)
-        self._set(rows, self.predicted, predicted)
+        self._set(rows, "next_depth", next_depth)
+        self._set(rows, "predicted", predicted)
         return tree
 
     def observe(
@@ -465,40 +491,46 @@ class PassHarness:
         num_nodes: Tensor | None = None,
         parent: Tensor | None = None,
         accepted_path: Tensor | None = None,
+        host: tuple[list[int], list[int]] | None = None,
     ) -> None:
-        """Folds the verified acceptance of ``rows`` into their calibration; with the verified trees' ``parent`` and
-        the ``accepted_path``, counts the accepted drafts that were not their parent's first child. After a sampled
-        round: only the chain acceptance rate, and the next chain length from it. Every round with ``num_nodes`` or
-        the trees also counts into the acceptance rate that decides whether speculating still pays."""
+        """Folds the verified acceptance of ``rows`` into their calibration; after a tree round, with the verified
+        trees' ``parent`` and the ``accepted_path``, counts what the tree gained over a chain (the accepted drafts from
+        the first one that was not its parent's first child on). After a sampled round: only the chain acceptance
+        rate, and the next chain length from it. Every round with ``num_nodes`` or the trees also counts into the
+        acceptance rate that decides whether speculating still pays. ``host``: the requests' accepted drafts and
+        verified node counts as the engine read them back (chain rounds then count on the host)."""
         tree_known = parent is not None and accepted_path is not None
-        accepted = None
-        if num_nodes is not None or tree_known:
+        if host is not None and self.chain_round:
+            accepted = self.chain_acceptance.observe(num_accepted, num_nodes, host=host)
+        elif num_nodes is not None or tree_known:
             accepted = self.chain_acceptance.observe(num_accepted, num_nodes, parent, accepted_path)
+        else:
+            accepted = float(num_accepted.sum())
         if self.sampled:
             rate = self.chain_acceptance.rate
             length = self.policy.chain_length(self.batch, self.context, rate, sampled=True)
             self.next_depth.fill_(min(max(1, length), self.max_depth))
             return
-        if tree_known and self.chain_round:
-            self.off_chain[1] += accepted  # a chain has no siblings: no accepted draft is off it
-        elif tree_known:
+        self.emitted[0] += accepted + rows.numel()
+        self.emitted[1] += 1
+        if tree_known and not self.chain_round:
             nodes = parent.shape[1]
             index = torch.arange(nodes, device=parent.device)
             earlier = (parent[:, :, None] == parent[:, None, :]) & (index[None, None, :] < index[None, :, None])
             rank = earlier.sum(-1)  # sibling rank (siblings are laid out best first)
             path = accepted_path[:, 1:nodes]
             off = (rank.gather(1, path.clamp(min=0)) > 0) & (path >= 0)
-            self.off_chain[0] += float(off.sum())
-            self.off_chain[1] += accepted
+            gained = float(((off.cumsum(1) > 0) & (path >= 0)).sum())  # a chain would have stopped where it left
+            self.siblings[0] += gained
             if self.exploring:
-                found = bool(off.any())
+                found = gained > 0
                 self.explore_every = EXPLORE_EVERY if found else min(2 * self.explore_every, MAX_EXPLORE_EVERY)
         recalibrate(self.calibration, self.gamma, self.predicted, rows, num_accepted)
 
     def finish(self) -> None:
         """Hands what this call learnt to the policy (the next call starts from it)."""
         self.policy.learn(self.gamma, self.calibration)
-        self.policy.learnt_off_chain = tuple(self.off_chain)
+        self.policy.learnt_siblings = tuple(self.siblings)
         self.policy.learnt_explore_every = self.explore_every
 
 
@@ -666,11 +698,23 @@ class DepthHarness:
         self.sampled = True
         return max(1, self.policy.chain_length(self.batch, self.context, self.chain_acceptance.rate, sampled=True))
 
-    def observe(self, rows: Tensor, num_accepted: Tensor, num_nodes: Tensor, parent=None, accepted_path=None) -> None:
+    def observe(
+        self,
+        rows: Tensor,
+        num_accepted: Tensor,
+        num_nodes: Tensor,
+        parent: Tensor | None = None,
+        accepted_path: Tensor | None = None,
+        host: tuple[list[int], list[int]] | None = None,
+    ) -> None:
         """Folds the verified acceptance of ``rows`` into their calibration and the acceptance rate (per level of the
-        verified trees when their ``parent`` and the ``accepted_path`` come with it)."""
+        verified trees when their ``parent`` and the ``accepted_path`` come with it; sampled chains count from
+        ``host``, the requests' accepted drafts and node counts as read back)."""
         recalibrate(self.calibration, self.gamma, self.predicted, rows, num_accepted)
-        self.chain_acceptance.observe(num_accepted, num_nodes, parent, accepted_path)
+        if host is not None and self.sampled:
+            self.chain_acceptance.observe(num_accepted, num_nodes, host=host)
+        else:
+            self.chain_acceptance.observe(num_accepted, num_nodes, parent, accepted_path)
 
     def finish(self) -> None:
         """Hands what this call learnt to the policy (the next call starts from it)."""
