@@ -281,9 +281,11 @@ class HarnessPolicy:
         # requests start from it instead of from scratch.
         self.learnt_gamma, self.learnt_calibration = 1.0, (0.0, 0.0)
         self.learnt_siblings = (0.0, 0.0)
+        self.learnt_emitted = (0.0, 0)
         self.learnt_explore_every = EXPLORE_EVERY
         self._chain_cost_cache: dict[tuple[int, int, bool], list[float]] = {}
-        self._break_even_cache: dict[tuple[int, int, bool], float] = {}
+        self._break_even_cache: dict[tuple[int, int, bool], float] = {}  # by (bucket, interval, sampled)
+        self._break_even_by_arguments: dict[tuple[int, int, bool], float] = {}
 
     def start_state(self, batch: int, device) -> tuple[Tensor, Tensor]:
         """(gamma [B], calibration [B, 2]) for the requests of a new generate call."""
@@ -311,7 +313,10 @@ class HarnessPolicy:
     def break_even_rate(self, batch: int, context: int, sampled: bool = False) -> float:
         """The per-position acceptance rate above which some chain emits more tokens per second than plain decoding
         (``chain_length`` > 0; it grows with the rate), to 1e-6 by bisection, kept per batch-size bucket, context
-        interval and kind of round; above 1 when no rate makes speculation pay."""
+        interval and kind of round (and per argument, as the harness asks it every round); above 1 when no rate
+        makes speculation pay."""
+        if (batch, context, sampled) in self._break_even_by_arguments:
+            return self._break_even_by_arguments[batch, context, sampled]
         key = (self.table.bucket(batch), self.table.context_index(context), sampled)
         if key not in self._break_even_cache:
             if self.chain_length(batch, context, 1.0, sampled) == 0:
@@ -327,6 +332,7 @@ class HarnessPolicy:
                     )
                 rate = high
             self._break_even_cache[key] = rate
+        self._break_even_by_arguments[batch, context, sampled] = self._break_even_cache[key]
         return self._break_even_cache[key]
 
     def speculation_pays(self, batch: int, context: int, acceptance: ChainAcceptance, sampled: bool = False) -> bool:
@@ -392,7 +398,9 @@ class PassHarness:
         # What tree rounds gained over chains: accepted drafts from where a path left the top-1 chain on, and the
         # verify seconds their trees cost beyond a chain of the pass depth (:meth:`topk`).
         self.siblings = list(policy.learnt_siblings)
-        self.emitted = [0.0, 0]  # tokens emitted and batched rounds of this call (greedy rounds)
+        # Tokens emitted and batched rounds (greedy), from earlier calls on: the first rounds of a generation alone
+        # would understate a chain round's tokens per second.
+        self.emitted = list(policy.learnt_emitted)
         self.pass_s, self.verify_s = self.pass_time.tolist(), self.verify_cost.tolist()  # host copies
         self.explore_every, self.since_tree = policy.learnt_explore_every, 0
         self.chain_round = False  # this round's candidates form a chain (set by topk)
@@ -409,7 +417,7 @@ class PassHarness:
 
     def depth(self, rows: Tensor) -> int:
         """The pass depth K of a round of ``rows`` (the deepest any of them wants; one host read)."""
-        return int(self._of(rows, self.next_depth).max())
+        return max(self._of(rows, self.next_depth).tolist())
 
     def _of(self, rows: Tensor, values: Tensor) -> Tensor:
         """``values[rows]``: the per-request tensor itself when ``rows`` holds every request (ascending, distinct:
@@ -531,6 +539,7 @@ class PassHarness:
         """Hands what this call learnt to the policy (the next call starts from it)."""
         self.policy.learn(self.gamma, self.calibration)
         self.policy.learnt_siblings = tuple(self.siblings)
+        self.policy.learnt_emitted = tuple(self.emitted)
         self.policy.learnt_explore_every = self.explore_every
 
 
