@@ -439,8 +439,8 @@ class PassHarness:
 
         A tree plan drafts trees while what they gained pays for what they cost: the accepted drafts from where a
         path left the top-1 chain on (plus a prior of one), per second of verify time the trees took beyond chains of
-        the same pass depth, must beat the tokens per second of a chain round (this call's tokens per round over the
-        cost table's time of a chain round). Budgets come from calibrated path scores, and a drafter whose siblings
+        the same pass depth, must beat the tokens per second of a chain round (the tokens per round observed so far,
+        earlier calls included, over the cost table's time of a chain round). Budgets come from calibrated path scores, and a drafter whose siblings
         score far above how often they are accepted would otherwise verify wide trees for nothing. Otherwise it
         drafts chains, and every ``explore_every``-th round still drafts the tree, so a change is noticed; that
         interval starts at EXPLORE_EVERY, doubles after each exploring round whose accepted drafts all stayed on the
