@@ -155,8 +155,8 @@ def select_candidates(
 def widest(budget: Tensor, available: Tensor) -> Tensor:
     """Every request's budget widened to the widest request's (at most its ``available`` nodes): the target verifies
     as many slots for every request as for the widest, padding included, so nodes up to that many cost nothing
-    more. Device work only."""
-    return torch.minimum(budget.max(), available)
+    more. Device work only. Budgets are at most their ``available`` nodes, so one request's is its own."""
+    return budget if budget.shape[0] == 1 else torch.minimum(budget.max(), available)
 
 
 def tree_width(count: Tensor, candidates: int, max_nodes: int) -> int:
@@ -164,7 +164,7 @@ def tree_width(count: Tensor, candidates: int, max_nodes: int) -> int:
     (the target verifies every slot, padding included). The host read that finds it is free on the CPU; on a GPU the
     candidates' width bounds it without one."""
     width = min(max_nodes, candidates)
-    return min(width, int(count.max())) if count.device.type == "cpu" else width
+    return min(width, max(count.tolist(), default=1)) if count.device.type == "cpu" else width
 
 
 def kept_first(
@@ -440,11 +440,11 @@ class PassHarness:
         A tree plan drafts trees while what they gained pays for what they cost: the accepted drafts from where a
         path left the top-1 chain on (plus a prior of one), per second of verify time the trees took beyond chains of
         the same pass depth, must beat the tokens per second of a chain round (the tokens per round observed so far,
-        earlier calls included, over the cost table's time of a chain round). Budgets come from calibrated path scores, and a drafter whose siblings
-        score far above how often they are accepted would otherwise verify wide trees for nothing. Otherwise it
-        drafts chains, and every ``explore_every``-th round still drafts the tree, so a change is noticed; that
-        interval starts at EXPLORE_EVERY, doubles after each exploring round whose accepted drafts all stayed on the
-        chain (up to MAX_EXPLORE_EVERY) and starts over when one left it (:meth:`observe`)."""
+        earlier calls included, over the cost table's time of a chain round). Budgets come from calibrated path
+        scores, and a drafter whose siblings score far above how often they are accepted would otherwise verify wide
+        trees for nothing. Otherwise it drafts chains, and every ``explore_every``-th round still drafts the tree, so a
+        change is noticed; that interval starts at EXPLORE_EVERY, doubles after each exploring round whose accepted
+        drafts all stayed on the chain (up to MAX_EXPLORE_EVERY) and starts over when one left it (:meth:`observe`)."""
         self.sampled = sampled
         if sampled:
             self.chain_round, self.exploring = True, False
