@@ -8,7 +8,7 @@ Goal (issue 14): >= 1.1x the best fixed configuration at batch 1, never below 0.
 
     PYTHONPATH=. python benchmarks/harness_speed.py --target DIR --drafter DIR [--prompts 8 --new-tokens 96]
         [--batch-sizes 1,4,16] [--budgets 8,16,32] [--costs costs.json] [--prompts-file heldout.jsonl] [--passes 3]
-        [--temperature 1.0]
+        [--temperature 1.0] [--costs-out harness-costs.json]
 
 With no --target / --drafter: the demo-sized random models of ``engine_speed.py`` (acceptance near zero).
 """
@@ -161,6 +161,11 @@ def main() -> None:
     parser.add_argument("--target", default=None)
     parser.add_argument("--drafter", default=None)
     parser.add_argument("--costs", default=None, help="a cost table to use instead of profiling one")
+    parser.add_argument(
+        "--costs-out",
+        default=str(Path(__file__).parent / "results" / "harness-costs.json"),
+        help="where the profiled cost table goes",
+    )
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--prompts-file", default=None, help="token-id prompts (.jsonl, e.g. the demo's held-out ones)")
     parser.add_argument("--prompt-len", type=int, default=32)
@@ -188,9 +193,8 @@ def main() -> None:
     else:
         nodes = [1, 2, 4, 8, 16, 32]
         table = profile_costs(target, drafter, batch_sizes=batches, contexts=[args.prompt_len], verify_nodes=nodes)
-        results = Path(__file__).parent / "results"
-        results.mkdir(exist_ok=True)
-        print(f"cost table written: {table.save(results / 'harness-costs.json')}")
+        Path(args.costs_out).parent.mkdir(parents=True, exist_ok=True)
+        print(f"cost table written: {table.save(args.costs_out)}")
     depth, vocab = drafter.config.num_depths, drafter.config.draft_vocab_size
     configs = {"chain 0": dict(drafter=None)}  # width 0: the target alone
     configs.update({f"chain {k}": dict(mode="chain", depth=k) for k in range(1, depth + 1)})

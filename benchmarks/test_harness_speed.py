@@ -1,0 +1,66 @@
+"""benchmarks/harness_speed.py: each call's fastest pass counts, the held-out pick of the best fixed configuration
+(no winner's curse), and a run of the whole script on the demo-sized random models."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location("harness_speed", Path(__file__).with_name("harness_speed.py"))
+harness_speed = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = harness_speed  # NamedTuples look their module up there
+_spec.loader.exec_module(harness_speed)
+Call = harness_speed.Call
+
+
+def call(seconds: float, tokens: int = 100) -> Call:
+    return Call(seconds, seconds, tokens, tokens, tokens // 2, [[1]], tokens // 2, (seconds / 3,) * 3)
+
+
+def test_each_call_counts_its_fastest_pass():
+    calls = {("a", 0, 0): call(2.0), ("a", 0, 1): call(1.0), ("a", 8, 0): call(1.0), ("a", 8, 1): call(3.0)}
+    result = harness_speed.summarize(calls, range(2))["a"]
+    assert result.tokens_per_s == pytest.approx(200 / 2.0)
+    assert harness_speed.summarize(calls, [1])["a"].tokens_per_s == pytest.approx(200 / 4.0)
+
+
+def test_held_out_pick_is_scored_on_the_other_passes():
+    # Two equally fast chains; each is lucky on one half of the passes. In hindsight the harness looks slower than the
+    # best of them; picked on one half and scored on the other, it is as fast as either.
+    seconds = {"chain 1": [0.8, 1.0, 1.0, 1.0], "chain 2": [1.0, 0.8, 1.0, 1.0], "harness": [1.0, 1.0, 1.0, 1.0]}
+    calls = {(name, 0, turn): call(s) for name, times in seconds.items() for turn, s in enumerate(times)}
+    hindsight = harness_speed.summarize(calls, range(4))
+    best = harness_speed.best_of(hindsight, "chain")
+    assert hindsight["harness"].tokens_per_s / hindsight[best].tokens_per_s == pytest.approx(0.8)
+    ratio, picks = harness_speed.held_out_ratio(calls, 4, "chain")
+    # Halves: passes {0, 2} pick chain 1 (0.8 s), scored on {1, 3}: 1.0 s; passes {1, 3} pick chain 2, scored on
+    # {0, 2}: 1.0 s. Both ratios are 1.
+    assert picks == ["chain 1", "chain 2"] and ratio == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="passes >= 2"):
+        harness_speed.held_out_ratio(calls, 1, "chain")
+
+
+def test_the_script_runs_on_the_random_models(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent.parent), str(Path(__file__).parent)]))
+    args = ["--prompts", "2", "--new-tokens", "6", "--batch-sizes", "1", "--passes", "2", "--budgets", "8"]
+    args += ["--costs-out", str(tmp_path / "costs.json")]
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("harness_speed.py")), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "costs.json").is_file()
+    lines = out.stdout.splitlines()
+    assert any(line.split()[1:3] == ["chain", "0"] for line in lines if len(line.split()) > 3)
+    held_out = [line for line in lines if "picked on the other passes" in line]
+    assert len(held_out) == 2 and all(math.isfinite(float(line.split(": ")[1].split("x")[0])) for line in held_out)
