@@ -159,6 +159,24 @@ def test_harness_stops_drafting_where_the_observed_acceptance_loses(dense, metho
     assert MIN_TRIALS / (5 * batch) <= m.drafted_rounds <= MIN_TRIALS / batch + 1 < m.rounds
 
 
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+def test_calls_after_one_where_speculation_lost_decode_plainly_then_probe(dense, method):
+    """The decoder's next call after one that stopped drafting decodes without drafting from its start; the call
+    after that probes (drafts until it observes MIN_TRIALS again). Outputs stay the target's greedy output."""
+    table = costly_drafts_table()
+    torch.manual_seed(fresh_seed())
+    untrained = PEagleDrafter((dense.peagle if method == "peagle" else dense.eagle3).config).eval()
+    options = dict(method=method, cost_table=table, num_nodes=12, **(dict(depth=4) if method == "eagle3" else {}))
+    decoder = SpeculativeDecoder(dense.model, untrained, "harness", **options)
+    drafted = []
+    for prompt in PROMPTS[:3]:
+        out = decoder.generate([prompt], NEW_TOKENS)
+        assert out.tokens == [dense.reference(prompt)]
+        drafted.append(out.metrics.drafted_rounds)
+    first, skipped, probe = drafted
+    assert MIN_TRIALS / 5 <= first <= MIN_TRIALS + 1 and skipped == 0 and MIN_TRIALS / 5 <= probe <= MIN_TRIALS + 1
+
+
 def test_num_threads_applies_during_generate_only(dense, monkeypatch):
     seen, round_ = [], _Generation._round
 

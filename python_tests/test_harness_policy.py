@@ -189,6 +189,35 @@ def test_speculation_stops_paying_only_after_enough_observations_below_break_eve
     assert good.rate > rate and policy.speculation_pays(1, 0, good)
 
 
+def observed_call(policy: HarnessPolicy, accepted: int, sampled: bool = False, trials: int = MIN_TRIALS) -> None:
+    """Ends a drafting call at batch 1 whose rounds each accepted ``accepted`` of 4 chained drafts."""
+    acceptance = ChainAcceptance()
+    while acceptance.trials < trials:
+        acceptance.observe(torch.tensor([accepted]), torch.tensor([5]))
+    policy.end_call(1, 0, acceptance, sampled)
+
+
+def test_calls_after_one_that_lost_decode_plainly_and_probe_at_doubling_intervals():
+    policy = HarnessPolicy(COSTLY_DRAFTS, MAX_NODES)
+    assert all(policy.start_call(1, 0) for _ in range(3))  # nothing observed yet: every call drafts
+    observed_call(policy, 3, trials=MIN_TRIALS - 1)  # too few observations to decide: no record
+    assert policy.start_call(1, 0)
+    observed_call(policy, 0)  # every round rejects its first draft: below the break-even rate
+    probes = []
+    for call in range(100):
+        if policy.start_call(1, 0):
+            probes.append(call)
+            observed_call(policy, 0)  # each probe finds the same
+    assert probes == [1, 5, 13, 29, 61, 93]  # the 2nd call, then intervals of 4, 8, 16, 32, 32
+    assert policy.start_call(1, 0, sampled=True)  # sampled rounds are recorded apart
+    while not policy.start_call(1, 0):
+        pass
+    observed_call(policy, 3)  # a probe that finds speculation pays again: every call drafts
+    assert all(policy.start_call(1, 0) for _ in range(5))
+    observed_call(policy, 0)
+    assert [policy.start_call(1, 0) for _ in range(2)] == [False, True]  # the interval started over
+
+
 def test_chain_acceptance_counts_a_rejection_where_the_accepted_path_ends_above_verified_children():
     # One tree per request: root 0 with children 1 and 2, node 3 under node 1, one padding slot.
     parent = torch.tensor([[-1, 0, 0, 1, -1]]).repeat(4, 1)

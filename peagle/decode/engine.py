@@ -394,10 +394,11 @@ class _Generation:
             longest = max(len(p) for p in prompts)
             kind = PassHarness if isinstance(self.drafting, PEagleDrafting) else DepthHarness
             vocab = self.drafting.config.draft_vocab_size
-            self.harness = kind(decoder.policy, batch, self.drafting.depth, longest, vocab, self.device)
+            depth = self.drafting.depth
+            self.harness = kind(decoder.policy, batch, depth, longest, vocab, self.device, sampled=self.gumbel)
             if isinstance(self.harness, DepthHarness):
                 self.harness.chain_mode = decoder.depth_chain_mode
-            if not self.harness.speculate:  # the cost table says speculation loses at this batch size
+            if not self.harness.speculate:  # the cost table, or earlier calls: speculation loses at this batch size
                 self.drafting, self.harness = None, None
 
     def run(self) -> GenerateOutput:

@@ -34,6 +34,8 @@ for n nodes (root included, from the cost table row of the batch-size bucket and
   generate call has observed :data:`MIN_TRIALS` drafts and rejections, it also stops drafting for the rest of the
   call when the observed per-position acceptance rate is at or below the cost table's break-even rate, the rate
   below which no chain length emits more tokens per second than plain decoding (:meth:`HarnessPolicy.speculation_pays`).
+  The next calls at that batch size then decode plainly from the start, except probes that count afresh: the 2nd call
+  after, then intervals that double up to 32 calls while probes find the same (:meth:`HarnessPolicy.start_call`).
 * **Temperature > 0.** Sampled rounds (drafts drawn) draft chains, P-EAGLE's as EAGLE-3's, whose length is fixed
   after the previous round, before this round's draws, so verification stays lossless: the chain length of the cost
   table at the per-position acceptance rate observed so far (:class:`ChainAcceptance`). Path scores of the drafter's
@@ -66,6 +68,7 @@ from peagle.ops.harness import best_candidates, budget_ratios
 __all__ = [
     "CALIBRATION_DECAY",
     "MIN_TRIALS",
+    "CallHarness",
     "ChainAcceptance",
     "DepthHarness",
     "DepthRound",
@@ -73,6 +76,7 @@ __all__ = [
     "HarnessPolicy",
     "PassHarness",
     "Plan",
+    "SpeculationRecord",
     "harness_budget",
     "kept_first",
     "pass_budget",
@@ -88,6 +92,10 @@ __all__ = [
 # Rejections and accepted drafts a generate call observes before the harness may stop speculating for the rest of it
 # (the rate is then within about 0.09 at 1 sigma: a drafter that pays is rarely stopped).
 MIN_TRIALS = 32
+# A call that finds speculation does not pay makes the next calls at its batch size decode plainly; the 2nd call after
+# it probes again (drafts, counting afresh), an interval that doubles (up to 32 calls) while probes find the same.
+FIRST_PROBE_EVERY = 2
+MAX_PROBE_EVERY = 32
 EXPLORE_EVERY = 8  # ... except every 8th round, an interval that doubles (up to 64) while exploring finds nothing
 MAX_EXPLORE_EVERY = 64
 CALIBRATION_DECAY = 0.9  # weight of the past in the observed / predicted sums (about the last 10 rounds)
@@ -253,6 +261,17 @@ class Plan:
     max_nodes: int
 
 
+@dataclass
+class SpeculationRecord:
+    """What the last generate call that observed :data:`MIN_TRIALS` found for one batch-size bucket, context interval
+    and kind of round: whether speculating paid, and if not, the calls decoded plainly since and how many to decode
+    so before the next probe."""
+
+    pays: bool = True
+    skipped: int = 0
+    probe_every: int = FIRST_PROBE_EVERY
+
+
 class HarnessPolicy:
     """The round plan from the cost table: tree or chain by batch size, and the per-bucket chain widths.
 
@@ -286,6 +305,7 @@ class HarnessPolicy:
         self._chain_cost_cache: dict[tuple[int, int, bool], list[float]] = {}
         self._break_even_cache: dict[tuple[int, int, bool], float] = {}  # by (bucket, interval, sampled)
         self._break_even_by_arguments: dict[tuple[int, int, bool], float] = {}
+        self._records: dict[tuple[int, int, bool], SpeculationRecord] = {}  # by (bucket, interval, sampled)
 
     def start_state(self, batch: int, device) -> tuple[Tensor, Tensor]:
         """(gamma [B], calibration [B, 2]) for the requests of a new generate call."""
@@ -317,7 +337,7 @@ class HarnessPolicy:
         makes speculation pay."""
         if (batch, context, sampled) in self._break_even_by_arguments:
             return self._break_even_by_arguments[batch, context, sampled]
-        key = (self.table.bucket(batch), self.table.context_index(context), sampled)
+        key = self._table_key(batch, context, sampled)
         if key not in self._break_even_cache:
             if self.chain_length(batch, context, 1.0, sampled) == 0:
                 rate = 2.0
@@ -342,10 +362,42 @@ class HarnessPolicy:
         level, so it does not pay either."""
         return acceptance.trials < MIN_TRIALS or acceptance.rate > self.break_even_rate(batch, context, sampled)
 
+    def start_call(self, batch: int, context: int, sampled: bool = False) -> bool:
+        """Whether a new generate call drafts at all: yes, unless the last call that observed :data:`MIN_TRIALS` here
+        (batch-size bucket, context interval, kind of round) found that speculating did not pay. Then only every
+        ``probe_every``-th call drafts, counting its acceptance afresh, so a drafter that got better, or prompts it
+        suits, are noticed; each probe that finds the same doubles the interval (:meth:`end_call`). Without this, every
+        call would pay for its first MIN_TRIALS observations again."""
+        record = self._records.setdefault(self._table_key(batch, context, sampled), SpeculationRecord())
+        if record.pays:
+            return True
+        record.skipped += 1
+        if record.skipped < record.probe_every:
+            return False
+        record.skipped = 0
+        return True
+
+    def end_call(self, batch: int, context: int, acceptance: ChainAcceptance, sampled: bool = False) -> None:
+        """Records what a drafting call observed (when it observed at least :data:`MIN_TRIALS`) for the next calls'
+        :meth:`start_call`."""
+        if acceptance.trials < MIN_TRIALS:
+            return
+        record = self._records.setdefault(self._table_key(batch, context, sampled), SpeculationRecord())
+        if self.speculation_pays(batch, context, acceptance, sampled):
+            record.pays, record.probe_every = True, FIRST_PROBE_EVERY
+        else:
+            if not record.pays:  # a probe that found the same
+                record.probe_every = min(2 * record.probe_every, MAX_PROBE_EVERY)
+            record.pays, record.skipped = False, 0
+
+    def _table_key(self, batch: int, context: int, sampled: bool) -> tuple[int, int, bool]:
+        """(batch-size bucket, context interval, sampled): what the cached and recorded figures are kept by."""
+        return self.table.bucket(batch), self.table.context_index(context), sampled
+
     def _chain_costs(self, batch: int, context: int, sampled: bool) -> list[float]:
         """Seconds of a round of a chain of n drafts, n = 0 .. max_nodes - 1 (kept per batch-size bucket, context
         interval and kind of round: sampled rounds ask every round)."""
-        key = (self.table.bucket(batch), self.table.context_index(context), sampled)
+        key = self._table_key(batch, context, sampled)
         if key not in self._chain_cost_cache:
             verify = self.table.verify_row(batch, context, self.max_nodes, sampled).tolist()
             draft = [0.0] + [self._chain_draft_time(batch, n, sampled) for n in range(1, self.max_nodes)]
@@ -371,7 +423,31 @@ class HarnessPolicy:
         return Plan(kind, self.tree_topk if kind == "tree" else 1, verify, self.max_nodes)
 
 
-class PassHarness:
+class CallHarness:
+    """What both harnesses share over one generate call: the plan of its batch size, the per-position acceptance it
+    observes, and whether it drafts at all (the plan; what earlier calls found, :meth:`HarnessPolicy.start_call`;
+    then what this call observes, :meth:`HarnessPolicy.speculation_pays`). ``sampled``: the call's drafts are drawn."""
+
+    def __init__(self, policy: HarnessPolicy, batch: int, context: int, sampled: bool) -> None:
+        self.policy, self.batch, self.context, self.sampled = policy, batch, context, sampled
+        self.plan = policy.plan(batch, context)
+        self.max_nodes = policy.max_nodes
+        self.chain_acceptance = ChainAcceptance()  # sampled chains' length; whether speculating pays
+        self.drafts = self.plan.kind != "plain" and policy.start_call(batch, context, sampled)
+
+    @property
+    def speculate(self) -> bool:
+        """Whether rounds draft: the cost table's plan and earlier calls, then the acceptance this call observed so
+        far."""
+        pays = self.policy.speculation_pays(self.batch, self.context, self.chain_acceptance, self.sampled)
+        return self.drafts and pays
+
+    def finish(self) -> None:
+        """Hands what this call observed to the policy (the next calls start from it)."""
+        self.policy.end_call(self.batch, self.context, self.chain_acceptance, self.sampled)
+
+
+class PassHarness(CallHarness):
     """The P-EAGLE harness over one generate call: per-request calibration, the next pass's depth K and the budgets.
 
     Per round: :meth:`select` turns the pass's candidate tree (``topk`` children per node at every depth, at most
@@ -381,17 +457,22 @@ class PassHarness:
     """
 
     def __init__(
-        self, policy: HarnessPolicy, batch: int, max_depth: int, context: int, draft_vocab: int, device
+        self,
+        policy: HarnessPolicy,
+        batch: int,
+        max_depth: int,
+        context: int,
+        draft_vocab: int,
+        device,
+        sampled: bool = False,
     ) -> None:
+        super().__init__(policy, batch, context, sampled)
         table = policy.table
-        self.draft_vocab, self.batch, self.context, self.max_depth = draft_vocab, batch, context, max_depth
-        self.plan = policy.plan(batch, context)
-        self.max_nodes = policy.max_nodes
+        self.draft_vocab, self.max_depth = draft_vocab, max_depth
         self.pass_time = torch.tensor(
             [table.pass_time(batch, k) for k in range(1, max_depth + 1)], dtype=torch.float64, device=device
         )
         self.verify_cost = self.plan.verify_cost.to(device)
-        self.policy = policy
         self.gamma, self.calibration = policy.start_state(batch, device)
         self.next_depth = torch.full((batch,), max_depth, dtype=torch.long, device=device)
         self.predicted = torch.zeros(batch, dtype=torch.float64, device=device)
@@ -405,15 +486,6 @@ class PassHarness:
         self.explore_every, self.since_tree = policy.learnt_explore_every, 0
         self.chain_round = False  # this round's candidates form a chain (set by topk)
         self.exploring = False  # ... or a tree drafted only to look for accepted drafts off the chain
-        self.sampled = False  # this round's drafts are drawn (set by topk)
-        self.chain_acceptance = ChainAcceptance()
-
-    @property
-    def speculate(self) -> bool:
-        """Whether rounds draft: the cost table's plan, then the acceptance observed so far
-        (:meth:`HarnessPolicy.speculation_pays`)."""
-        pays = self.policy.speculation_pays(self.batch, self.context, self.chain_acceptance, self.sampled)
-        return self.plan.kind != "plain" and pays
 
     def depth(self, rows: Tensor) -> int:
         """The pass depth K of a round of ``rows`` (the deepest any of them wants; one host read)."""
@@ -537,6 +609,7 @@ class PassHarness:
 
     def finish(self) -> None:
         """Hands what this call learnt to the policy (the next call starts from it)."""
+        super().finish()
         self.policy.learn(self.gamma, self.calibration)
         self.policy.learnt_siblings = tuple(self.siblings)
         self.policy.learnt_emitted = tuple(self.emitted)
@@ -648,7 +721,7 @@ class DepthRound:
         return tree
 
 
-class DepthHarness:
+class DepthHarness(CallHarness):
     """The harness of autoregressive drafting over one generate call (the planner the drafting steps ask).
 
     Per round: :meth:`start` resets the :class:`DepthRound` of the round's padded batch size (the root pass already
@@ -660,12 +733,17 @@ class DepthHarness:
     """
 
     def __init__(
-        self, policy: HarnessPolicy, batch: int, max_depth: int, context: int, draft_vocab: int, device
+        self,
+        policy: HarnessPolicy,
+        batch: int,
+        max_depth: int,
+        context: int,
+        draft_vocab: int,
+        device,
+        sampled: bool = False,
     ) -> None:
-        table = policy.table
-        self.table, self.policy, self.batch, self.context = table, policy, batch, context
-        self.plan = policy.plan(batch, context)
-        self.max_nodes = policy.max_nodes
+        super().__init__(policy, batch, context, sampled)
+        table = self.table = policy.table
         self.device = torch.device(device)
         widths = [w for w in table.draft_widths if w <= min(draft_vocab, self.max_nodes - 1)] or [1]
         self.max_width = widths[-1] if self.plan.kind == "tree" else 1
@@ -677,18 +755,9 @@ class DepthHarness:
         self.verify_cost = self.plan.verify_cost.to(self.device)
         self.gamma, self.calibration = policy.start_state(batch, self.device)
         self.predicted = torch.zeros(batch, dtype=torch.float64, device=self.device)
-        self.chain_acceptance = ChainAcceptance()  # sampled chains' length; whether speculating pays
-        self.sampled = False  # this call's drafts are drawn (set by chain_depth, which only sampled rounds ask)
         self.rounds: dict[int, DepthRound] = {}
         self.chain_mode = "auto"
         self.chain_report = ""
-
-    @property
-    def speculate(self) -> bool:
-        """Whether rounds draft: the cost table's plan, then the acceptance observed so far
-        (:meth:`HarnessPolicy.speculation_pays`)."""
-        pays = self.policy.speculation_pays(self.batch, self.context, self.chain_acceptance, self.sampled)
-        return self.plan.kind != "plain" and pays
 
     def padded(self, rows: Tensor) -> int:
         """The padded batch size of a round of ``rows``."""
@@ -727,4 +796,5 @@ class DepthHarness:
 
     def finish(self) -> None:
         """Hands what this call learnt to the policy (the next call starts from it)."""
+        super().finish()
         self.policy.learn(self.gamma, self.calibration)
