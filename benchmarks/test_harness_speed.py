@@ -1,5 +1,6 @@
 """benchmarks/harness_speed.py: each call's fastest pass counts, the held-out pick of the best fixed configuration
-(no winner's curse), and a run of the whole script on the demo-sized random models."""
+(no winner's curse), the ratio with every call counted, and a run of the whole script on the demo-sized random
+models."""
 
 from __future__ import annotations
 
@@ -46,6 +47,17 @@ def test_held_out_pick_is_scored_on_the_other_passes():
         harness_speed.held_out_ratio(calls, 1, "chain")
 
 
+def test_every_call_ratio_counts_the_slow_passes_that_the_fastest_pass_hides():
+    # The harness's first pass of each prompt is a slow probe; its other pass is as fast as the best chain's.
+    seconds = {"chain 1": [1.0, 1.0], "chain 2": [1.2, 1.2], "harness": [3.0, 1.0], "tree 8": [2.0, 2.0]}
+    calls = {(name, 0, turn): call(s) for name, times in seconds.items() for turn, s in enumerate(times)}
+    calls.update({(name, 8, turn): c for (name, _, turn), c in list(calls.items())})  # a second prompt alike
+    fastest = harness_speed.summarize(calls, range(2))
+    assert fastest["harness"].tokens_per_s == pytest.approx(fastest["chain 1"].tokens_per_s)
+    assert harness_speed.every_call_ratio(calls, "chain") == (pytest.approx(2.0 / 4.0), "chain 1")
+    assert harness_speed.every_call_ratio(calls, "tree") == (pytest.approx(4.0 / 4.0), "tree 8")
+
+
 def test_the_script_runs_on_the_random_models(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent.parent), str(Path(__file__).parent)]))
     args = ["--prompts", "2", "--new-tokens", "6", "--batch-sizes", "1", "--passes", "2", "--budgets", "8"]
@@ -64,3 +76,5 @@ def test_the_script_runs_on_the_random_models(tmp_path):
     assert any(line.split()[1:3] == ["chain", "0"] for line in lines if len(line.split()) > 3)
     held_out = [line for line in lines if "picked on the other passes" in line]
     assert len(held_out) == 2 and all(math.isfinite(float(line.split(": ")[1].split("x")[0])) for line in held_out)
+    every_call = [line for line in lines if "every call of every pass counted" in line]
+    assert len(every_call) == 2 and all(math.isfinite(float(line.split(": ")[1].split("x")[0])) for line in every_call)
