@@ -436,6 +436,36 @@ def test_tree_plan_drafts_chains_while_trees_gain_too_little_for_their_verify_ti
     assert shapes[15] == [4, 2, 2] and harness.exploring
 
 
+def test_timed_rounds_replace_the_table_in_the_tree_decision():
+    """Once tree and chain rounds have both been timed, a tree round's cost is what it took beyond a chain round,
+    measured (its wider pass and bookkeeping included), and a chain round's rate uses the measured chain seconds."""
+    harness = PassHarness(HarnessPolicy(FLAT, MAX_NODES), 1, DEPTH, 0, VOCAB, "cpu")
+    harness.emitted = [40.0, 10]  # 4 tokens a round
+    harness.siblings = [1.0, 0.0]  # 1 draft gained by trees (+ 1, the prior); by the table they cost nothing more
+    assert harness.topk(3) == [4, 2, 2] and not harness.chain_round
+    harness.timed(5e-3)  # a tree round
+    assert harness.topk(3) == [1, 1, 1]  # no chain round timed yet: one is drafted, so both kinds are timed
+    harness.timed(4e-3)  # chain rounds: 4 tokens / 4 ms, 1000 tokens a second
+    assert harness.round_seconds == [[5e-3, 1], [4e-3, 1]]
+    # Each tree round takes 1 ms more and gains 2 drafts: 2 tokens per 1 ms beat 1000 a second, trees; a chain again
+    # once fewer than 1 in 8 timed rounds were chains.
+    shapes = []
+    for _ in range(10):
+        shapes.append(harness.topk(3))
+        tree = shapes[-1] == [4, 2, 2]
+        harness.timed(5e-3 if tree else 4e-3)
+        harness.siblings[0] += 2.0 * tree
+    assert [i for i, shape in enumerate(shapes) if shape == [1, 1, 1]] == [8]  # 9 timed tree rounds to 1 chain round
+    harness.round_seconds = [[8 * 7e-3, 8], [4e-3, 1]]  # at 3 ms more a tree round does not pay
+    assert harness.topk(3) == [1, 1, 1]
+    harness.sampled = True
+    harness.timed(1.0)  # sampled rounds do not count
+    assert harness.round_seconds == [[8 * 7e-3, 8], [4e-3, 1]]
+    harness.finish()
+    later = PassHarness(harness.policy, 1, DEPTH, 0, VOCAB, "cpu")
+    assert later.round_seconds == [[8 * 7e-3, 8], [4e-3, 1]]  # the next call starts from it
+
+
 def test_tree_rounds_count_their_gain_over_a_chain_and_their_extra_verify_time(generator):
     harness = PassHarness(HarnessPolicy(FLAT, MAX_NODES), 1, DEPTH, 0, VOCAB, "cpu")
     rows = torch.tensor([0])

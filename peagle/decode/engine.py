@@ -468,6 +468,7 @@ class _Generation:
     @torch.no_grad()
     def _round(self, active: list[int], roots: Tensor, step: int) -> list[int]:
         runner, drafting = self.runner, self.drafting
+        begin = time.perf_counter()
         rows = torch.tensor(active, device=self.device)
         clock = self.clock
         t0 = clock.mark()
@@ -511,6 +512,8 @@ class _Generation:
             self._emit(r, host_emitted[i][: m + 1])
         self.batched_rounds += 1
         self.drafted_rounds += drafting is not None
+        if self.harness is not None:  # the host has waited for the round's tokens: its wall time is complete
+            self.harness.timed(time.perf_counter() - begin)
         clock.add("draft", t0, t1)
         clock.add("verify", t1, t2)
         clock.add("other", t2, clock.mark())

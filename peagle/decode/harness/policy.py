@@ -26,7 +26,8 @@ for n nodes (root included, from the cost table row of the batch-size bucket and
   this round's tree (nodes deeper than K' dropped, cost pass(K')) is best, one more when that is the drafted depth and
   the budget used it (:func:`pass_budget`): a shallow round stops paying for depths it does not use. A tree plan drafts
   chains while what its trees gained over chains (accepted drafts off the top-1 chain, observed) does not pay for
-  their extra verify time at a chain round's tokens per second (every 8th to 64th round explores a tree).
+  the time tree rounds took beyond chain rounds (measured wall clock once both were timed) at a chain round's tokens
+  per second (every 8th to 64th round explores a tree).
 * **Batch size.** :meth:`HarnessPolicy.plan`: at batch sizes whose verify cost grows slowly with the node count the
   candidates form a dynamic tree (top-k children per depth); where it grows fast, a chain (one child per depth) whose
   length the budget still chooses per request; :meth:`HarnessPolicy.chain_widths` is the per-bucket table of the best
@@ -301,6 +302,8 @@ class HarnessPolicy:
         self.learnt_gamma, self.learnt_calibration = 1.0, (0.0, 0.0)
         self.learnt_siblings = (0.0, 0.0)
         self.learnt_emitted = (0.0, 0)
+        # (seconds, rounds) of timed tree and chain rounds, by (batch-size bucket, context interval, False).
+        self.learnt_round_seconds: dict[tuple[int, int, bool], tuple[tuple[float, int], ...]] = {}
         self.learnt_explore_every = EXPLORE_EVERY
         self._chain_cost_cache: dict[tuple[int, int, bool], list[float]] = {}
         self._break_even_cache: dict[tuple[int, int, bool], float] = {}  # by (bucket, interval, sampled)
@@ -337,7 +340,7 @@ class HarnessPolicy:
         makes speculation pay."""
         if (batch, context, sampled) in self._break_even_by_arguments:
             return self._break_even_by_arguments[batch, context, sampled]
-        key = self._table_key(batch, context, sampled)
+        key = self.table_key(batch, context, sampled)
         if key not in self._break_even_cache:
             if self.chain_length(batch, context, 1.0, sampled) == 0:
                 rate = 2.0
@@ -368,7 +371,7 @@ class HarnessPolicy:
         ``probe_every``-th call drafts, counting its acceptance afresh, so a drafter that got better, or prompts it
         suits, are noticed; each probe that finds the same doubles the interval (:meth:`end_call`). Without this, every
         call would pay for its first MIN_TRIALS observations again."""
-        record = self._records.setdefault(self._table_key(batch, context, sampled), SpeculationRecord())
+        record = self._records.setdefault(self.table_key(batch, context, sampled), SpeculationRecord())
         if record.pays:
             return True
         record.skipped += 1
@@ -382,7 +385,7 @@ class HarnessPolicy:
         :meth:`start_call`."""
         if acceptance.trials < MIN_TRIALS:
             return
-        record = self._records.setdefault(self._table_key(batch, context, sampled), SpeculationRecord())
+        record = self._records.setdefault(self.table_key(batch, context, sampled), SpeculationRecord())
         if self.speculation_pays(batch, context, acceptance, sampled):
             record.pays, record.probe_every = True, FIRST_PROBE_EVERY
         else:
@@ -390,14 +393,14 @@ class HarnessPolicy:
                 record.probe_every = min(2 * record.probe_every, MAX_PROBE_EVERY)
             record.pays, record.skipped = False, 0
 
-    def _table_key(self, batch: int, context: int, sampled: bool) -> tuple[int, int, bool]:
+    def table_key(self, batch: int, context: int, sampled: bool = False) -> tuple[int, int, bool]:
         """(batch-size bucket, context interval, sampled): what the cached and recorded figures are kept by."""
         return self.table.bucket(batch), self.table.context_index(context), sampled
 
     def _chain_costs(self, batch: int, context: int, sampled: bool) -> list[float]:
         """Seconds of a round of a chain of n drafts, n = 0 .. max_nodes - 1 (kept per batch-size bucket, context
         interval and kind of round: sampled rounds ask every round)."""
-        key = self._table_key(batch, context, sampled)
+        key = self.table_key(batch, context, sampled)
         if key not in self._chain_cost_cache:
             verify = self.table.verify_row(batch, context, self.max_nodes, sampled).tolist()
             draft = [0.0] + [self._chain_draft_time(batch, n, sampled) for n in range(1, self.max_nodes)]
@@ -442,6 +445,9 @@ class CallHarness:
         pays = self.policy.speculation_pays(self.batch, self.context, self.chain_acceptance, self.sampled)
         return self.drafts and pays
 
+    def timed(self, seconds: float) -> None:
+        """The wall-clock seconds of the round that just ended (the P-EAGLE harness weighs tree rounds by them)."""
+
     def finish(self) -> None:
         """Hands what this call observed to the policy (the next calls start from it)."""
         self.policy.end_call(self.batch, self.context, self.chain_acceptance, self.sampled)
@@ -482,6 +488,9 @@ class PassHarness(CallHarness):
         # Tokens emitted and batched rounds (greedy), from earlier calls on: the first rounds of a generation alone
         # would understate a chain round's tokens per second.
         self.emitted = list(policy.learnt_emitted)
+        # Wall-clock seconds and count of timed greedy rounds, [tree rounds, chain rounds], from earlier calls on.
+        learnt = policy.learnt_round_seconds.get(policy.table_key(batch, context), ((0.0, 0), (0.0, 0)))
+        self.round_seconds = [list(kind) for kind in learnt]
         self.pass_s, self.verify_s = self.pass_time.tolist(), self.verify_cost.tolist()  # host copies
         self.explore_every, self.since_tree = policy.learnt_explore_every, 0
         self.chain_round = False  # this round's candidates form a chain (set by topk)
@@ -510,13 +519,18 @@ class PassHarness(CallHarness):
         chain when the round's drafts are ``sampled``.
 
         A tree plan drafts trees while what they gained pays for what they cost: the accepted drafts from where a
-        path left the top-1 chain on (plus a prior of one), per second of verify time the trees took beyond chains of
-        the same pass depth, must beat the tokens per second of a chain round (the tokens per round observed so far,
-        earlier calls included, over the cost table's time of a chain round). Budgets come from calibrated path
-        scores, and a drafter whose siblings score far above how often they are accepted would otherwise verify wide
-        trees for nothing. Otherwise it drafts chains, and every ``explore_every``-th round still drafts the tree, so a
-        change is noticed; that interval starts at EXPLORE_EVERY, doubles after each exploring round whose accepted
-        drafts all stayed on the chain (up to MAX_EXPLORE_EVERY) and starts over when one left it (:meth:`observe`)."""
+        path left the top-1 chain on (plus a prior of one), per second that tree rounds took beyond chain rounds,
+        must beat the tokens per second of a chain round (the tokens per round observed so far, earlier calls
+        included, over a chain round's seconds). Once both kinds of round have been timed (:meth:`timed`), those
+        seconds are the measured ones, every cost of a round included (a tree's wider pass, its layout and
+        bookkeeping, not only its verify); before that, the cost table's verify time of the trees beyond chains of the
+        same pass depth and its time of a chain round. Budgets come from calibrated path scores, and a drafter whose
+        siblings score far above how often they are accepted would otherwise verify wide trees for nothing.
+        While trees pay, a chain round is drafted whenever fewer than 1 in EXPLORE_EVERY of the timed rounds were
+        chains, so that both kinds are timed (never where no round is timed: the simulation). Otherwise it
+        drafts chains, and every ``explore_every``-th round still drafts the tree, so a change is noticed; that
+        interval starts at EXPLORE_EVERY, doubles after each exploring round whose accepted drafts all
+        stayed on the chain (up to MAX_EXPLORE_EVERY) and starts over when one left it (:meth:`observe`)."""
         self.sampled = sampled
         if sampled:
             self.chain_round, self.exploring = True, False
@@ -524,9 +538,17 @@ class PassHarness(CallHarness):
         self.since_tree += 1
         gain, cost = self.siblings
         tokens, rounds = self.emitted
-        chain_rate = (tokens / rounds if rounds else 1.0 + depth) / self._chain_seconds(depth)
+        (tree_s, tree_rounds), (chain_s, chain_rounds) = self.round_seconds
+        chain_round_s = self._chain_seconds(depth)
+        if tree_rounds and chain_rounds:
+            chain_round_s = chain_s / chain_rounds
+            cost = max(0.0, tree_s - tree_rounds * chain_round_s)
+        chain_rate = (tokens / rounds if rounds else 1.0 + depth) / chain_round_s
         on_chain = (gain + 1.0) < chain_rate * cost
-        chain = on_chain and self.since_tree < self.explore_every
+        if on_chain:
+            chain = self.since_tree < self.explore_every
+        else:  # timed chain rounds are kept at 1 in EXPLORE_EVERY timed rounds, so both kinds' times stay known
+            chain = chain_rounds * EXPLORE_EVERY < tree_rounds
         self.exploring = on_chain and not chain
         if not chain:
             self.since_tree = 0
@@ -534,6 +556,14 @@ class PassHarness(CallHarness):
         deeper = min(2, top)
         self.chain_round = top == 1 or self.draft_vocab == 1 or depth == 0
         return [min(k, self.draft_vocab) for k in [top] + [deeper] * (depth - 1)]
+
+    def timed(self, seconds: float) -> None:
+        """The wall-clock seconds of the round that just ended (drafting to bookkeeping), counted by its kind for
+        :meth:`topk`; sampled rounds do not count."""
+        if not self.sampled:
+            kind = self.round_seconds[self.chain_round]
+            kind[0] += seconds
+            kind[1] += 1
 
     def _chain_seconds(self, depth: int) -> float:
         """The cost table's seconds of a round that drafts and verifies a chain of ``depth``."""
@@ -613,6 +643,8 @@ class PassHarness(CallHarness):
         self.policy.learn(self.gamma, self.calibration)
         self.policy.learnt_siblings = tuple(self.siblings)
         self.policy.learnt_emitted = tuple(self.emitted)
+        key = self.policy.table_key(self.batch, self.context)
+        self.policy.learnt_round_seconds[key] = tuple(tuple(kind) for kind in self.round_seconds)
         self.policy.learnt_explore_every = self.explore_every
 
 
