@@ -16,7 +16,7 @@ from peagle.decode import SpeculativeDecoder, TargetRunner
 from peagle.decode.drafting import Eagle3Drafting, PEagleDrafting, Sampling
 from peagle.decode.engine import _Generation
 from peagle.decode.harness import CostTable, HarnessPolicy
-from peagle.decode.harness.policy import MIN_TRIALS
+from peagle.decode.harness.policy import MIN_TRIALS, CallHarness
 from peagle.model import DrafterConfig, PEagleDrafter
 from peagle.ops.gdn import tree_path
 from peagle.train.evaluate import chain_drafts
@@ -40,8 +40,10 @@ OPTIONS = {
     ("peagle", "tree"): dict(topk=[3, 2, 2, 1], num_nodes=12),
     ("eagle3", "chain"): dict(depth=4),
     ("eagle3", "tree"): dict(depth=4, topk=3, num_nodes=12),
-    ("peagle", "harness"): dict(cost_table=flat_cost_table(), num_nodes=12),
-    ("eagle3", "harness"): dict(depth=4, cost_table=flat_cost_table(), num_nodes=12),
+    # Decisions by the table and the observed acceptance alone: the tiny target is so cheap that, timed, drafting
+    # may lose to plain decoding on the wall clock (the timed harness: test_timed_harness_* below).
+    ("peagle", "harness"): dict(cost_table=flat_cost_table(), num_nodes=12, harness_timing=False),
+    ("eagle3", "harness"): dict(depth=4, cost_table=flat_cost_table(), num_nodes=12, harness_timing=False),
 }
 
 
@@ -152,6 +154,7 @@ def test_harness_stops_drafting_where_the_observed_acceptance_loses(dense, metho
     untrained = PEagleDrafter((dense.peagle if method == "peagle" else dense.eagle3).config).eval()
     prompts = PROMPTS[:batch]
     options = dict(method=method, cost_table=table, num_nodes=12, **(dict(depth=4) if method == "eagle3" else {}))
+    options["harness_timing"] = False  # the acceptance rate decides, not the wall clock
     out = SpeculativeDecoder(dense.model, untrained, "harness", **options).generate(prompts, NEW_TOKENS)
     assert out.tokens == [dense.reference(p) for p in prompts]
     m = out.metrics
@@ -167,6 +170,7 @@ def test_calls_after_one_where_speculation_lost_decode_plainly_then_probe(dense,
     torch.manual_seed(fresh_seed())
     untrained = PEagleDrafter((dense.peagle if method == "peagle" else dense.eagle3).config).eval()
     options = dict(method=method, cost_table=table, num_nodes=12, **(dict(depth=4) if method == "eagle3" else {}))
+    options["harness_timing"] = False  # the acceptance rate decides, not the wall clock
     decoder = SpeculativeDecoder(dense.model, untrained, "harness", **options)
     drafted = []
     for prompt in PROMPTS[:3]:
@@ -175,6 +179,24 @@ def test_calls_after_one_where_speculation_lost_decode_plainly_then_probe(dense,
         drafted.append(out.metrics.drafted_rounds)
     first, skipped, probe = drafted
     assert MIN_TRIALS / 5 <= first <= MIN_TRIALS + 1 and skipped == 0 and MIN_TRIALS / 5 <= probe <= MIN_TRIALS + 1
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+def test_timed_harness_decodes_plain_rounds_between_drafting_rounds_losslessly(dense, method, batch, monkeypatch):
+    """With harness_timing, every 8th round decodes without drafting until two are timed, then every 64th: the
+    drafter's next pass reads that round's token and state after the ones still pending. Drafting goes on after them
+    (the measured comparison is held off here: on the tiny target it is the wall clock's call) and the output stays
+    the target's greedy output."""
+    monkeypatch.setattr(CallHarness, "measured_loss", lambda self: False)
+    prompts = PROMPTS[:batch] if batch == 4 else PROMPTS[1:2]
+    options = dict(OPTIONS[(method, "harness")], harness_timing=True)
+    drafter = dense.peagle if method == "peagle" else dense.eagle3
+    out = SpeculativeDecoder(dense.model, drafter, "harness", method=method, **options).generate(prompts, NEW_TOKENS)
+    assert out.tokens == [dense.reference(p) for p in prompts]
+    m = out.metrics
+    plain = m.rounds - m.drafted_rounds
+    assert plain == 2 + (m.rounds - 16) // 64 and m.acceptance_length > 1.5
 
 
 def test_num_threads_applies_during_generate_only(dense, monkeypatch):
@@ -345,12 +367,16 @@ def random_drafter(gen: torch.Generator, num_depths: int, **changes) -> PEagleDr
     return model.double().eval()
 
 
-def feed(drafting, tokens: torch.Tensor, hidden: torch.Tensor, start: list[int], lengths: list[int]) -> None:
-    """Pending elements start[b] .. start[b] + lengths[b] - 1 of each request's (tokens [B, T], hidden [B, T, A])."""
+def feed(
+    drafting, tokens: torch.Tensor, hidden: torch.Tensor, start: list[int], lengths: list[int], append: bool = False
+) -> None:
+    """Pending elements start[b] .. start[b] + lengths[b] - 1 of each request's (tokens [B, T], hidden [B, T, A]),
+    instead of or (``append``) after those still pending."""
     index = (torch.tensor(start)[:, None] + torch.arange(max(lengths))).clamp(max=tokens.shape[1] - 1)
     rows = torch.arange(len(lengths))
     drafting.set_pending(rows, rows.tolist(), tokens.gather(1, index),
-                         hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[2])), lengths)  # fmt: skip
+                         hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[2])), lengths,
+                         append=append)  # fmt: skip
 
 
 def random_prefix(gen: torch.Generator, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -382,6 +408,28 @@ def assert_cached_pass_equals_forward_inference(changes: dict) -> None:
             expected = model.forward_inference(tokens[b, : seen[b]], hidden[b, : seen[b]], 3)[seen[b] - 1 :]
             torch.testing.assert_close(logits[b], expected, rtol=1e-9, atol=1e-9)
         assert drafting.cache.seq_len.tolist() == seen == drafting.cache.host_len
+
+
+def test_appended_pending_elements_join_the_next_pass():
+    """A round that decodes without drafting runs no pass: its elements go after those still pending
+    (``set_pending(append=True)``, past the pending buffer's width too), and the next pass equals forward_inference
+    on the whole prefix."""
+    gen = torch.Generator().manual_seed(fresh_seed())
+    model = random_drafter(gen, 4)
+    drafting = PEagleDrafting(model, 61, "chain", 4, [1] * 4, 5)
+    batch = 3
+    tokens, hidden = random_prefix(gen, batch, 40)
+    drafting.allocate(batch, 48, 4, block_size=8)
+    seen = [0] * batch
+    for pieces in ([[6, 3, 2], [1, 1, 1]], [[2, 4, 1], [1, 1, 1], [1, 1, 1]], [[3, 1, 3]]):
+        for i, lengths in enumerate(pieces):
+            feed(drafting, tokens, hidden, seen, lengths, append=i > 0)
+            seen = [s + n for s, n in zip(seen, lengths, strict=True)]
+        logits, _ = drafting._pass(torch.arange(batch), list(range(batch)), 3, 4)
+        for b in range(batch):
+            expected = model.forward_inference(tokens[b, : seen[b]], hidden[b, : seen[b]], 3)[seen[b] - 1 :]
+            torch.testing.assert_close(logits[b], expected, rtol=1e-9, atol=1e-9)
+        assert drafting.cache.seq_len.tolist() == seen
 
 
 def reference_probs(model: PEagleDrafter, tokens: torch.Tensor, hidden: torch.Tensor, path: list[int]) -> torch.Tensor:

@@ -40,8 +40,9 @@ OPTIONS = {
     ("peagle", "chain"): {},
     ("peagle", "tree"): dict(topk=[3, 2, 2], num_nodes=10),
     ("eagle3", "tree"): dict(depth=3, topk=3, num_nodes=10),
-    ("peagle", "harness"): dict(cost_table=flat_cost_table(), num_nodes=10),
-    ("eagle3", "harness"): dict(depth=3, cost_table=flat_cost_table(), num_nodes=10),
+    # The table and the observed acceptance decide (timed, the tiny target may stop drafting on the wall clock).
+    ("peagle", "harness"): dict(cost_table=flat_cost_table(), num_nodes=10, harness_timing=False),
+    ("eagle3", "harness"): dict(depth=3, cost_table=flat_cost_table(), num_nodes=10, harness_timing=False),
 }
 
 

@@ -199,23 +199,24 @@ def observed_call(policy: HarnessPolicy, accepted: int, sampled: bool = False, t
 
 def test_calls_after_one_that_lost_decode_plainly_and_probe_at_doubling_intervals():
     policy = HarnessPolicy(COSTLY_DRAFTS, MAX_NODES)
-    assert all(policy.start_call(1, 0) for _ in range(3))  # nothing observed yet: every call drafts
+    assert [policy.start_call(1, 0) for _ in range(3)] == ["draft"] * 3  # nothing observed yet: every call drafts
     observed_call(policy, 3, trials=MIN_TRIALS - 1)  # too few observations to decide: no record
-    assert policy.start_call(1, 0)
+    assert policy.start_call(1, 0) == "draft"
     observed_call(policy, 0)  # every round rejects its first draft: below the break-even rate
-    probes = []
-    for call in range(100):
-        if policy.start_call(1, 0):
-            probes.append(call)
+    starts = []
+    for _ in range(100):
+        starts.append(policy.start_call(1, 0))
+        if starts[-1] == "probe":
             observed_call(policy, 0)  # each probe finds the same
-    assert probes == [1, 5, 13, 29, 61, 93]  # the 2nd call, then intervals of 4, 8, 16, 32, 32
-    assert policy.start_call(1, 0, sampled=True)  # sampled rounds are recorded apart
-    while not policy.start_call(1, 0):
+    assert [i for i, start in enumerate(starts) if start != "plain"] == [1, 5, 13, 29, 61, 93]
+    assert set(starts) == {"plain", "probe"}  # the 2nd call, then intervals of 4, 8, 16, 32, 32
+    assert policy.start_call(1, 0, sampled=True) == "draft"  # sampled rounds are recorded apart
+    while policy.start_call(1, 0) != "probe":
         pass
     observed_call(policy, 3)  # a probe that finds speculation pays again: every call drafts
-    assert all(policy.start_call(1, 0) for _ in range(5))
+    assert [policy.start_call(1, 0) for _ in range(5)] == ["draft"] * 5
     observed_call(policy, 0)
-    assert [policy.start_call(1, 0) for _ in range(2)] == [False, True]  # the interval started over
+    assert [policy.start_call(1, 0) for _ in range(2)] == ["plain", "probe"]  # the interval started over
 
 
 def test_chain_acceptance_counts_a_rejection_where_the_accepted_path_ends_above_verified_children():
@@ -443,27 +444,69 @@ def test_timed_rounds_replace_the_table_in_the_tree_decision():
     harness.emitted = [40.0, 10]  # 4 tokens a round
     harness.siblings = [1.0, 0.0]  # 1 draft gained by trees (+ 1, the prior); by the table they cost nothing more
     assert harness.topk(3) == [4, 2, 2] and not harness.chain_round
-    harness.timed(5e-3)  # a tree round
+    harness.timed(5e-3, 5)  # a tree round
     assert harness.topk(3) == [1, 1, 1]  # no chain round timed yet: one is drafted, so both kinds are timed
-    harness.timed(4e-3)  # chain rounds: 4 tokens / 4 ms, 1000 tokens a second
-    assert harness.round_seconds == [[5e-3, 1], [4e-3, 1]]
+    harness.timed(4e-3, 4)  # chain rounds: 4 tokens / 4 ms, 1000 tokens a second
+    assert harness.timing == {"tree": [5e-3, 1, 5], "chain": [4e-3, 1, 4], "plain": [0.0, 0, 0]}
     # Each tree round takes 1 ms more and gains 2 drafts: 2 tokens per 1 ms beat 1000 a second, trees; a chain again
     # once fewer than 1 in 8 timed rounds were chains.
     shapes = []
     for _ in range(10):
         shapes.append(harness.topk(3))
         tree = shapes[-1] == [4, 2, 2]
-        harness.timed(5e-3 if tree else 4e-3)
+        harness.timed(5e-3 if tree else 4e-3, 4)
         harness.siblings[0] += 2.0 * tree
     assert [i for i, shape in enumerate(shapes) if shape == [1, 1, 1]] == [8]  # 9 timed tree rounds to 1 chain round
-    harness.round_seconds = [[8 * 7e-3, 8], [4e-3, 1]]  # at 3 ms more a tree round does not pay
+    harness.timing["tree"] = [8 * 7e-3, 8, 32]  # at 3 ms more a tree round does not pay
+    harness.timing["chain"] = [4e-3, 1, 4]
     assert harness.topk(3) == [1, 1, 1]
-    harness.sampled = True
-    harness.timed(1.0)  # sampled rounds do not count
-    assert harness.round_seconds == [[8 * 7e-3, 8], [4e-3, 1]]
     harness.finish()
     later = PassHarness(harness.policy, 1, DEPTH, 0, VOCAB, "cpu")
-    assert later.round_seconds == [[8 * 7e-3, 8], [4e-3, 1]]  # the next call starts from it
+    assert later.timing == harness.timing  # the next call starts from it
+    untimed = PassHarness(HarnessPolicy(FLAT, MAX_NODES, timed=False), 1, DEPTH, 0, VOCAB, "cpu")
+    untimed.topk(3)
+    untimed.timed(5e-3, 5)
+    assert untimed.timing["tree"] == [0.0, 0, 0]  # a policy without timing keeps the table's decisions
+
+
+def test_plain_rounds_are_timed_every_8th_round_then_every_64th():
+    harness = PassHarness(HarnessPolicy(FLAT, MAX_NODES), 1, DEPTH, 0, VOCAB, "cpu")
+    plain = []
+    for _ in range(199):
+        plain.append(harness.plain_round())
+        harness.timed(1e-3, 1)
+        assert harness.round_kind == ("plain" if plain[-1] else "chain")
+    assert [r + 1 for r, p in enumerate(plain) if p] == [8, 16, 80, 144]
+    untimed = PassHarness(HarnessPolicy(FLAT, MAX_NODES, timed=False), 1, DEPTH, 0, VOCAB, "cpu")
+    assert not any(untimed.plain_round() for _ in range(100))
+
+
+@pytest.mark.parametrize("kind", [PassHarness, DepthHarness])
+def test_drafting_stops_where_its_rounds_emit_no_more_tokens_per_second_than_plain_ones(kind):
+    """Measured: drafting rounds (trees and chains) against plain rounds, by emitted tokens per second, once 2 plain
+    and 8 drafting rounds are timed; a call that finds drafting loses makes the next one plain (the verdict of
+    :meth:`HarnessPolicy.start_call`), and a probe starts its timing afresh."""
+    policy = HarnessPolicy(FLAT, MAX_NODES)
+    harness = kind(policy, 1, DEPTH, 0, VOCAB, "cpu")
+
+    def time_rounds(kind_of_round: str, rounds: int, seconds: float, tokens: int) -> None:
+        for _ in range(rounds):
+            harness.round_kind = kind_of_round
+            harness.timed(seconds, tokens)
+
+    time_rounds("chain", 7, 4e-3, 3)  # 750 tokens a second
+    time_rounds("plain", 2, 1e-3, 1)  # 1000 a second
+    assert harness.speculate  # 7 drafting rounds: too few to decide
+    time_rounds("tree", 1, 4e-3, 3)
+    assert harness.measured_loss() and not harness.speculate
+    time_rounds("chain", 10, 4e-3, 5)  # now 1194 tokens a second drafting
+    assert not harness.measured_loss() and harness.speculate
+    time_rounds("plain", 4, 0.5e-3, 1)  # plain at 1 token per 0.67 ms: 1500 a second
+    assert harness.measured_loss()
+    harness.finish()
+    assert not kind(policy, 1, DEPTH, 0, VOCAB, "cpu").speculate  # the next call: no drafting at all
+    probe = kind(policy, 1, DEPTH, 0, VOCAB, "cpu")  # the call after it probes
+    assert probe.speculate and probe.timing["plain"] == [0.0, 0, 0]  # counting afresh
 
 
 def test_tree_rounds_count_their_gain_over_a_chain_and_their_extra_verify_time(generator):

@@ -247,18 +247,29 @@ class _CachedDrafter:
             self.mask_feat = self.drafter.projected_mask_hidden()
 
     @torch.no_grad()
-    def set_pending(self, rows: Tensor, host_rows: list[int], tokens: Tensor, aux: Tensor, counts: list[int]) -> None:
+    def set_pending(
+        self, rows: Tensor, host_rows: list[int], tokens: Tensor, aux: Tensor, counts: list[int], append: bool = False
+    ) -> None:
         """The next pass's new elements of ``rows``: tokens [b, m] (target ids) paired with target aux states
-        [b, m, num_aux * H]; the first ``counts[b]`` of them are real."""
+        [b, m, num_aux * H]; the first ``counts[b]`` of them are real. ``append``: after the elements still pending
+        (a round that decoded without drafting ran no pass), instead of them."""
+        offsets = [self.host_pending[r] for r in host_rows] if append else [0] * len(host_rows)
         width = tokens.shape[1]
-        if width > self.pending_tokens.shape[1]:
-            grow = width - self.pending_tokens.shape[1]
+        end = max(offsets, default=0) + width
+        if end > self.pending_tokens.shape[1]:
+            grow = end - self.pending_tokens.shape[1]
             self.pending_tokens = torch.nn.functional.pad(self.pending_tokens, (0, grow))
             self.pending_feats = torch.nn.functional.pad(self.pending_feats, (0, 0, 0, grow))
-        self.pending_tokens[rows, :width] = tokens.long()
-        self.pending_feats[rows, :width] = self.drafter.project(aux.to(self.dtype))
-        for r, c in zip(host_rows, counts, strict=True):
-            self.host_pending[r] = c
+        feats = self.drafter.project(aux.to(self.dtype))
+        if append:
+            slots = torch.tensor(offsets, device=self.device)[:, None] + torch.arange(width, device=self.device)
+            self.pending_tokens[rows[:, None], slots] = tokens.long()
+            self.pending_feats[rows[:, None], slots] = feats
+        else:
+            self.pending_tokens[rows, :width] = tokens.long()
+            self.pending_feats[rows, :width] = feats
+        for r, offset, c in zip(host_rows, offsets, counts, strict=True):
+            self.host_pending[r] = offset + c
 
     def _context(
         self, rows: Tensor, host_rows: list[int] | None, length: int | None = None

@@ -138,6 +138,10 @@ class SpeculativeDecoder:
             is moved). The drafter follows the target's device and keeps its own dtype.
         cost_table: mode "harness" only: a :class:`~peagle.decode.harness.CostTable` or the JSON file ``peagle
             profile`` wrote for this target and drafter. ``num_nodes`` then caps the verified nodes (default 32).
+        harness_timing: mode "harness" only: also weigh drafting against plain decoding, and trees against chains, by
+            the rounds' measured wall time (a round decodes plainly now and then to time it), which counts what the
+            cost table leaves out (bookkeeping, commits); False: the table and the observed acceptance alone decide,
+            so the decisions, and a sampled request's tokens for a seed, repeat from run to run.
         num_threads: torch's intra-op CPU threads while ``generate`` runs (restored afterwards); None leaves torch's
             setting. A small target on the CPU is bound by per-op overhead, where 1 thread is usually fastest.
     """
@@ -159,10 +163,11 @@ class SpeculativeDecoder:
         device: str | torch.device | None = None,
         num_threads: int | None = None,
         cost_table: CostTable | str | os.PathLike | None = None,
+        harness_timing: bool = True,
     ) -> None:
         if mode not in ("chain", "tree", "harness"):
             raise ValueError(f"mode must be 'chain', 'tree' or 'harness', got {mode!r}")
-        self.policy = _harness_policy(mode, cost_table, drafter, num_nodes)
+        self.policy = _harness_policy(mode, cost_table, drafter, num_nodes, harness_timing)
         if draft_sampling not in ("gumbel", "topk"):
             raise ValueError(f"draft_sampling must be 'gumbel' or 'topk', got {draft_sampling!r}")
         if num_threads is not None and (
@@ -269,7 +274,7 @@ class SpeculativeDecoder:
             torch.set_num_threads(threads)
 
 
-def _harness_policy(mode: str, cost_table, drafter, num_nodes: int | None) -> HarnessPolicy | None:
+def _harness_policy(mode: str, cost_table, drafter, num_nodes: int | None, timed: bool) -> HarnessPolicy | None:
     if mode != "harness":
         if cost_table is not None:
             raise ValueError(f"cost_table is for mode 'harness', got mode {mode!r}")
@@ -285,7 +290,7 @@ def _harness_policy(mode: str, cost_table, drafter, num_nodes: int | None) -> Ha
         )
     if num_nodes is not None and (isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 2):
         raise ValueError(f"num_nodes must be an int >= 2 (the root and at least one draft), got {num_nodes!r}")
-    return HarnessPolicy(cost_table, 32 if num_nodes is None else num_nodes)
+    return HarnessPolicy(cost_table, 32 if num_nodes is None else num_nodes, timed=timed)
 
 
 def _budget(num_nodes: int | None, full: int) -> int:
@@ -472,7 +477,9 @@ class _Generation:
         rows = torch.tensor(active, device=self.device)
         clock = self.clock
         t0 = clock.mark()
-        if drafting is None:
+        # A harness times a plain round now and then (the drafter's pass then reads its elements next round).
+        plain = drafting is not None and self.harness is not None and self.harness.plain_round()
+        if drafting is None or plain:
             tree = root_tree(roots[rows])
         else:
             offset = step * STREAMS + DRAFT_STREAM
@@ -490,12 +497,9 @@ class _Generation:
         )
         host_accepted = accepted[:, 0].tolist()
         check_errors()
-        if self.harness is not None:
+        if self.harness is not None and not plain:
             host = (host_accepted, nodes[:, 0].tolist())
             self.harness.observe(rows, result.num_accepted, tree.num_nodes, tree.parent, result.accepted_path, host)
-            if not self.harness.speculate:  # the acceptance observed so far: speculation loses at this batch size
-                self._end_harness()
-                self.drafting = None  # plain decoding for the rest of the call
         runner.commit(rows, active, result.accepted_path, result.num_accepted, result.last_node, host_accepted)
         width = max(host_accepted) + 1
         rows_index = torch.arange(len(active), device=self.device)
@@ -504,16 +508,20 @@ class _Generation:
             path = result.accepted_path[:, :width].clamp(min=0)
             new_aux = aux.gather(1, path[..., None].expand(-1, -1, aux.shape[2]))
             counts = [m + 1 for m in host_accepted]
-            drafting.set_pending(rows, active, result.emitted_tokens[:, :width].clamp(min=0), new_aux, counts)
+            tokens = result.emitted_tokens[:, :width].clamp(min=0)
+            drafting.set_pending(rows, active, tokens, new_aux, counts, append=plain)
         host_emitted = emitted.tolist()
         for i, r in enumerate(active):
             m = host_accepted[i]
             self.accepted[r].append(m)
             self._emit(r, host_emitted[i][: m + 1])
         self.batched_rounds += 1
-        self.drafted_rounds += drafting is not None
+        self.drafted_rounds += drafting is not None and not plain
         if self.harness is not None:  # the host has waited for the round's tokens: its wall time is complete
-            self.harness.timed(time.perf_counter() - begin)
+            self.harness.timed(time.perf_counter() - begin, sum(host_accepted) + len(active))
+            if not self.harness.speculate:  # what it observed and timed so far: speculation loses at this batch size
+                self._end_harness()
+                self.drafting = None  # plain decoding for the rest of the call
         clock.add("draft", t0, t1)
         clock.add("verify", t1, t2)
         clock.add("other", t2, clock.mark())

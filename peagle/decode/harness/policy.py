@@ -97,6 +97,12 @@ MIN_TRIALS = 32
 # it probes again (drafts, counting afresh), an interval that doubles (up to 32 calls) while probes find the same.
 FIRST_PROBE_EVERY = 2
 MAX_PROBE_EVERY = 32
+# While a call drafts, every 8th round decodes plainly until 2 plain rounds are timed, then every 64th: drafting
+# rounds are weighed against plain ones by their measured tokens per second (MIN_TIMED plain and drafting rounds
+# first).
+PLAIN_EVERY = (8, 64)
+MIN_TIMED = (2, 8)
+ROUND_KINDS = ("tree", "chain", "plain")
 EXPLORE_EVERY = 8  # ... except every 8th round, an interval that doubles (up to 64) while exploring finds nothing
 MAX_EXPLORE_EVERY = 64
 CALIBRATION_DECAY = 0.9  # weight of the past in the observed / predicted sums (about the last 10 rounds)
@@ -283,6 +289,8 @@ class HarnessPolicy:
         tree_growth: a bucket drafts trees while V[2 L + 1] <= tree_growth * V[L + 1] for its best chain length L,
             i.e. while doubling the verified nodes costs little; chains otherwise.
         acceptance: the per-position acceptance rate the chain-width table assumes before calibration.
+        timed: harnesses also decide by the measured wall time of their rounds (plain against drafting rounds, trees
+            against chains; :class:`CallHarness`); False: by the table and the observed acceptance alone.
     """
 
     def __init__(
@@ -292,18 +300,20 @@ class HarnessPolicy:
         tree_topk: int = 4,
         tree_growth: float = 1.25,
         acceptance: float = 0.7,
+        timed: bool = True,
     ) -> None:
         if max_nodes < 1:
             raise ValueError(f"max_nodes must be >= 1, got {max_nodes}")
         self.table, self.max_nodes = table, max_nodes
         self.tree_topk, self.tree_growth, self.acceptance = tree_topk, tree_growth, acceptance
+        self.timed = timed
         # What earlier generate calls learnt about the drafter (mean exponent and calibration sums): a new call's
         # requests start from it instead of from scratch.
         self.learnt_gamma, self.learnt_calibration = 1.0, (0.0, 0.0)
         self.learnt_siblings = (0.0, 0.0)
         self.learnt_emitted = (0.0, 0)
-        # (seconds, rounds) of timed tree and chain rounds, by (batch-size bucket, context interval, False).
-        self.learnt_round_seconds: dict[tuple[int, int, bool], tuple[tuple[float, int], ...]] = {}
+        # {kind of round: (seconds, rounds, tokens emitted)} of the timed rounds, by (bucket, interval, sampled).
+        self.learnt_timing: dict[tuple[int, int, bool], dict[str, tuple[float, int, int]]] = {}
         self.learnt_explore_every = EXPLORE_EVERY
         self._chain_cost_cache: dict[tuple[int, int, bool], list[float]] = {}
         self._break_even_cache: dict[tuple[int, int, bool], float] = {}  # by (bucket, interval, sampled)
@@ -365,28 +375,37 @@ class HarnessPolicy:
         level, so it does not pay either."""
         return acceptance.trials < MIN_TRIALS or acceptance.rate > self.break_even_rate(batch, context, sampled)
 
-    def start_call(self, batch: int, context: int, sampled: bool = False) -> bool:
-        """Whether a new generate call drafts at all: yes, unless the last call that observed :data:`MIN_TRIALS` here
-        (batch-size bucket, context interval, kind of round) found that speculating did not pay. Then only every
-        ``probe_every``-th call drafts, counting its acceptance afresh, so a drafter that got better, or prompts it
-        suits, are noticed; each probe that finds the same doubles the interval (:meth:`end_call`). Without this, every
-        call would pay for its first MIN_TRIALS observations again."""
+    def start_call(self, batch: int, context: int, sampled: bool = False) -> Literal["draft", "probe", "plain"]:
+        """Whether a new generate call drafts at all: ``"draft"``, unless the last call that decided here (batch-size
+        bucket, context interval, kind of round) found that speculating did not pay. Then only every
+        ``probe_every``-th call drafts, a ``"probe"`` that counts its acceptance and timing afresh, so a drafter that
+        got better, or prompts it suits, are noticed; each probe that finds the same doubles the interval
+        (:meth:`end_call`); the calls between decode ``"plain"``. Without this, every call would pay for its first
+        MIN_TRIALS observations again."""
         record = self._records.setdefault(self.table_key(batch, context, sampled), SpeculationRecord())
         if record.pays:
-            return True
+            return "draft"
         record.skipped += 1
         if record.skipped < record.probe_every:
-            return False
+            return "plain"
         record.skipped = 0
-        return True
+        return "probe"
 
-    def end_call(self, batch: int, context: int, acceptance: ChainAcceptance, sampled: bool = False) -> None:
-        """Records what a drafting call observed (when it observed at least :data:`MIN_TRIALS`) for the next calls'
-        :meth:`start_call`."""
-        if acceptance.trials < MIN_TRIALS:
+    def end_call(
+        self,
+        batch: int,
+        context: int,
+        acceptance: ChainAcceptance,
+        sampled: bool = False,
+        measured_loss: bool = False,
+    ) -> None:
+        """Records what a drafting call found for the next calls' :meth:`start_call`: a ``measured_loss`` (its
+        drafting rounds emitted fewer tokens per second than its plain ones, :meth:`CallHarness.measured_loss`), or
+        what its acceptance rate says once it observed at least :data:`MIN_TRIALS`."""
+        if acceptance.trials < MIN_TRIALS and not measured_loss:
             return
         record = self._records.setdefault(self.table_key(batch, context, sampled), SpeculationRecord())
-        if self.speculation_pays(batch, context, acceptance, sampled):
+        if not measured_loss and self.speculation_pays(batch, context, acceptance, sampled):
             record.pays, record.probe_every = True, FIRST_PROBE_EVERY
         else:
             if not record.pays:  # a probe that found the same
@@ -436,21 +455,58 @@ class CallHarness:
         self.plan = policy.plan(batch, context)
         self.max_nodes = policy.max_nodes
         self.chain_acceptance = ChainAcceptance()  # sampled chains' length; whether speculating pays
-        self.drafts = self.plan.kind != "plain" and policy.start_call(batch, context, sampled)
+        self.key = policy.table_key(batch, context, sampled)
+        start = policy.start_call(batch, context, sampled) if self.plan.kind != "plain" else "plain"
+        self.drafts = start != "plain"
+        learnt = {} if start == "probe" else policy.learnt_timing.get(self.key, {})
+        # {kind of round: [seconds, rounds, tokens emitted]} of the timed rounds (:meth:`timed`).
+        self.timing = {kind: list(learnt.get(kind, (0.0, 0, 0))) for kind in ROUND_KINDS}
+        self.round_kind = "chain"  # the kind of the round under way (:meth:`plain_round`; P-EAGLE: tree or chain)
+        self.since_plain = 0
 
     @property
     def speculate(self) -> bool:
         """Whether rounds draft: the cost table's plan and earlier calls, then the acceptance this call observed so
-        far."""
+        far and the measured speed of drafting against plain rounds."""
         pays = self.policy.speculation_pays(self.batch, self.context, self.chain_acceptance, self.sampled)
-        return self.drafts and pays
+        return self.drafts and pays and not self.measured_loss()
 
-    def timed(self, seconds: float) -> None:
-        """The wall-clock seconds of the round that just ended (the P-EAGLE harness weighs tree rounds by them)."""
+    def plain_round(self) -> bool:
+        """Whether the round about to start decodes without drafting (every PLAIN_EVERY-th round), so that drafting is
+        weighed against plain decoding as measured on this machine, every cost of a round included (bookkeeping,
+        commits), which the cost table leaves out."""
+        self.since_plain += 1
+        every = PLAIN_EVERY[0] if self.timing["plain"][1] < MIN_TIMED[0] else PLAIN_EVERY[1]
+        plain = self.policy.timed and self.since_plain >= every
+        if plain:
+            self.since_plain = 0
+        self.round_kind = "plain" if plain else "chain"
+        return plain
+
+    def timed(self, seconds: float, tokens: int) -> None:
+        """The wall-clock seconds of the round that just ended (drafting, or not, to bookkeeping) and the tokens it
+        emitted, counted by its kind (with the policy's ``timed`` only)."""
+        if not self.policy.timed:
+            return
+        entry = self.timing[self.round_kind]
+        entry[0] += seconds
+        entry[1] += 1
+        entry[2] += tokens
+
+    def measured_loss(self) -> bool:
+        """Whether drafting rounds emitted no more tokens per second than plain ones (once MIN_TIMED of each are
+        timed)."""
+        plain, tree, chain = self.timing["plain"], self.timing["tree"], self.timing["chain"]
+        seconds, rounds, tokens = (tree[i] + chain[i] for i in range(3))
+        if plain[1] < MIN_TIMED[0] or rounds < MIN_TIMED[1]:
+            return False
+        return tokens * plain[0] <= plain[2] * seconds
 
     def finish(self) -> None:
         """Hands what this call observed to the policy (the next calls start from it)."""
-        self.policy.end_call(self.batch, self.context, self.chain_acceptance, self.sampled)
+        policy = self.policy
+        policy.end_call(self.batch, self.context, self.chain_acceptance, self.sampled, self.measured_loss())
+        policy.learnt_timing[self.key] = {kind: tuple(entry) for kind, entry in self.timing.items()}
 
 
 class PassHarness(CallHarness):
@@ -488,9 +544,6 @@ class PassHarness(CallHarness):
         # Tokens emitted and batched rounds (greedy), from earlier calls on: the first rounds of a generation alone
         # would understate a chain round's tokens per second.
         self.emitted = list(policy.learnt_emitted)
-        # Wall-clock seconds and count of timed greedy rounds, [tree rounds, chain rounds], from earlier calls on.
-        learnt = policy.learnt_round_seconds.get(policy.table_key(batch, context), ((0.0, 0), (0.0, 0)))
-        self.round_seconds = [list(kind) for kind in learnt]
         self.pass_s, self.verify_s = self.pass_time.tolist(), self.verify_cost.tolist()  # host copies
         self.explore_every, self.since_tree = policy.learnt_explore_every, 0
         self.chain_round = False  # this round's candidates form a chain (set by topk)
@@ -533,12 +586,12 @@ class PassHarness(CallHarness):
         stayed on the chain (up to MAX_EXPLORE_EVERY) and starts over when one left it (:meth:`observe`)."""
         self.sampled = sampled
         if sampled:
-            self.chain_round, self.exploring = True, False
+            self.chain_round, self.exploring, self.round_kind = True, False, "chain"
             return [1] * depth
         self.since_tree += 1
         gain, cost = self.siblings
         tokens, rounds = self.emitted
-        (tree_s, tree_rounds), (chain_s, chain_rounds) = self.round_seconds
+        (tree_s, tree_rounds, _), (chain_s, chain_rounds, _) = self.timing["tree"], self.timing["chain"]
         chain_round_s = self._chain_seconds(depth)
         if tree_rounds and chain_rounds:
             chain_round_s = chain_s / chain_rounds
@@ -555,15 +608,8 @@ class PassHarness(CallHarness):
         top = 1 if chain else self.plan.topk
         deeper = min(2, top)
         self.chain_round = top == 1 or self.draft_vocab == 1 or depth == 0
+        self.round_kind = "chain" if self.chain_round else "tree"
         return [min(k, self.draft_vocab) for k in [top] + [deeper] * (depth - 1)]
-
-    def timed(self, seconds: float) -> None:
-        """The wall-clock seconds of the round that just ended (drafting to bookkeeping), counted by its kind for
-        :meth:`topk`; sampled rounds do not count."""
-        if not self.sampled:
-            kind = self.round_seconds[self.chain_round]
-            kind[0] += seconds
-            kind[1] += 1
 
     def _chain_seconds(self, depth: int) -> float:
         """The cost table's seconds of a round that drafts and verifies a chain of ``depth``."""
@@ -643,8 +689,6 @@ class PassHarness(CallHarness):
         self.policy.learn(self.gamma, self.calibration)
         self.policy.learnt_siblings = tuple(self.siblings)
         self.policy.learnt_emitted = tuple(self.emitted)
-        key = self.policy.table_key(self.batch, self.context)
-        self.policy.learnt_round_seconds[key] = tuple(tuple(kind) for kind in self.round_seconds)
         self.policy.learnt_explore_every = self.explore_every
 
 
