@@ -34,9 +34,12 @@ for n nodes (root included, from the cost table row of the batch-size bucket and
   chain length at a given acceptance rate, and a bucket whose best length is 0 decodes without speculation. Once a
   generate call has observed :data:`MIN_TRIALS` drafts and rejections, it also stops drafting for the rest of the
   call when the observed per-position acceptance rate is at or below the cost table's break-even rate, the rate
-  below which no chain length emits more tokens per second than plain decoding (:meth:`HarnessPolicy.speculation_pays`).
-  The next calls at that batch size then decode plainly from the start, except probes that count afresh: the 2nd call
-  after, then intervals that double up to 32 calls while probes find the same (:meth:`HarnessPolicy.start_call`).
+  below which no chain length emits more tokens per second than plain decoding (:meth:`HarnessPolicy.speculation_pays`),
+  or when its drafting rounds emit no more tokens per second than plain rounds, measured: a round decodes plainly now
+  and then to be timed (:meth:`CallHarness.plain_round`), which counts what the table leaves out (bookkeeping,
+  commits). The next calls at that batch size then decode plainly from the start, except probes that count afresh: the
+  2nd call after, then intervals that double up to 32 calls while probes find the same
+  (:meth:`HarnessPolicy.start_call`).
 * **Temperature > 0.** Sampled rounds (drafts drawn) draft chains, P-EAGLE's as EAGLE-3's, whose length is fixed
   after the previous round, before this round's draws, so verification stays lossless: the chain length of the cost
   table at the per-position acceptance rate observed so far (:class:`ChainAcceptance`). Path scores of the drafter's
@@ -270,9 +273,9 @@ class Plan:
 
 @dataclass
 class SpeculationRecord:
-    """What the last generate call that observed :data:`MIN_TRIALS` found for one batch-size bucket, context interval
-    and kind of round: whether speculating paid, and if not, the calls decoded plainly since and how many to decode
-    so before the next probe."""
+    """What the last generate call that decided (:meth:`HarnessPolicy.end_call`) found for one batch-size bucket,
+    context interval and kind of round: whether speculating paid, and if not, the calls decoded plainly since and how
+    many to decode so before the next probe."""
 
     pays: bool = True
     skipped: int = 0
