@@ -46,6 +46,7 @@ def generate(setup, device: str, chain_mode: str, batch: int, temperature: float
         cost_table=COST_TABLE,
         draft_sampling="topk",
         device=device,
+        harness_timing=False,  # decisions that repeat from run to run: the runs are compared round by round
     )
     decoder.depth_chain_mode = chain_mode
     return decoder.generate(PROMPTS[:batch], NEW_TOKENS, temperature=temperature, seed=3)
