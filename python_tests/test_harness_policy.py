@@ -20,7 +20,15 @@ from peagle.decode.harness import (
     harness_budget,
     select_budget,
 )
-from peagle.decode.harness.policy import MIN_TRIALS, ChainAcceptance, recalibrate, sharpen
+from peagle.decode.harness.policy import (
+    MIN_TRIALS,
+    ChainAcceptance,
+    recalibrate,
+    select_widest,
+    sharpen,
+    verified_tree_counts,
+    widest,
+)
 from peagle.ops import calibration_scale, tree_build_parallel
 
 DEPTH, VOCAB, MAX_NODES = 6, 8, 32
@@ -244,6 +252,40 @@ def test_chain_acceptance_counts_a_rejection_where_the_accepted_path_ends_above_
     assert (nothing.accepted, nothing.trials) == (0, 1)
 
 
+def test_verified_tree_counts_follow_the_top1_chain(generator):
+    """Random verified trees and accepted paths (a random walk down each tree): the drafts accepted off the top-1
+    chain equal the path's length past its common prefix with the chain walked from the root (each step to the first
+    child in the layout), and a rejection is a path whose last node has children or a tree with no draft."""
+    for _ in range(30):
+        batch = int(torch.randint(1, 6, (1,), generator=generator))
+        probs = torch.softmax(torch.randn(batch, 4, VOCAB, generator=generator), -1)
+        spec = tree_build_parallel(probs, [3, 2, 2, 1], 24)
+        cut = torch.randint(1, 25, (batch,), generator=generator)
+        keep = torch.minimum(spec.num_nodes, cut)
+        parent = torch.where(torch.arange(24) < keep[:, None], spec.parent, -1)
+        paths, accepted, want = torch.full((batch, 5), -1), [], [0, 0, 0]
+        for b in range(batch):
+            children = {}
+            for i in range(1, int(keep[b])):
+                children.setdefault(int(parent[b, i]), []).append(i)
+            node, path = 0, [0]
+            while node in children and torch.rand(1, generator=generator) < 0.7:
+                node = children[node][int(torch.randint(0, len(children[node]), (1,), generator=generator))]
+                path.append(node)
+            paths[b, : len(path)] = torch.tensor(path)
+            accepted.append(len(path) - 1)
+            chain, node = [0], 0
+            while node in children:
+                node = min(children[node])
+                chain.append(node)
+            common = next((i for i, (x, y) in enumerate(zip(path, chain, strict=False)) if x != y), len(path))
+            want[0] += len(path) - 1
+            want[1] += int(path[-1] in children or int(keep[b]) <= 1)
+            want[2] += len(path) - common
+        got = verified_tree_counts(parent, paths, torch.tensor(accepted), keep)
+        assert list(got) == want
+
+
 def test_chain_width_table_per_batch_bucket():
     """Verify cost per node rising with the batch: long chains at batch 1, shorter at 16, none at 64."""
     per_node = {1: 0.02e-3, 16: 2e-3, 64: 20e-3}
@@ -302,6 +344,25 @@ def test_pass_harness_lays_out_a_chain_as_select_budget_does(generator):
     assert trees[1].tokens.shape[1] == int(trees[1].num_nodes.max())
     assert torch.equal(harness[0].next_depth, harness[1].next_depth)
     assert torch.equal(harness[0].predicted, harness[1].predicted)
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+def test_select_widest_keeps_what_select_budget_keeps(generator, batch):
+    """The CPU's one-op selection of widened budgets (one tree_select of the widest budget over every candidate) lays
+    out the same trees as select_budget (the kept nodes moved first), ties included: probabilities from a few levels
+    make equal path scores common, and unequal candidate counts cap some requests below the widest budget."""
+    levels = torch.tensor([0.05, 0.1, 0.2, 0.4])
+    for _ in range(20):
+        pick = torch.randint(0, 4, (batch, 4, VOCAB), generator=generator)
+        spec = tree_build_parallel(levels[pick], [3, 2, 2, 1], 24)
+        cut = torch.randint(2, 25, (batch,), generator=generator)
+        spec = spec._replace(num_nodes=torch.minimum(spec.num_nodes, cut))
+        budget = torch.minimum(torch.randint(1, 25, (batch,), generator=generator), spec.num_nodes)
+        use = widest(budget, spec.num_nodes)
+        ours, theirs = select_widest(spec, use, 24), select_budget(spec, use, 24)
+        assert torch.equal(ours.num_nodes, use)
+        for field in ("tokens", "parent", "depth", "num_nodes", "scores", "mask", "paths", "num_paths"):
+            assert torch.equal(getattr(ours, field), getattr(theirs, field)), field
 
 
 def test_every_request_verifies_the_widest_budget(generator):

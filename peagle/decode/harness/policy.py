@@ -88,8 +88,10 @@ __all__ = [
     "recalibrate",
     "select_budget",
     "select_candidates",
+    "select_widest",
     "sharpen",
     "tree_width",
+    "verified_tree_counts",
     "widest",
 ]
 
@@ -170,6 +172,17 @@ def select_candidates(
     return tree_select(tokens, parent, scores, count, tree_width(count, tokens.shape[1], max_nodes))
 
 
+def select_widest(spec: TreeSpec, use: Tensor, max_nodes: int) -> TreeSpec:
+    """:func:`select_budget` of budgets :func:`widest` made: request b keeps its best min(W, candidates) nodes, W the
+    widest budget. On the CPU, where :func:`tree_width` reads W on the host, that is what one :func:`tree_select` of
+    width W over all the candidates keeps (about 15 fewer small ops a round); on a GPU, W stays on the device and
+    :func:`kept_first` moves each request's budget to the front first."""
+    if use.device.type != "cpu":
+        return select_budget(spec, use, max_nodes)
+    width = tree_width(use, spec.tokens.shape[1], max_nodes)
+    return tree_select(spec.tokens, spec.parent, spec.scores, spec.num_nodes, width)
+
+
 def widest(budget: Tensor, available: Tensor) -> Tensor:
     """Every request's budget widened to the widest request's (at most its ``available`` nodes): the target verifies
     as many slots for every request as for the widest, padding included, so nodes up to that many cost nothing
@@ -217,6 +230,37 @@ def predicted_acceptance(spec: TreeSpec, calibration: Tensor) -> Tensor:
     return torch.where(drafted, torch.clamp(scale[:, None] * spec.scores, max=1.0), 0.0).sum(1)
 
 
+def verified_tree_counts(
+    parent: Tensor, accepted_path: Tensor, num_accepted: Tensor, num_nodes: Tensor | None = None
+) -> tuple[int, int, int]:
+    """(accepted drafts, rejections, accepted drafts off the top-1 chain) of a round's verified trees, counted on the
+    host after one read of ``parent`` [B, N], ``accepted_path`` [B, L] (node indices from the root, -1 padded) and
+    ``num_accepted`` [B] (the round's read-back is about as many bytes, and Python over a few dozen ints costs less
+    than the ~20 small ops that count them on the device).
+
+    A rejection is a request whose accepted path ends at a node with verified children, or that verified no draft
+    (``num_nodes`` 1). The top-1 chain follows each node's first child (smallest index: siblings are laid out best
+    first); the drafts accepted from the first one off it on are what a chain would not have accepted."""
+    nodes = parent.shape[1]
+    columns = [parent, accepted_path, num_accepted[:, None]]
+    if num_nodes is not None:
+        columns.append(num_nodes[:, None])
+    accepted = rejections = off_chain = 0
+    for row in torch.cat([c.long() for c in columns], 1).tolist():
+        parents, path, m = row[:nodes], row[nodes : nodes + accepted_path.shape[1]], row[nodes + accepted_path.shape[1]]
+        first_child: dict[int, int] = {}
+        for node, up in enumerate(parents):
+            if up >= 0:
+                first_child.setdefault(up, node)
+        accepted += m
+        rejections += path[m] in first_child or (num_nodes is not None and row[-1] <= 1)
+        left = False
+        for node in path[1 : m + 1]:
+            left = left or first_child[parents[node]] != node
+            off_chain += left
+    return accepted, rejections, off_chain
+
+
 class ChainAcceptance:
     """The per-position acceptance rate of verified rounds, accepted drafts over accepted drafts + rejections (prior
     0.7 over 2 trials): what sampled rounds size their chains by, since their depth is fixed before their draws, and
@@ -238,23 +282,22 @@ class ChainAcceptance:
         of ``num_nodes``: a path that ends before the last node), or that verified no draft (``num_nodes`` 1: it
         drafted and gained nothing, as a rejection of its first draft would). Chains with ``host`` (the requests'
         accepted drafts and node counts, already read back) are counted on the host; otherwise one host read."""
-        if host is not None and (parent is None or accepted_path is None):
+        if parent is not None and accepted_path is not None:
+            accepted, rejections, _ = verified_tree_counts(parent, accepted_path, num_accepted, num_nodes)
+        elif host is not None:
             accepted_host, nodes_host = host
             rejections = sum(1 for a, n in zip(accepted_host, nodes_host, strict=True) if a < n - 1 or n <= 1)
-            self.accepted += sum(accepted_host)
-            self.trials += sum(accepted_host) + rejections
-            return float(sum(accepted_host))
-        if parent is None or accepted_path is None:
-            rejected = num_accepted < num_nodes - 1
+            accepted = sum(accepted_host)
         else:
-            last = accepted_path.gather(1, num_accepted[:, None].long())
-            rejected = ((parent == last) & (last >= 0)).any(1)
-        if num_nodes is not None:
-            rejected = rejected | (num_nodes <= 1)
-        accepted, rejections = torch.stack([num_accepted.sum().double(), rejected.sum().double()]).tolist()
+            rejected = (num_accepted < num_nodes - 1) | (num_nodes <= 1)
+            accepted, rejections = torch.stack([num_accepted.sum().double(), rejected.sum().double()]).tolist()
+        self.count(accepted, rejections)
+        return float(accepted)
+
+    def count(self, accepted: float, rejections: float) -> None:
+        """Adds a round's accepted drafts and rejections."""
         self.accepted += accepted
         self.trials += accepted + rejections
-        return accepted
 
     @property
     def rate(self) -> float:
@@ -633,7 +676,7 @@ class PassHarness(CallHarness):
             width = tree_width(use, spec.tokens.shape[1], self.max_nodes)
             tree = tree_select(spec.tokens, spec.parent, spec.scores, use, width)
         else:
-            tree = select_budget(spec, use, self.max_nodes)
+            tree = select_widest(spec, use, self.max_nodes)
             # The target verifies every slot: what this tree costs beyond a chain of the pass depth.
             width, chain = tree.tokens.shape[1], min(depth + 1, len(self.verify_s) - 1)
             self.siblings[1] += max(0.0, self.verify_s[min(width, len(self.verify_s) - 1)] - self.verify_s[chain])
@@ -659,10 +702,14 @@ class PassHarness(CallHarness):
         acceptance rate that decides whether speculating still pays. ``host``: the requests' accepted drafts and
         verified node counts as the engine read them back (chain rounds then count on the host)."""
         tree_known = parent is not None and accepted_path is not None
+        gained = 0
         if host is not None and self.chain_round:
             accepted = self.chain_acceptance.observe(num_accepted, num_nodes, host=host)
-        elif num_nodes is not None or tree_known:
-            accepted = self.chain_acceptance.observe(num_accepted, num_nodes, parent, accepted_path)
+        elif tree_known:
+            accepted, rejections, gained = verified_tree_counts(parent, accepted_path, num_accepted, num_nodes)
+            self.chain_acceptance.count(accepted, rejections)
+        elif num_nodes is not None:
+            accepted = self.chain_acceptance.observe(num_accepted, num_nodes)
         else:
             accepted = float(num_accepted.sum())
         if self.sampled:
@@ -672,14 +719,7 @@ class PassHarness(CallHarness):
             return
         self.emitted[0] += accepted + rows.numel()
         self.emitted[1] += 1
-        if tree_known and not self.chain_round:
-            nodes = parent.shape[1]
-            index = torch.arange(nodes, device=parent.device)
-            earlier = (parent[:, :, None] == parent[:, None, :]) & (index[None, None, :] < index[None, :, None])
-            rank = earlier.sum(-1)  # sibling rank (siblings are laid out best first)
-            path = accepted_path[:, 1:nodes]
-            off = (rank.gather(1, path.clamp(min=0)) > 0) & (path >= 0)
-            gained = float(((off.cumsum(1) > 0) & (path >= 0)).sum())  # a chain would have stopped where it left
+        if tree_known and not self.chain_round:  # a chain would have stopped where the path left it
             self.siblings[0] += gained
             if self.exploring:
                 found = gained > 0
