@@ -33,13 +33,15 @@ for n nodes (root included, from the cost table row of the batch-size bucket and
   length the budget still chooses per request; :meth:`HarnessPolicy.chain_widths` is the per-bucket table of the best
   chain length at a given acceptance rate, and a bucket whose best length is 0 decodes without speculation. Once a
   generate call has observed :data:`MIN_TRIALS` drafts and rejections, it also stops drafting for the rest of the
-  call when the observed per-position acceptance rate is at or below the cost table's break-even rate, the rate
-  below which no chain length emits more tokens per second than plain decoding (:meth:`HarnessPolicy.speculation_pays`),
-  or when its drafting rounds emit no more tokens per second than plain rounds, measured: a round decodes plainly now
+  call when the observed per-position acceptance rate lies below the cost table's break-even rate, the rate below
+  which no chain length emits more tokens per second than plain decoding (:meth:`HarnessPolicy.speculation_pays`),
+  or when its drafting rounds emit fewer tokens per second than plain rounds, measured: a round decodes plainly now
   and then to be timed (:meth:`CallHarness.plain_round`), which counts what the table leaves out (bookkeeping,
-  commits). The next calls at that batch size then decode plainly from the start, except probes that count afresh: the
-  2nd call after, then intervals that double up to 32 calls while probes find the same
-  (:meth:`HarnessPolicy.start_call`).
+  commits). Both by :data:`EVIDENCE_Z` standard errors, since near break-even drafting costs little and stopping a
+  drafter that pays costs its whole speed-up. The next calls at that batch size then decode plainly from the start
+  when the acceptance of the calls so far (the earlier ones weighing less, :data:`CALL_DECAY`) or the measured speeds
+  say so, except probes, which time their rounds afresh: the 2nd call after, then intervals that double up to 32
+  calls while probes find the same (:meth:`HarnessPolicy.start_call`).
 * **Temperature > 0.** Sampled rounds (drafts drawn) draft chains, P-EAGLE's as EAGLE-3's, whose length is fixed
   after the previous round, before this round's draws, so verification stays lossless: the chain length of the cost
   table at the per-position acceptance rate observed so far (:class:`ChainAcceptance`). Path scores of the drafter's
@@ -49,8 +51,9 @@ for n nodes (root included, from the cost table row of the batch-size bucket and
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -71,6 +74,7 @@ from peagle.ops.harness import best_candidates, budget_ratios
 
 __all__ = [
     "CALIBRATION_DECAY",
+    "EVIDENCE_Z",
     "MIN_TRIALS",
     "CallHarness",
     "ChainAcceptance",
@@ -80,6 +84,7 @@ __all__ = [
     "HarnessPolicy",
     "PassHarness",
     "Plan",
+    "RoundTimes",
     "SpeculationRecord",
     "harness_budget",
     "kept_first",
@@ -95,11 +100,22 @@ __all__ = [
     "widest",
 ]
 
-# Rejections and accepted drafts a generate call observes before the harness may stop speculating for the rest of it
-# (the rate is then within about 0.09 at 1 sigma: a drafter that pays is rarely stopped).
+# Rejections and accepted drafts a generate call observes before the harness may stop speculating for the rest of it.
 MIN_TRIALS = 32
+# Stopping needs evidence: the observed acceptance rate, or drafting rounds' measured tokens per second, must lie below
+# break-even (plain decoding's) by EVIDENCE_Z standard errors. Drafting a little below break-even costs little (there
+# drafting and plain decoding are about as fast), but stopping where drafting pays loses its whole speed-up, for the
+# rest of the call and for the next calls. (At the point estimate, one call of a hard prompt, or two plain rounds
+# timed in a fast moment, stopped a drafter that ran 1.5x the target alone: the demo's harness ran at 0.65x of it.)
+EVIDENCE_Z = 2.0
+# A round's seconds are taken to vary by at least this share (this shared machine's noise, which rounds of equal
+# length would hide from the spread of a few of them).
+ROUND_TIME_CV = 0.2
+# Weight of the earlier calls' acceptance counts in the verdict of :meth:`HarnessPolicy.end_call` (halved per call):
+# how often a drafter is accepted varies from prompt to prompt, and one hard prompt must not make the next plain.
+CALL_DECAY = 0.5
 # A call that finds speculation does not pay makes the next calls at its batch size decode plainly; the 2nd call after
-# it probes again (drafts, counting afresh), an interval that doubles (up to 32 calls) while probes find the same.
+# it probes again (drafts, timing afresh), an interval that doubles (up to 32 calls) while probes find the same.
 FIRST_PROBE_EVERY = 2
 MAX_PROBE_EVERY = 32
 # While a call drafts, every 8th round decodes plainly until 2 plain rounds are timed, then every 64th: drafting
@@ -299,9 +315,66 @@ class ChainAcceptance:
         self.accepted += accepted
         self.trials += accepted + rejections
 
+    def decay(self, weight: float) -> None:
+        """Scales the counts: older observations weigh ``weight``."""
+        self.accepted *= weight
+        self.trials *= weight
+
     @property
     def rate(self) -> float:
         return (self.accepted + 1.4) / (self.trials + 2.0)
+
+    @property
+    def upper_rate(self) -> float:
+        """The rate plus EVIDENCE_Z binomial standard errors: what the observations cannot rule out."""
+        rate = self.rate
+        return rate + EVIDENCE_Z * math.sqrt(rate * (1.0 - rate) / (self.trials + 2.0))
+
+
+@dataclass
+class RoundTimes:
+    """The timed rounds of one kind: their count and the sums over them of seconds s, tokens emitted t and of s^2,
+    t^2, s t, for the tokens per second T / S and its standard error."""
+
+    seconds: float = 0.0
+    rounds: int = 0
+    tokens: float = 0.0
+    seconds_sq: float = 0.0
+    tokens_sq: float = 0.0
+    cross: float = 0.0
+
+    def add(self, seconds: float, tokens: float) -> None:
+        self.seconds += seconds
+        self.rounds += 1
+        self.tokens += tokens
+        self.seconds_sq += seconds * seconds
+        self.tokens_sq += tokens * tokens
+        self.cross += seconds * tokens
+
+    def __add__(self, other: RoundTimes) -> RoundTimes:
+        return RoundTimes(
+            self.seconds + other.seconds,
+            self.rounds + other.rounds,
+            self.tokens + other.tokens,
+            self.seconds_sq + other.seconds_sq,
+            self.tokens_sq + other.tokens_sq,
+            self.cross + other.cross,
+        )
+
+    @property
+    def rate(self) -> float:
+        """Tokens per second (0 before a round)."""
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def rate_variance(self) -> float:
+        """Variance of :attr:`rate`, a ratio estimator (delta method): sum over rounds of (t - rate s)^2 over S^2, times
+        n / (n - 1); at least that of rounds whose seconds vary by ROUND_TIME_CV. Infinite below 2 rounds."""
+        if self.rounds < 2 or self.seconds <= 0:
+            return math.inf
+        rate, n = self.rate, self.rounds
+        residual = self.tokens_sq - 2.0 * rate * self.cross + rate * rate * self.seconds_sq
+        spread = max(residual, 0.0) / (self.seconds * self.seconds) * n / (n - 1)
+        return max(spread, (rate * ROUND_TIME_CV) ** 2 / n)
 
 
 @dataclass
@@ -358,13 +431,14 @@ class HarnessPolicy:
         self.learnt_gamma, self.learnt_calibration = 1.0, (0.0, 0.0)
         self.learnt_siblings = (0.0, 0.0)
         self.learnt_emitted = (0.0, 0)
-        # {kind of round: (seconds, rounds, tokens emitted)} of the timed rounds, by (bucket, interval, sampled).
-        self.learnt_timing: dict[tuple[int, int, bool], dict[str, tuple[float, int, int]]] = {}
+        # {kind of round: its timed rounds} by (bucket, interval, sampled).
+        self.learnt_timing: dict[tuple[int, int, bool], dict[str, RoundTimes]] = {}
         self.learnt_explore_every = EXPLORE_EVERY
         self._chain_cost_cache: dict[tuple[int, int, bool], list[float]] = {}
         self._break_even_cache: dict[tuple[int, int, bool], float] = {}  # by (bucket, interval, sampled)
         self._break_even_by_arguments: dict[tuple[int, int, bool], float] = {}
         self._records: dict[tuple[int, int, bool], SpeculationRecord] = {}  # by (bucket, interval, sampled)
+        self._pooled: dict[tuple[int, int, bool], ChainAcceptance] = {}  # the calls' acceptance, by the same keys
 
     def start_state(self, batch: int, device) -> tuple[Tensor, Tensor]:
         """(gamma [B], calibration [B, 2]) for the requests of a new generate call."""
@@ -415,17 +489,18 @@ class HarnessPolicy:
         return self._break_even_cache[key]
 
     def speculation_pays(self, batch: int, context: int, acceptance: ChainAcceptance, sampled: bool = False) -> bool:
-        """False once :data:`MIN_TRIALS` observations put the acceptance rate at or below the break-even rate: no
-        chain beats plain decoding at it. The rate of tree rounds is per level (a rejection: no verified child of the
-        path's end accepted); a tree that accepts a level as often as a chain accepts a position costs more per
-        level, so it does not pay either."""
-        return acceptance.trials < MIN_TRIALS or acceptance.rate > self.break_even_rate(batch, context, sampled)
+        """False once at least :data:`MIN_TRIALS` observations put the acceptance rate below the break-even rate, at
+        which no chain beats plain decoding, by EVIDENCE_Z standard errors (:attr:`ChainAcceptance.upper_rate`). The
+        rate of tree rounds is per level (a rejection: no verified child of the path's end accepted); a tree that
+        accepts a level as often as a chain accepts a position costs more per level, so it does not pay either."""
+        return acceptance.trials < MIN_TRIALS or acceptance.upper_rate > self.break_even_rate(batch, context, sampled)
 
     def start_call(self, batch: int, context: int, sampled: bool = False) -> Literal["draft", "probe", "plain"]:
         """Whether a new generate call drafts at all: ``"draft"``, unless the last call that decided here (batch-size
         bucket, context interval, kind of round) found that speculating did not pay. Then only every
-        ``probe_every``-th call drafts, a ``"probe"`` that counts its acceptance and timing afresh, so a drafter that
-        got better, or prompts it suits, are noticed; each probe that finds the same doubles the interval
+        ``probe_every``-th call drafts, a ``"probe"`` that times its rounds afresh (its acceptance adds to the earlier
+        calls' halved), so a drafter that got better, or prompts it suits, are noticed; each probe that finds the same
+        doubles the interval
         (:meth:`end_call`); the calls between decode ``"plain"``. Without this, every call would pay for its first
         MIN_TRIALS observations again."""
         record = self._records.setdefault(self.table_key(batch, context, sampled), SpeculationRecord())
@@ -446,12 +521,17 @@ class HarnessPolicy:
         measured_loss: bool = False,
     ) -> None:
         """Records what a drafting call found for the next calls' :meth:`start_call`: a ``measured_loss`` (its
-        drafting rounds emitted fewer tokens per second than its plain ones, :meth:`CallHarness.measured_loss`), or
-        what its acceptance rate says once it observed at least :data:`MIN_TRIALS`."""
-        if acceptance.trials < MIN_TRIALS and not measured_loss:
+        drafting rounds emitted fewer tokens per second than plain ones, :meth:`CallHarness.measured_loss`), or what
+        the acceptance rate says once at least :data:`MIN_TRIALS` are observed: this call's counts added to the
+        earlier calls' (weighed CALL_DECAY per call, so that one hard prompt does not outweigh the rest)."""
+        key = self.table_key(batch, context, sampled)
+        pooled = self._pooled.setdefault(key, ChainAcceptance())
+        pooled.decay(CALL_DECAY)
+        pooled.count(acceptance.accepted, acceptance.trials - acceptance.accepted)
+        if pooled.trials < MIN_TRIALS and not measured_loss:
             return
-        record = self._records.setdefault(self.table_key(batch, context, sampled), SpeculationRecord())
-        if not measured_loss and self.speculation_pays(batch, context, acceptance, sampled):
+        record = self._records.setdefault(key, SpeculationRecord())
+        if not measured_loss and self.speculation_pays(batch, context, pooled, sampled):
             record.pays, record.probe_every = True, FIRST_PROBE_EVERY
         else:
             if not record.pays:  # a probe that found the same
@@ -505,8 +585,8 @@ class CallHarness:
         start = policy.start_call(batch, context, sampled) if self.plan.kind != "plain" else "plain"
         self.drafts = start != "plain"
         learnt = {} if start == "probe" else policy.learnt_timing.get(self.key, {})
-        # {kind of round: [seconds, rounds, tokens emitted]} of the timed rounds (:meth:`timed`).
-        self.timing = {kind: list(learnt.get(kind, (0.0, 0, 0))) for kind in ROUND_KINDS}
+        # {kind of round: its timed rounds} (:meth:`timed`).
+        self.timing = {kind: replace(learnt.get(kind, RoundTimes())) for kind in ROUND_KINDS}
         self.round_kind = "chain"  # the kind of the round under way (:meth:`plain_round`; P-EAGLE: tree or chain)
         self.since_plain = 0
 
@@ -522,7 +602,7 @@ class CallHarness:
         weighed against plain decoding as measured on this machine, every cost of a round included (bookkeeping,
         commits), which the cost table leaves out."""
         self.since_plain += 1
-        every = PLAIN_EVERY[0] if self.timing["plain"][1] < MIN_TIMED[0] else PLAIN_EVERY[1]
+        every = PLAIN_EVERY[0] if self.timing["plain"].rounds < MIN_TIMED[0] else PLAIN_EVERY[1]
         plain = self.policy.timed and self.since_plain >= every
         if plain:
             self.since_plain = 0
@@ -532,27 +612,23 @@ class CallHarness:
     def timed(self, seconds: float, tokens: int) -> None:
         """The wall-clock seconds of the round that just ended (drafting, or not, to bookkeeping) and the tokens it
         emitted, counted by its kind (with the policy's ``timed`` only)."""
-        if not self.policy.timed:
-            return
-        entry = self.timing[self.round_kind]
-        entry[0] += seconds
-        entry[1] += 1
-        entry[2] += tokens
+        if self.policy.timed:
+            self.timing[self.round_kind].add(seconds, tokens)
 
     def measured_loss(self) -> bool:
-        """Whether drafting rounds emitted no more tokens per second than plain ones (once MIN_TIMED of each are
-        timed)."""
-        plain, tree, chain = self.timing["plain"], self.timing["tree"], self.timing["chain"]
-        seconds, rounds, tokens = (tree[i] + chain[i] for i in range(3))
-        if plain[1] < MIN_TIMED[0] or rounds < MIN_TIMED[1]:
+        """Whether drafting rounds (trees and chains) emitted fewer tokens per second than plain ones by more than
+        EVIDENCE_Z standard errors of the difference (once MIN_TIMED of each are timed)."""
+        plain, drafting = self.timing["plain"], self.timing["tree"] + self.timing["chain"]
+        if plain.rounds < MIN_TIMED[0] or drafting.rounds < MIN_TIMED[1]:
             return False
-        return tokens * plain[0] <= plain[2] * seconds
+        error = math.sqrt(plain.rate_variance() + drafting.rate_variance())
+        return plain.rate - drafting.rate > EVIDENCE_Z * error
 
     def finish(self) -> None:
         """Hands what this call observed to the policy (the next calls start from it)."""
         policy = self.policy
         policy.end_call(self.batch, self.context, self.chain_acceptance, self.sampled, self.measured_loss())
-        policy.learnt_timing[self.key] = {kind: tuple(entry) for kind, entry in self.timing.items()}
+        policy.learnt_timing[self.key] = self.timing
 
 
 class PassHarness(CallHarness):
@@ -637,17 +713,17 @@ class PassHarness(CallHarness):
         self.since_tree += 1
         gain, cost = self.siblings
         tokens, rounds = self.emitted
-        (tree_s, tree_rounds, _), (chain_s, chain_rounds, _) = self.timing["tree"], self.timing["chain"]
+        tree_times, chain_times = self.timing["tree"], self.timing["chain"]
         chain_round_s = self._chain_seconds(depth)
-        if tree_rounds and chain_rounds:
-            chain_round_s = chain_s / chain_rounds
-            cost = max(0.0, tree_s - tree_rounds * chain_round_s)
+        if tree_times.rounds and chain_times.rounds:
+            chain_round_s = chain_times.seconds / chain_times.rounds
+            cost = max(0.0, tree_times.seconds - tree_times.rounds * chain_round_s)
         chain_rate = (tokens / rounds if rounds else 1.0 + depth) / chain_round_s
         on_chain = (gain + 1.0) < chain_rate * cost
         if on_chain:
             chain = self.since_tree < self.explore_every
         else:  # timed chain rounds are kept at 1 in EXPLORE_EVERY timed rounds, so both kinds' times stay known
-            chain = chain_rounds * EXPLORE_EVERY < tree_rounds
+            chain = chain_times.rounds * EXPLORE_EVERY < tree_times.rounds
         self.exploring = on_chain and not chain
         if not chain:
             self.since_tree = 0
