@@ -500,9 +500,8 @@ class HarnessPolicy:
         bucket, context interval, kind of round) found that speculating did not pay. Then only every
         ``probe_every``-th call drafts, a ``"probe"`` that times its rounds afresh (its acceptance adds to the earlier
         calls' halved), so a drafter that got better, or prompts it suits, are noticed; each probe that finds the same
-        doubles the interval
-        (:meth:`end_call`); the calls between decode ``"plain"``. Without this, every call would pay for its first
-        MIN_TRIALS observations again."""
+        doubles the interval (:meth:`end_call`); the calls between decode ``"plain"``. Without this, every call would
+        pay for its first MIN_TRIALS observations again."""
         record = self._records.setdefault(self.table_key(batch, context, sampled), SpeculationRecord())
         if record.pays:
             return "draft"
