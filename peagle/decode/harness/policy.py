@@ -118,9 +118,10 @@ CALL_DECAY = 0.5
 # it probes again (drafts, timing afresh), an interval that doubles (up to 32 calls) while probes find the same.
 FIRST_PROBE_EVERY = 2
 MAX_PROBE_EVERY = 32
-# While a call drafts, every 8th round decodes plainly until 2 plain rounds are timed, then every 64th: drafting
-# rounds are weighed against plain ones by their measured tokens per second (MIN_TIMED plain and drafting rounds
-# first).
+# While a call drafts, every 8th round decodes plainly until drafting rounds are measured faster than plain ones (by
+# EVIDENCE_Z standard errors), then every 64th: drafting rounds are weighed against plain ones by their measured tokens
+# per second (MIN_TIMED plain and drafting rounds first). Where the two are close a plain round costs little, and the
+# comparison needs many of them to decide.
 PLAIN_EVERY = (8, 64)
 MIN_TIMED = (2, 8)
 ROUND_KINDS = ("tree", "chain", "plain")
@@ -601,7 +602,7 @@ class CallHarness:
         weighed against plain decoding as measured on this machine, every cost of a round included (bookkeeping,
         commits), which the cost table leaves out."""
         self.since_plain += 1
-        every = PLAIN_EVERY[0] if self.timing["plain"].rounds < MIN_TIMED[0] else PLAIN_EVERY[1]
+        every = PLAIN_EVERY[1] if self.speed_gap() > 0 else PLAIN_EVERY[0]
         plain = self.policy.timed and self.since_plain >= every
         if plain:
             self.since_plain = 0
@@ -614,14 +615,20 @@ class CallHarness:
         if self.policy.timed:
             self.timing[self.round_kind].add(seconds, tokens)
 
-    def measured_loss(self) -> bool:
-        """Whether drafting rounds (trees and chains) emitted fewer tokens per second than plain ones by more than
-        EVIDENCE_Z standard errors of the difference (once MIN_TIMED of each are timed)."""
+    def speed_gap(self) -> float:
+        """Drafting rounds' (trees' and chains') measured tokens per second minus plain rounds', beyond EVIDENCE_Z
+        standard errors of the difference: > 0 where drafting is faster, < 0 where plain decoding is, 0 while the
+        difference is within the noise or fewer than MIN_TIMED of each are timed."""
         plain, drafting = self.timing["plain"], self.timing["tree"] + self.timing["chain"]
         if plain.rounds < MIN_TIMED[0] or drafting.rounds < MIN_TIMED[1]:
-            return False
-        error = math.sqrt(plain.rate_variance() + drafting.rate_variance())
-        return plain.rate - drafting.rate > EVIDENCE_Z * error
+            return 0.0
+        gap = drafting.rate - plain.rate
+        margin = EVIDENCE_Z * math.sqrt(plain.rate_variance() + drafting.rate_variance())
+        return math.copysign(max(abs(gap) - margin, 0.0), gap)
+
+    def measured_loss(self) -> bool:
+        """Whether drafting rounds emitted fewer tokens per second than plain ones, by EVIDENCE_Z standard errors."""
+        return self.speed_gap() < 0
 
     def finish(self) -> None:
         """Hands what this call observed to the policy (the next calls start from it)."""
