@@ -694,8 +694,30 @@ def test_exploring_backs_off_while_it_finds_nothing_off_the_chain():
     assert gaps == [8, 16, 32, 64, 64, 64, 8]
     assert harness.siblings[0] == 2.0  # the round that left the chain: nodes 2 and 4
     harness.finish()
-    assert harness.policy.learnt_explore_every == 16  # the next call starts from it
-    assert harness.policy.learnt_siblings == (2.0, 1000.0)
+    later = PassHarness(harness.policy, 1, DEPTH, 0, VOCAB, "cpu")
+    assert later.explore_every == 16 and later.siblings == [2.0, 1000.0]  # the next call starts from it
+
+
+def test_what_tree_decisions_learnt_carries_over_within_a_batch_size_bucket_only():
+    """A round's tokens and the verify seconds of its trees grow with the batch: a call at batch 4 must not start
+    from the emitted tokens and tree costs of batch-1 calls (a chain round's rate 4x too low makes trees look cheap)."""
+    two_buckets = CostTable(
+        batch_sizes=[1, 4],
+        contexts=[0],
+        verify_nodes=FLAT.verify_nodes,
+        verify_s=FLAT.verify_s * 2,
+        draft_widths=FLAT.draft_widths,
+        draft_s=FLAT.draft_s * 2,
+        pass_s=FLAT.pass_s * 2,
+    )
+    policy = HarnessPolicy(two_buckets, MAX_NODES)
+    harness = PassHarness(policy, 1, DEPTH, 0, VOCAB, "cpu")
+    harness.siblings, harness.emitted, harness.explore_every = [2.0, 1000.0], [30.0, 10], 16
+    harness.finish()
+    same = PassHarness(policy, 1, DEPTH, 0, VOCAB, "cpu")
+    assert (same.siblings, same.emitted, same.explore_every) == ([2.0, 1000.0], [30.0, 10], 16)
+    other = PassHarness(policy, 4, DEPTH, 0, VOCAB, "cpu")
+    assert (other.siblings, other.emitted, other.explore_every) == ([0.0, 0.0], [0.0, 0], 8)
 
 
 def test_cost_table_round_trip_and_errors(tmp_path):

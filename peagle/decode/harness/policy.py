@@ -86,6 +86,7 @@ __all__ = [
     "Plan",
     "RoundTimes",
     "SpeculationRecord",
+    "TreeLearning",
     "harness_budget",
     "kept_first",
     "pass_budget",
@@ -389,6 +390,17 @@ class Plan:
 
 
 @dataclass
+class TreeLearning:
+    """What a P-EAGLE call's tree decisions learnt (:meth:`PassHarness.topk`), for the next call of its batch-size
+    bucket, context interval and kind of round: accepted drafts off the top-1 chain and the verify seconds of trees
+    beyond chains, tokens emitted and batched rounds, and the interval between exploring rounds."""
+
+    siblings: tuple[float, float] = (0.0, 0.0)
+    emitted: tuple[float, int] = (0.0, 0)
+    explore_every: int = EXPLORE_EVERY
+
+
+@dataclass
 class SpeculationRecord:
     """What the last generate call that decided (:meth:`HarnessPolicy.end_call`) found for one batch-size bucket,
     context interval and kind of round: whether speculating paid, and if not, the calls decoded plainly since and how
@@ -430,11 +442,10 @@ class HarnessPolicy:
         # What earlier generate calls learnt about the drafter (mean exponent and calibration sums): a new call's
         # requests start from it instead of from scratch.
         self.learnt_gamma, self.learnt_calibration = 1.0, (0.0, 0.0)
-        self.learnt_siblings = (0.0, 0.0)
-        self.learnt_emitted = (0.0, 0)
-        # {kind of round: its timed rounds} by (bucket, interval, sampled).
+        # What the tree decisions of earlier calls learnt, and {kind of round: its timed rounds}, by (bucket, interval,
+        # sampled): a round's tokens, seconds and the verify time its trees cost grow with the batch.
+        self.learnt_trees: dict[tuple[int, int, bool], TreeLearning] = {}
         self.learnt_timing: dict[tuple[int, int, bool], dict[str, RoundTimes]] = {}
-        self.learnt_explore_every = EXPLORE_EVERY
         self._chain_cost_cache: dict[tuple[int, int, bool], list[float]] = {}
         self._break_even_cache: dict[tuple[int, int, bool], float] = {}  # by (bucket, interval, sampled)
         self._break_even_by_arguments: dict[tuple[int, int, bool], float] = {}
@@ -666,14 +677,15 @@ class PassHarness(CallHarness):
         self.gamma, self.calibration = policy.start_state(batch, device)
         self.next_depth = torch.full((batch,), max_depth, dtype=torch.long, device=device)
         self.predicted = torch.zeros(batch, dtype=torch.float64, device=device)
+        learnt = policy.learnt_trees.get(self.key, TreeLearning())
         # What tree rounds gained over chains: accepted drafts from where a path left the top-1 chain on, and the
         # verify seconds their trees cost beyond a chain of the pass depth (:meth:`topk`).
-        self.siblings = list(policy.learnt_siblings)
+        self.siblings = list(learnt.siblings)
         # Tokens emitted and batched rounds (greedy), from earlier calls on: the first rounds of a generation alone
         # would understate a chain round's tokens per second.
-        self.emitted = list(policy.learnt_emitted)
+        self.emitted = list(learnt.emitted)
         self.pass_s, self.verify_s = self.pass_time.tolist(), self.verify_cost.tolist()  # host copies
-        self.explore_every, self.since_tree = policy.learnt_explore_every, 0
+        self.explore_every, self.since_tree = learnt.explore_every, 0
         self.chain_round = False  # this round's candidates form a chain (set by topk)
         self.exploring = False  # ... or a tree drafted only to look for accepted drafts off the chain
 
@@ -812,9 +824,7 @@ class PassHarness(CallHarness):
         """Hands what this call learnt to the policy (the next call starts from it)."""
         super().finish()
         self.policy.learn(self.gamma, self.calibration)
-        self.policy.learnt_siblings = tuple(self.siblings)
-        self.policy.learnt_emitted = tuple(self.emitted)
-        self.policy.learnt_explore_every = self.explore_every
+        self.policy.learnt_trees[self.key] = TreeLearning(tuple(self.siblings), tuple(self.emitted), self.explore_every)
 
 
 class DepthStepper:
