@@ -184,11 +184,11 @@ def test_calls_after_one_where_speculation_lost_decode_plainly_then_probe(dense,
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("method", ["peagle", "eagle3"])
 def test_timed_harness_decodes_plain_rounds_between_drafting_rounds_losslessly(dense, method, batch, monkeypatch):
-    """With harness_timing, every 8th round decodes without drafting until two are timed, then every 64th: the
-    drafter's next pass reads that round's token and state after the ones still pending. Drafting goes on after them
-    (the measured comparison is held off here: on the tiny target it is the wall clock's call) and the output stays
-    the target's greedy output."""
-    monkeypatch.setattr(CallHarness, "measured_loss", lambda self: False)
+    """With harness_timing, runs of 4 rounds decode without drafting after every 32 drafting rounds while the
+    measured comparison of drafting and plain rounds is undecided: the drafter's next pass reads those rounds' tokens
+    and states after the ones still pending. Drafting goes on after them (the comparison is held undecided here: on
+    the tiny target it is the wall clock's call) and the output stays the target's greedy output."""
+    monkeypatch.setattr(CallHarness, "speed_gap", lambda self: 0.0)
     prompts = PROMPTS[:batch] if batch == 4 else PROMPTS[1:2]
     options = dict(OPTIONS[(method, "harness")], harness_timing=True)
     drafter = dense.peagle if method == "peagle" else dense.eagle3
@@ -196,7 +196,7 @@ def test_timed_harness_decodes_plain_rounds_between_drafting_rounds_losslessly(d
     assert out.tokens == [dense.reference(p) for p in prompts]
     m = out.metrics
     plain = m.rounds - m.drafted_rounds
-    assert plain == 2 + (m.rounds - 16) // 64 and m.acceptance_length > 1.5
+    assert plain == sum(1 for r in range(m.rounds) if r % 36 >= 32) and m.acceptance_length > 1.5
 
 
 def test_num_threads_applies_during_generate_only(dense, monkeypatch):

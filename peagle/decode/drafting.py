@@ -239,9 +239,8 @@ class _CachedDrafter:
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_requests, capacity, block_size, self.dtype, self.device
         )
         self.pending_tokens = torch.zeros(num_requests, pending_width, dtype=torch.long, device=self.device)
-        self.pending_feats = torch.zeros(
-            num_requests, pending_width, cfg.hidden_size, dtype=self.dtype, device=self.device
-        )
+        aux_width = len(cfg.aux_layer_ids) * cfg.hidden_size
+        self.pending_aux = torch.zeros(num_requests, pending_width, aux_width, dtype=self.dtype, device=self.device)
         self.host_pending = [0] * num_requests
         with torch.no_grad():
             self.mask_feat = self.drafter.projected_mask_hidden()
@@ -259,15 +258,14 @@ class _CachedDrafter:
         if end > self.pending_tokens.shape[1]:
             grow = end - self.pending_tokens.shape[1]
             self.pending_tokens = torch.nn.functional.pad(self.pending_tokens, (0, grow))
-            self.pending_feats = torch.nn.functional.pad(self.pending_feats, (0, 0, 0, grow))
-        feats = self.drafter.project(aux.to(self.dtype))
+            self.pending_aux = torch.nn.functional.pad(self.pending_aux, (0, 0, 0, grow))
         if append:
             slots = torch.tensor(offsets, device=self.device)[:, None] + torch.arange(width, device=self.device)
             self.pending_tokens[rows[:, None], slots] = tokens.long()
-            self.pending_feats[rows[:, None], slots] = feats
+            self.pending_aux[rows[:, None], slots] = aux.to(self.dtype)
         else:
             self.pending_tokens[rows, :width] = tokens.long()
-            self.pending_feats[rows, :width] = feats
+            self.pending_aux[rows, :width] = aux.to(self.dtype)
         for r, offset, c in zip(host_rows, offsets, counts, strict=True):
             self.host_pending[r] = offset + c
 
@@ -297,7 +295,11 @@ class _CachedDrafter:
         Returns the logits [b, logit_rows, draft_vocab] and hidden states [b, logit_rows, H] of the last pending
         element and the ``logit_rows - 1`` elements after it."""
         host_counts = [self.host_pending[r] for r in host_rows]
-        tokens, feats = self.pending_tokens[rows], self.pending_feats[rows]
+        pending = max(host_counts)
+        # fc on the pending target states here, not in set_pending: a round that decoded without drafting (the
+        # harness's timed plain rounds) then costs what plain decoding costs, and the next pass pays for it.
+        tokens = self.pending_tokens[rows, :pending]
+        feats = self.drafter.project(self.pending_aux[rows, :pending])
         host_done = [max(0, c - PREFILL_CHUNK) for c in host_counts]
         if max(host_done) > 0:  # long prompts: commit all but the last PREFILL_CHUNK elements first, a chunk per pass
             done = torch.tensor(host_done, device=self.device)

@@ -119,11 +119,14 @@ CALL_DECAY = 0.5
 # it probes again (drafts, timing afresh), an interval that doubles (up to 32 calls) while probes find the same.
 FIRST_PROBE_EVERY = 2
 MAX_PROBE_EVERY = 32
-# While a call drafts, every 8th round decodes plainly until drafting rounds are measured faster than plain ones (by
-# EVIDENCE_Z standard errors), then every 64th: drafting rounds are weighed against plain ones by their measured tokens
-# per second (MIN_TIMED plain and drafting rounds first). Where the two are close a plain round costs little, and the
-# comparison needs many of them to decide.
-PLAIN_EVERY = (8, 64)
+# While a call drafts, a run of PLAIN_RUN rounds decodes plainly after every 32 drafting rounds until drafting rounds
+# are measured faster than plain ones (by EVIDENCE_Z standard errors), then after every 256: drafting rounds are weighed
+# against plain ones by their measured tokens per second (MIN_TIMED plain and drafting rounds first). Where the two are
+# close a plain round costs little, and the comparison needs many of them to decide. The first round of a run is not
+# timed: right after a drafter pass the target's weights are out of the CPU's caches (a batch-1 target forward there
+# took 1.3x one of a row of them), which plain decoding never pays.
+PLAIN_EVERY = (32, 256)
+PLAIN_RUN = 4
 MIN_TIMED = (2, 8)
 ROUND_KINDS = ("tree", "chain", "plain")
 EXPLORE_EVERY = 8  # ... except every 8th round, an interval that doubles (up to 64) while exploring finds nothing
@@ -402,9 +405,9 @@ class TreeLearning:
 
 @dataclass
 class SpeculationRecord:
-    """What the last generate call that decided (:meth:`HarnessPolicy.end_call`) found for one batch-size bucket,
-    context interval and kind of round: whether speculating paid, and if not, the calls decoded plainly since and how
-    many to decode so before the next probe."""
+    """The verdict of the last generate call that decided (:meth:`HarnessPolicy.end_call`: its measured speeds, or the
+    acceptance of the calls so far) for one batch-size bucket, context interval and kind of round: whether speculating
+    paid, and if not, the calls decoded plainly since and how many to decode so before the next probe."""
 
     pays: bool = True
     skipped: int = 0
@@ -529,20 +532,29 @@ class HarnessPolicy:
         context: int,
         acceptance: ChainAcceptance,
         sampled: bool = False,
-        measured_loss: bool = False,
+        speed_gap: float = 0.0,
     ) -> None:
-        """Records what a drafting call found for the next calls' :meth:`start_call`: a ``measured_loss`` (its
-        drafting rounds emitted fewer tokens per second than plain ones, :meth:`CallHarness.measured_loss`), or what
-        the acceptance rate says once at least :data:`MIN_TRIALS` are observed: this call's counts added to the
-        earlier calls' (weighed CALL_DECAY per call, so that one hard prompt does not outweigh the rest)."""
+        """Records what a drafting call found for the next calls' :meth:`start_call`. ``speed_gap``: its
+        :meth:`CallHarness.speed_gap` (drafting measured faster than plain decoding > 0, slower < 0, 0 undecided or
+        not timed), which decides where it is not 0. Undecided where rounds are timed, a verdict that speculating does
+        not pay stands: a probe must show that drafting pays, not merely fail to show that it loses (the cost table's
+        break-even rate, which leaves out a round's bookkeeping, would clear it). Otherwise the acceptance rate
+        decides once at least :data:`MIN_TRIALS` are observed: this call's counts added to the earlier calls'
+        (weighed CALL_DECAY per call, so that one hard prompt does not outweigh the rest)."""
         key = self.table_key(batch, context, sampled)
         pooled = self._pooled.setdefault(key, ChainAcceptance())
         pooled.decay(CALL_DECAY)
         pooled.count(acceptance.accepted, acceptance.trials - acceptance.accepted)
-        if pooled.trials < MIN_TRIALS and not measured_loss:
-            return
         record = self._records.setdefault(key, SpeculationRecord())
-        if not measured_loss and self.speculation_pays(batch, context, pooled, sampled):
+        if speed_gap:
+            pays = speed_gap > 0
+        elif self.timed and not record.pays:
+            pays = False
+        elif pooled.trials >= MIN_TRIALS:
+            pays = self.speculation_pays(batch, context, pooled, sampled)
+        else:
+            return
+        if pays:
             record.pays, record.probe_every = True, FIRST_PROBE_EVERY
         else:
             if not record.pays:  # a probe that found the same
@@ -599,31 +611,39 @@ class CallHarness:
         # {kind of round: its timed rounds} (:meth:`timed`).
         self.timing = {kind: replace(learnt.get(kind, RoundTimes())) for kind in ROUND_KINDS}
         self.round_kind = "chain"  # the kind of the round under way (:meth:`plain_round`; P-EAGLE: tree or chain)
-        self.since_plain = 0
+        self.since_plain = self.plain_left = 0  # drafting rounds since the last run of plain ones; that run's rest
 
     @property
     def speculate(self) -> bool:
-        """Whether rounds draft: the cost table's plan and earlier calls, then the acceptance this call observed so
-        far and the measured speed of drafting against plain rounds."""
-        pays = self.policy.speculation_pays(self.batch, self.context, self.chain_acceptance, self.sampled)
-        return self.drafts and pays and not self.measured_loss()
+        """Whether rounds draft: the cost table's plan and earlier calls, then the measured speed of drafting against
+        plain rounds where it has decided (:meth:`speed_gap`), else the acceptance this call observed so far."""
+        gap = self.speed_gap()
+        if not self.drafts or gap < 0:
+            return False
+        return gap > 0 or self.policy.speculation_pays(self.batch, self.context, self.chain_acceptance, self.sampled)
 
     def plain_round(self) -> bool:
-        """Whether the round about to start decodes without drafting (every PLAIN_EVERY-th round), so that drafting is
-        weighed against plain decoding as measured on this machine, every cost of a round included (bookkeeping,
-        commits), which the cost table leaves out."""
-        self.since_plain += 1
+        """Whether the round about to start decodes without drafting (runs of PLAIN_RUN rounds, after every
+        PLAIN_EVERY drafting rounds), so that drafting is weighed against plain decoding as measured on this machine,
+        every cost of a round included (bookkeeping, commits), which the cost table leaves out. The first round of a
+        run is of kind ``"warm-up"``, not timed."""
+        if self.plain_left:  # the rest of a run
+            self.plain_left -= 1
+            self.round_kind = "plain"
+            return True
         every = PLAIN_EVERY[1] if self.speed_gap() > 0 else PLAIN_EVERY[0]
         plain = self.policy.timed and self.since_plain >= every
         if plain:
-            self.since_plain = 0
-        self.round_kind = "plain" if plain else "chain"
+            self.since_plain, self.plain_left = 0, PLAIN_RUN - 1
+        else:
+            self.since_plain += 1
+        self.round_kind = "warm-up" if plain else "chain"
         return plain
 
     def timed(self, seconds: float, tokens: int) -> None:
         """The wall-clock seconds of the round that just ended (drafting, or not, to bookkeeping) and the tokens it
         emitted, counted by its kind (with the policy's ``timed`` only)."""
-        if self.policy.timed:
+        if self.policy.timed and self.round_kind in self.timing:
             self.timing[self.round_kind].add(seconds, tokens)
 
     def speed_gap(self) -> float:
@@ -637,14 +657,10 @@ class CallHarness:
         margin = EVIDENCE_Z * math.sqrt(plain.rate_variance() + drafting.rate_variance())
         return math.copysign(max(abs(gap) - margin, 0.0), gap)
 
-    def measured_loss(self) -> bool:
-        """Whether drafting rounds emitted fewer tokens per second than plain ones, by EVIDENCE_Z standard errors."""
-        return self.speed_gap() < 0
-
     def finish(self) -> None:
         """Hands what this call observed to the policy (the next calls start from it)."""
         policy = self.policy
-        policy.end_call(self.batch, self.context, self.chain_acceptance, self.sampled, self.measured_loss())
+        policy.end_call(self.batch, self.context, self.chain_acceptance, self.sampled, self.speed_gap())
         policy.learnt_timing[self.key] = self.timing
 
 
