@@ -221,7 +221,7 @@ def test_a_rate_just_below_break_even_stops_speculation_only_after_many_observat
 def test_one_hard_call_among_good_ones_does_not_make_the_next_calls_plain():
     """The verdict for the next calls reads the calls' acceptance pooled, the earlier ones halved per call: one
     prompt the drafter suits badly does not outweigh the ones before, three in a row do."""
-    policy = HarnessPolicy(COSTLY_DRAFTS, MAX_NODES)
+    policy = HarnessPolicy(COSTLY_DRAFTS, MAX_NODES, timed=False)  # the acceptance rate decides
     for _ in range(2):
         observed_call(policy, 3, trials=4 * MIN_TRIALS)  # 3 of 4 drafts accepted per position
     starts = []
@@ -270,7 +270,7 @@ def test_timed_verdicts_follow_the_measured_speeds_and_an_undecided_probe_keeps_
     assert call(-1.0) == "draft"  # measured slower: the next calls decode plainly ...
     assert [call(0.0) for _ in range(6)] == ["plain", "probe", "plain", "plain", "plain", "probe"]  # ... undecided
     assert [call(1.0) for _ in range(9)] == ["plain"] * 7 + ["probe", "draft"]  # a probe measured faster clears it
-    assert policy.start_call(1, 0) == "draft"
+    assert policy.start_call(1, 0) == "control"  # ... and control calls start over
 
 
 def test_chain_acceptance_counts_a_rejection_where_the_accepted_path_ends_above_verified_children():
@@ -591,35 +591,26 @@ def equal_rounds(rounds: int, seconds: float, tokens: float) -> RoundTimes:
     return times
 
 
-def plain_run_rounds(first: int, every: int, rounds: int) -> list[int]:
-    """1-based rounds of runs of 4 plain rounds, the first starting at round ``first``, then after ``every``
-    drafting rounds each."""
-    out, start = [], first
-    while start <= rounds:
-        out += [r for r in range(start, start + 4) if r <= rounds]
-        start += 4 + every
-    return out
-
-
-def test_plain_rounds_come_in_runs_after_every_32_drafting_rounds_until_drafting_is_measured_faster():
-    """Runs of 4 plain rounds, their first untimed (the target's weights are out of the caches right after drafting
-    rounds). Where drafting rounds emit 3 tokens a millisecond and plain ones 1, the first run decides it and the next
-    run comes after 256 drafting rounds; where drafting is within the noise of plain decoding, a run comes after every
-    32 (a plain round then costs little, and deciding needs many)."""
-    for tokens, expected in ((3, plain_run_rounds(33, 256, 400)), (1.05, plain_run_rounds(33, 32, 400))):
-        harness = PassHarness(HarnessPolicy(FLAT, MAX_NODES), 1, DEPTH, 0, VOCAB, "cpu")
-        plain, kinds = [], []
-        for _ in range(400):
-            plain.append(harness.plain_round())
-            kinds.append(harness.round_kind)
-            harness.timed(1e-3, 1 if plain[-1] else tokens)
-        assert [r + 1 for r, p in enumerate(plain) if p] == expected
-        assert [kinds[r - 1] for r in expected[:4]] == ["warm-up", "plain", "plain", "plain"]
-        assert set(kinds) - {"warm-up", "plain"} == {"chain"}
-        runs = len(expected) // 4 + (len(expected) % 4 > 0)
-        assert harness.timing["plain"].rounds == len(expected) - runs  # the warm-up rounds are not timed
-    untimed = PassHarness(HarnessPolicy(FLAT, MAX_NODES, timed=False), 1, DEPTH, 0, VOCAB, "cpu")
-    assert not any(untimed.plain_round() for _ in range(100))
+def test_control_calls_time_plain_decoding_at_doubling_intervals_while_speculating_pays():
+    """Timed, the 2nd call is a control (plain decoding, timed), then every 4th, 8th, .. 32nd while controls find
+    drafting no slower; a control that measures drafting slower makes the next calls plain (then probes), and a probe
+    measured faster starts the controls over. Without timing, every call drafts."""
+    policy = HarnessPolicy(FLAT, MAX_NODES)
+    starts = []
+    for _ in range(100):
+        starts.append(policy.start_call(1, 0))
+        if starts[-1] == "control":
+            policy.end_control(1, 0, False, speed_gap=1.0)  # drafting measured faster
+    assert [i for i, start in enumerate(starts) if start != "draft"] == [1, 5, 13, 29, 61, 93]
+    assert set(starts) == {"draft", "control"}
+    while policy.start_call(1, 0) != "control":
+        pass
+    policy.end_control(1, 0, False, speed_gap=-1.0)  # drafting measured slower: plain, the 2nd call probes
+    assert [policy.start_call(1, 0) for _ in range(2)] == ["plain", "probe"]
+    policy.end_call(1, 0, ChainAcceptance(), speed_gap=1.0)  # the probe drafted faster
+    assert [policy.start_call(1, 0) for _ in range(3)] == ["draft", "control", "draft"]  # controls start over
+    untimed = HarnessPolicy(FLAT, MAX_NODES, timed=False)
+    assert {untimed.start_call(1, 0) for _ in range(40)} == {"draft"}
 
 
 @pytest.mark.parametrize("kind", [PassHarness, DepthHarness])
@@ -648,7 +639,8 @@ def test_drafting_stops_where_its_rounds_emit_clearly_fewer_tokens_per_second_th
     harness.finish()
     assert not kind(policy, 1, DEPTH, 0, VOCAB, "cpu").speculate  # the next call: no drafting at all
     probe = kind(policy, 1, DEPTH, 0, VOCAB, "cpu")  # the call after it probes
-    assert probe.speculate and probe.timing["plain"] == RoundTimes()  # timing afresh
+    assert probe.speculate and probe.timing["chain"] == probe.timing["tree"] == RoundTimes()  # drafting timed afresh
+    assert probe.timing["plain"] == harness.timing["plain"]  # against the plain rounds timed so far
 
 
 def noisy_rounds(generator, rounds: int, seconds: float, tokens: list[int]) -> RoundTimes:

@@ -242,44 +242,23 @@ class _CachedDrafter:
         self.pending_feats = torch.zeros(
             num_requests, pending_width, cfg.hidden_size, dtype=self.dtype, device=self.device
         )
-        # Appended elements' target states, projected by the next pass: (rows, slots, aux).
-        self.appended: list[tuple[Tensor, Tensor, Tensor]] = []
         self.host_pending = [0] * num_requests
         with torch.no_grad():
             self.mask_feat = self.drafter.projected_mask_hidden()
 
     @torch.no_grad()
-    def set_pending(
-        self, rows: Tensor, host_rows: list[int], tokens: Tensor, aux: Tensor, counts: list[int], append: bool = False
-    ) -> None:
+    def set_pending(self, rows: Tensor, host_rows: list[int], tokens: Tensor, aux: Tensor, counts: list[int]) -> None:
         """The next pass's new elements of ``rows``: tokens [b, m] (target ids) paired with target aux states
-        [b, m, num_aux * H]; the first ``counts[b]`` of them are real. ``append``: after the elements still pending
-        (a round that decoded without drafting ran no pass), instead of them."""
-        offsets = [self.host_pending[r] for r in host_rows] if append else [0] * len(host_rows)
+        [b, m, num_aux * H]; the first ``counts[b]`` of them are real."""
         width = tokens.shape[1]
-        end = max(offsets, default=0) + width
-        if end > self.pending_tokens.shape[1]:
-            grow = end - self.pending_tokens.shape[1]
+        if width > self.pending_tokens.shape[1]:
+            grow = width - self.pending_tokens.shape[1]
             self.pending_tokens = torch.nn.functional.pad(self.pending_tokens, (0, grow))
             self.pending_feats = torch.nn.functional.pad(self.pending_feats, (0, 0, 0, grow))
-        if append:
-            # fc runs in the next pass: a round that decoded without drafting (the harness's timed plain rounds)
-            # then costs what plain decoding costs, and the drafting round after it pays for keeping the drafter up.
-            slots = torch.tensor(offsets, device=self.device)[:, None] + torch.arange(width, device=self.device)
-            self.pending_tokens[rows[:, None], slots] = tokens.long()
-            self.appended.append((rows[:, None], slots, aux))
-        else:
-            self._project_appended()  # other rows' appended elements stay pending
-            self.pending_tokens[rows, :width] = tokens.long()
-            self.pending_feats[rows, :width] = self.drafter.project(aux.to(self.dtype))
-        for r, offset, c in zip(host_rows, offsets, counts, strict=True):
-            self.host_pending[r] = offset + c
-
-    def _project_appended(self) -> None:
-        """fc over the target states of the elements appended since the last pass, into ``pending_feats``."""
-        for rows, slots, aux in self.appended:
-            self.pending_feats[rows, slots] = self.drafter.project(aux.to(self.dtype))
-        self.appended.clear()
+        self.pending_tokens[rows, :width] = tokens.long()
+        self.pending_feats[rows, :width] = self.drafter.project(aux.to(self.dtype))
+        for r, c in zip(host_rows, counts, strict=True):
+            self.host_pending[r] = c
 
     def _context(
         self, rows: Tensor, host_rows: list[int] | None, length: int | None = None
@@ -307,7 +286,6 @@ class _CachedDrafter:
         Returns the logits [b, logit_rows, draft_vocab] and hidden states [b, logit_rows, H] of the last pending
         element and the ``logit_rows - 1`` elements after it."""
         host_counts = [self.host_pending[r] for r in host_rows]
-        self._project_appended()
         tokens, feats = self.pending_tokens[rows], self.pending_feats[rows]
         host_done = [max(0, c - PREFILL_CHUNK) for c in host_counts]
         if max(host_done) > 0:  # long prompts: commit all but the last PREFILL_CHUNK elements first, a chunk per pass

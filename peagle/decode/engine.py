@@ -95,8 +95,9 @@ class GenerateMetrics:
     # How EAGLE-3 harness rounds ran their depth steps (DepthStepper mode: "device" = CUDA graphs chained on the
     # device, "host" = the host loop; a fallback to the host loop on a GPU says why in parentheses); "" if none ran.
     depth_chain: str = ""
-    # Batched rounds that drafted: all of them, except under mode "harness" once the observed acceptance said that
-    # speculation loses (plain decoding from there on) or when the cost table said so from the start (0).
+    # Batched rounds that drafted: all of them, except under mode "harness" once the observed acceptance or speed said
+    # that speculation loses (plain decoding from there on), or none when the cost table or earlier calls said so, or
+    # in a control call (plain decoding timed to weigh drafting against).
     drafted_rounds: int = 0
 
 
@@ -139,9 +140,10 @@ class SpeculativeDecoder:
         cost_table: mode "harness" only: a :class:`~peagle.decode.harness.CostTable` or the JSON file ``peagle
             profile`` wrote for this target and drafter. ``num_nodes`` then caps the verified nodes (default 32).
         harness_timing: mode "harness" only: also weigh drafting against plain decoding, and trees against chains, by
-            the rounds' measured wall time (a round decodes plainly now and then to time it), which counts what the
-            cost table leaves out (bookkeeping, commits); False: the table and the observed acceptance alone decide,
-            so the decisions, and a sampled request's tokens for a seed, repeat from run to run.
+            the rounds' measured wall time (a generate call decodes plainly now and then, a control call, to time it),
+            which counts what the cost table leaves out (bookkeeping, commits); False: the table and the observed
+            acceptance alone decide, so the decisions, and a sampled request's tokens for a seed, repeat from run to
+            run.
         num_threads: torch's intra-op CPU threads while ``generate`` runs (restored afterwards); None leaves torch's
             setting. A small target on the CPU is bound by per-op overhead, where 1 thread is usually fastest.
     """
@@ -404,7 +406,9 @@ class _Generation:
             if isinstance(self.harness, DepthHarness):
                 self.harness.chain_mode = decoder.depth_chain_mode
             if not self.harness.speculate:  # the cost table, or earlier calls: speculation loses at this batch size
-                self.drafting, self.harness = None, None
+                self.drafting = None  # ... or a control call, which decodes plainly to time it (the harness stays)
+                if not self.harness.control:
+                    self.harness = None
 
     def run(self) -> GenerateOutput:
         start = time.perf_counter()
@@ -477,9 +481,7 @@ class _Generation:
         rows = torch.tensor(active, device=self.device)
         clock = self.clock
         t0 = clock.mark()
-        # A harness times a plain round now and then (the drafter's pass then reads its elements next round).
-        plain = drafting is not None and self.harness is not None and self.harness.plain_round()
-        if drafting is None or plain:
+        if drafting is None:
             tree = root_tree(roots[rows])
         else:
             offset = step * STREAMS + DRAFT_STREAM
@@ -497,7 +499,7 @@ class _Generation:
         )
         host_accepted = accepted[:, 0].tolist()
         check_errors()
-        if self.harness is not None and not plain:
+        if self.harness is not None and drafting is not None:
             host = (host_accepted, nodes[:, 0].tolist())
             self.harness.observe(rows, result.num_accepted, tree.num_nodes, tree.parent, result.accepted_path, host)
         runner.commit(rows, active, result.accepted_path, result.num_accepted, result.last_node, host_accepted)
@@ -509,17 +511,17 @@ class _Generation:
             new_aux = aux.gather(1, path[..., None].expand(-1, -1, aux.shape[2]))
             counts = [m + 1 for m in host_accepted]
             tokens = result.emitted_tokens[:, :width].clamp(min=0)
-            drafting.set_pending(rows, active, tokens, new_aux, counts, append=plain)
+            drafting.set_pending(rows, active, tokens, new_aux, counts)
         host_emitted = emitted.tolist()
         for i, r in enumerate(active):
             m = host_accepted[i]
             self.accepted[r].append(m)
             self._emit(r, host_emitted[i][: m + 1])
         self.batched_rounds += 1
-        self.drafted_rounds += drafting is not None and not plain
+        self.drafted_rounds += drafting is not None
         if self.harness is not None:  # the host has waited for the round's tokens: its wall time is complete
             self.harness.timed(time.perf_counter() - begin, sum(host_accepted) + len(active))
-            if not self.harness.speculate:  # what it observed and timed so far: speculation loses at this batch size
+            if drafting is not None and not self.harness.speculate:  # what it observed and timed: drafting loses
                 self._end_harness()
                 self.drafting = None  # plain decoding for the rest of the call
         clock.add("draft", t0, t1)

@@ -35,13 +35,15 @@ for n nodes (root included, from the cost table row of the batch-size bucket and
   generate call has observed :data:`MIN_TRIALS` drafts and rejections, it also stops drafting for the rest of the
   call when the observed per-position acceptance rate lies below the cost table's break-even rate, the rate below
   which no chain length emits more tokens per second than plain decoding (:meth:`HarnessPolicy.speculation_pays`),
-  or when its drafting rounds emit fewer tokens per second than plain rounds, measured: a round decodes plainly now
-  and then to be timed (:meth:`CallHarness.plain_round`), which counts what the table leaves out (bookkeeping,
-  commits). Both by :data:`EVIDENCE_Z` standard errors, since near break-even drafting costs little and stopping a
-  drafter that pays costs its whole speed-up. The next calls at that batch size then decode plainly from the start
-  when the acceptance of the calls so far (the earlier ones weighing less, :data:`CALL_DECAY`) or the measured speeds
-  say so, except probes, which time their rounds afresh: the 2nd call after, then intervals that double up to 32
-  calls while probes find the same (:meth:`HarnessPolicy.start_call`).
+  or when its drafting rounds emit fewer tokens per second than plain rounds, measured: a generate call decodes
+  plainly now and then, a control call, to time plain decoding (the 2nd call, then intervals that double up to 32
+  calls), which counts what the table leaves out (bookkeeping, commits). Both by :data:`EVIDENCE_Z` standard errors,
+  since near break-even drafting costs little and stopping a drafter that pays costs its whole speed-up. The next
+  calls at that batch size then decode plainly from the start when the measured speeds say so, or, where they have
+  not decided, the acceptance of the calls so far (the earlier ones weighing less, :data:`CALL_DECAY`), except
+  probes, which draft and time their drafting rounds afresh: the 2nd call after, then intervals that double up to 32
+  calls while probes find the same; only a probe measured faster clears the verdict
+  (:meth:`HarnessPolicy.start_call`).
 * **Temperature > 0.** Sampled rounds (drafts drawn) draft chains, P-EAGLE's as EAGLE-3's, whose length is fixed
   after the previous round, before this round's draws, so verification stays lossless: the chain length of the cost
   table at the per-position acceptance rate observed so far (:class:`ChainAcceptance`). Path scores of the drafter's
@@ -116,17 +118,14 @@ ROUND_TIME_CV = 0.2
 # how often a drafter is accepted varies from prompt to prompt, and one hard prompt must not make the next plain.
 CALL_DECAY = 0.5
 # A call that finds speculation does not pay makes the next calls at its batch size decode plainly; the 2nd call after
-# it probes again (drafts, timing afresh), an interval that doubles (up to 32 calls) while probes find the same.
+# it probes again (drafts, timing its drafting rounds afresh), an interval that doubles (up to 32 calls) while probes
+# find the same. While speculation pays, a control call decodes plainly at the same intervals (the 2nd call, then
+# every 4th, .. 32nd) to time plain decoding: drafting rounds are weighed against its rounds by their measured tokens
+# per second (MIN_TIMED plain and drafting rounds first). Plain rounds between drafting rounds do not measure it: they
+# ran 1.2x-1.4x as long as a plain call's rounds at batch 8 on this machine (the drafter's work evicts the target's
+# from the CPU's caches), and drafting looked faster than plain decoding where the target alone was 1.2x faster.
 FIRST_PROBE_EVERY = 2
 MAX_PROBE_EVERY = 32
-# While a call drafts, a run of PLAIN_RUN rounds decodes plainly after every 32 drafting rounds until drafting rounds
-# are measured faster than plain ones (by EVIDENCE_Z standard errors), then after every 256: drafting rounds are weighed
-# against plain ones by their measured tokens per second (MIN_TIMED plain and drafting rounds first). Where the two are
-# close a plain round costs little, and the comparison needs many of them to decide. The first round of a run is not
-# timed: right after a drafter pass the target's weights are out of the CPU's caches (a batch-1 target forward there
-# took 1.3x one of a row of them), which plain decoding never pays.
-PLAIN_EVERY = (32, 256)
-PLAIN_RUN = 4
 MIN_TIMED = (2, 8)
 ROUND_KINDS = ("tree", "chain", "plain")
 EXPLORE_EVERY = 8  # ... except every 8th round, an interval that doubles (up to 64) while exploring finds nothing
@@ -410,8 +409,9 @@ class SpeculationRecord:
     paid, and if not, the calls decoded plainly since and how many to decode so before the next probe."""
 
     pays: bool = True
-    skipped: int = 0
+    skipped: int = 0  # calls since the last probe (speculation does not pay) or control call (it pays)
     probe_every: int = FIRST_PROBE_EVERY
+    control_every: int = FIRST_PROBE_EVERY
 
 
 class HarnessPolicy:
@@ -510,21 +510,25 @@ class HarnessPolicy:
         accepts a level as often as a chain accepts a position costs more per level, so it does not pay either."""
         return acceptance.trials < MIN_TRIALS or acceptance.upper_rate > self.break_even_rate(batch, context, sampled)
 
-    def start_call(self, batch: int, context: int, sampled: bool = False) -> Literal["draft", "probe", "plain"]:
+    def start_call(
+        self, batch: int, context: int, sampled: bool = False
+    ) -> Literal["draft", "probe", "plain", "control"]:
         """Whether a new generate call drafts at all: ``"draft"``, unless the last call that decided here (batch-size
         bucket, context interval, kind of round) found that speculating did not pay. Then only every
-        ``probe_every``-th call drafts, a ``"probe"`` that times its rounds afresh (its acceptance adds to the earlier
-        calls' halved), so a drafter that got better, or prompts it suits, are noticed; each probe that finds the same
-        doubles the interval (:meth:`end_call`); the calls between decode ``"plain"``. Without this, every call would
-        pay for its first MIN_TRIALS observations again."""
+        ``probe_every``-th call drafts, a ``"probe"`` that times its drafting rounds afresh (its acceptance adds to
+        the earlier calls' halved), so a drafter that got better, or prompts it suits, are noticed; each probe that
+        finds the same doubles the interval (:meth:`end_call`); the calls between decode ``"plain"``. Without this,
+        every call would pay for its first MIN_TRIALS observations again. While speculating pays and rounds are timed,
+        every ``control_every``-th call is a ``"control"`` that decodes plainly and times its rounds, the measure of
+        plain decoding that drafting rounds are weighed against (:meth:`end_control`)."""
         record = self._records.setdefault(self.table_key(batch, context, sampled), SpeculationRecord())
-        if record.pays:
+        if record.pays and not self.timed:
             return "draft"
         record.skipped += 1
-        if record.skipped < record.probe_every:
-            return "plain"
+        if record.skipped < (record.control_every if record.pays else record.probe_every):
+            return "draft" if record.pays else "plain"
         record.skipped = 0
-        return "probe"
+        return "control" if record.pays else "probe"
 
     def end_call(
         self,
@@ -555,11 +559,23 @@ class HarnessPolicy:
         else:
             return
         if pays:
+            if not record.pays:  # a probe that found speculating pays again: control calls start over
+                record.control_every, record.skipped = FIRST_PROBE_EVERY, 0
             record.pays, record.probe_every = True, FIRST_PROBE_EVERY
         else:
             if not record.pays:  # a probe that found the same
                 record.probe_every = min(2 * record.probe_every, MAX_PROBE_EVERY)
             record.pays, record.skipped = False, 0
+
+    def end_control(self, batch: int, context: int, sampled: bool, speed_gap: float) -> None:
+        """Records what a control call found (``speed_gap``: drafting's measured tokens per second beyond the plain
+        rounds timed so far, this call's included): the next calls decode plainly where drafting is measured slower;
+        otherwise the interval to the next control call doubles (up to MAX_PROBE_EVERY)."""
+        record = self._records.setdefault(self.table_key(batch, context, sampled), SpeculationRecord())
+        if speed_gap < 0:
+            record.pays, record.skipped, record.probe_every = False, 0, FIRST_PROBE_EVERY
+        else:
+            record.control_every = min(2 * record.control_every, MAX_PROBE_EVERY)
 
     def table_key(self, batch: int, context: int, sampled: bool = False) -> tuple[int, int, bool]:
         """(batch-size bucket, context interval, sampled): what the cached and recorded figures are kept by."""
@@ -606,12 +622,15 @@ class CallHarness:
         self.chain_acceptance = ChainAcceptance()  # sampled chains' length; whether speculating pays
         self.key = policy.table_key(batch, context, sampled)
         start = policy.start_call(batch, context, sampled) if self.plan.kind != "plain" else "plain"
-        self.drafts = start != "plain"
-        learnt = {} if start == "probe" else policy.learnt_timing.get(self.key, {})
-        # {kind of round: its timed rounds} (:meth:`timed`).
-        self.timing = {kind: replace(learnt.get(kind, RoundTimes())) for kind in ROUND_KINDS}
-        self.round_kind = "chain"  # the kind of the round under way (:meth:`plain_round`; P-EAGLE: tree or chain)
-        self.since_plain = self.plain_left = 0  # drafting rounds since the last run of plain ones; that run's rest
+        self.drafts, self.control = start in ("draft", "probe"), start == "control"
+        learnt = policy.learnt_timing.get(self.key, {})
+        # {kind of round: its timed rounds} (:meth:`timed`); a probe times its drafting rounds afresh.
+        self.timing = {
+            kind: RoundTimes() if start == "probe" and kind != "plain" else replace(learnt.get(kind, RoundTimes()))
+            for kind in ROUND_KINDS
+        }
+        # The kind of the round under way: a control call's are plain; P-EAGLE's drafting rounds set tree or chain.
+        self.round_kind = "plain" if self.control else "chain"
 
     @property
     def speculate(self) -> bool:
@@ -622,28 +641,10 @@ class CallHarness:
             return False
         return gap > 0 or self.policy.speculation_pays(self.batch, self.context, self.chain_acceptance, self.sampled)
 
-    def plain_round(self) -> bool:
-        """Whether the round about to start decodes without drafting (runs of PLAIN_RUN rounds, after every
-        PLAIN_EVERY drafting rounds), so that drafting is weighed against plain decoding as measured on this machine,
-        every cost of a round included (bookkeeping, commits), which the cost table leaves out. The first round of a
-        run is of kind ``"warm-up"``, not timed."""
-        if self.plain_left:  # the rest of a run
-            self.plain_left -= 1
-            self.round_kind = "plain"
-            return True
-        every = PLAIN_EVERY[1] if self.speed_gap() > 0 else PLAIN_EVERY[0]
-        plain = self.policy.timed and self.since_plain >= every
-        if plain:
-            self.since_plain, self.plain_left = 0, PLAIN_RUN - 1
-        else:
-            self.since_plain += 1
-        self.round_kind = "warm-up" if plain else "chain"
-        return plain
-
     def timed(self, seconds: float, tokens: int) -> None:
         """The wall-clock seconds of the round that just ended (drafting, or not, to bookkeeping) and the tokens it
         emitted, counted by its kind (with the policy's ``timed`` only)."""
-        if self.policy.timed and self.round_kind in self.timing:
+        if self.policy.timed:
             self.timing[self.round_kind].add(seconds, tokens)
 
     def speed_gap(self) -> float:
@@ -660,7 +661,10 @@ class CallHarness:
     def finish(self) -> None:
         """Hands what this call observed to the policy (the next calls start from it)."""
         policy = self.policy
-        policy.end_call(self.batch, self.context, self.chain_acceptance, self.sampled, self.speed_gap())
+        if self.control:
+            policy.end_control(self.batch, self.context, self.sampled, self.speed_gap())
+        else:
+            policy.end_call(self.batch, self.context, self.chain_acceptance, self.sampled, self.speed_gap())
         policy.learnt_timing[self.key] = self.timing
 
 
