@@ -405,8 +405,9 @@ class TreeLearning:
 @dataclass
 class SpeculationRecord:
     """The verdict of the last generate call that decided (:meth:`HarnessPolicy.end_call`: its measured speeds, or the
-    acceptance of the calls so far) for one batch-size bucket, context interval and kind of round: whether speculating
-    paid, and if not, the calls decoded plainly since and how many to decode so before the next probe."""
+    acceptance of the calls so far; or a control call, :meth:`HarnessPolicy.end_control`) for one batch-size bucket,
+    context interval and kind of round: whether speculating paid, the calls since the last probe or control call, and
+    how many calls apart the next one comes."""
 
     pays: bool = True
     skipped: int = 0  # calls since the last probe (speculation does not pay) or control call (it pays)
