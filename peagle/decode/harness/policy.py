@@ -415,6 +415,18 @@ class SpeculationRecord:
     control_every: int = FIRST_PROBE_EVERY
 
 
+def _record_verdict(record: SpeculationRecord, pays: bool) -> None:
+    """A call's verdict on whether speculating pays, with the probe / control intervals it implies."""
+    if pays:
+        if not record.pays:  # a probe that found speculating pays again: control calls start over
+            record.control_every, record.skipped = FIRST_PROBE_EVERY, 0
+        record.pays, record.probe_every = True, FIRST_PROBE_EVERY
+    else:
+        if not record.pays:  # a probe that found the same
+            record.probe_every = min(2 * record.probe_every, MAX_PROBE_EVERY)
+        record.pays, record.skipped = False, 0
+
+
 class HarnessPolicy:
     """The round plan from the cost table: tree or chain by batch size, and the per-bucket chain widths.
 
@@ -559,14 +571,7 @@ class HarnessPolicy:
             pays = self.speculation_pays(batch, context, pooled, sampled)
         else:
             return
-        if pays:
-            if not record.pays:  # a probe that found speculating pays again: control calls start over
-                record.control_every, record.skipped = FIRST_PROBE_EVERY, 0
-            record.pays, record.probe_every = True, FIRST_PROBE_EVERY
-        else:
-            if not record.pays:  # a probe that found the same
-                record.probe_every = min(2 * record.probe_every, MAX_PROBE_EVERY)
-            record.pays, record.skipped = False, 0
+        _record_verdict(record, pays)
 
     def end_control(self, batch: int, context: int, sampled: bool, speed_gap: float) -> None:
         """Records what a control call found (``speed_gap``: drafting's measured tokens per second beyond the plain
@@ -574,7 +579,7 @@ class HarnessPolicy:
         otherwise the interval to the next control call doubles (up to MAX_PROBE_EVERY)."""
         record = self._records.setdefault(self.table_key(batch, context, sampled), SpeculationRecord())
         if speed_gap < 0:
-            record.pays, record.skipped, record.probe_every = False, 0, FIRST_PROBE_EVERY
+            _record_verdict(record, False)
         else:
             record.control_every = min(2 * record.control_every, MAX_PROBE_EVERY)
 
