@@ -21,7 +21,9 @@ from peagle.decode.harness import (
     select_budget,
 )
 from peagle.decode.harness.policy import (
+    CALL_CV,
     MIN_TRIALS,
+    CallSpread,
     ChainAcceptance,
     RoundTimes,
     recalibrate,
@@ -654,10 +656,24 @@ def noisy_rounds(generator, rounds: int, seconds: float, tokens: list[int]) -> R
     return times
 
 
-def test_a_near_tie_of_few_noisy_rounds_does_not_stop_drafting_and_many_rounds_find_a_real_loss(generator):
+def drifting_calls(
+    generator, calls: int, rounds: int, seconds: float, tokens: list[int], drift: float = CALL_CV
+) -> tuple[RoundTimes, CallSpread]:
+    """``calls`` calls of ``noisy_rounds``, each call's seconds scaled by its own factor around 1 (this machine's
+    speed, which drifts between calls by ``drift``): the pooled rounds and the spread of the calls' rates."""
+    pooled, spread = RoundTimes(), CallSpread()
+    factors = 1.0 + drift * torch.randn(calls, generator=generator, dtype=torch.float64).clamp(-3, 3)
+    for factor in factors.tolist():
+        call = noisy_rounds(generator, rounds, seconds * factor, tokens)
+        pooled, _ = pooled + call, spread.add(call.rate)
+    return pooled, spread
+
+
+def test_a_near_tie_of_few_noisy_rounds_does_not_stop_drafting_and_many_calls_find_a_real_loss(generator):
     """The demo's case: two plain rounds in a fast moment against 15 drafting rounds as fast within 2% (the old
     rule, drafting tokens per second <= plain, stopped a drafter that ran 1.5x the target alone). A real loss of 10%
-    shows once enough rounds are timed (the power of the test)."""
+    shows once enough calls are timed (the power of the test); the rounds of one call each do not show it, since the
+    machine's speed drifts between calls."""
     policy = HarnessPolicy(FLAT, MAX_NODES)
     harness = PassHarness(policy, 1, DEPTH, 0, VOCAB, "cpu")
     harness.timing["plain"] = equal_rounds(2, 2.25e-3, 1)  # 444 tokens a second
@@ -668,7 +684,49 @@ def test_a_near_tie_of_few_noisy_rounds_does_not_stop_drafting_and_many_rounds_f
     harness.timing["chain"] = noisy_rounds(generator, 2000, 4.35e-3, [1, 2, 3])  # 460 a second
     assert not harness.speed_gap() < 0
     harness.timing["chain"] = noisy_rounds(generator, 2000, 5e-3, [1, 2, 3])  # 400 a second: 10% slower
+    assert not harness.speed_gap() < 0  # ... in one call each: within the drift between calls
+    harness.timing["plain"], harness.spread["plain"] = drifting_calls(generator, 64, 20, 2.25e-3, [1])
+    harness.timing["chain"], harness.spread["drafting"] = drifting_calls(generator, 128, 20, 5e-3, [1, 2, 3])
     assert harness.speed_gap() < 0 and not harness.speculate
+
+
+def test_one_control_call_in_a_fast_moment_does_not_stop_a_drafter_that_pays(generator):
+    """What stopped the harness on a day this machine's speed drifted by +-20% between calls: one control call ran
+    plain decoding 25% faster than it ran in the calls around it, and its 180 rounds made that look certain against
+    drafting rounds 10% faster than plain decoding on average (so 12% slower than that control call). Counting the
+    drift between calls, it stays undecided until more calls are timed, and then finds drafting faster."""
+    policy = HarnessPolicy(FLAT, MAX_NODES)
+    harness = PassHarness(policy, 1, DEPTH, 0, VOCAB, "cpu")
+    harness.timing["plain"], harness.spread["plain"] = drifting_calls(generator, 1, 180, 2.5e-3 / 1.25, [1], 0.0)
+    drafting_s = 2.5 / (1.1 * 400)  # 2.5 tokens a round at 1.1x plain decoding's 400 tokens a second
+    harness.timing["chain"], harness.spread["drafting"] = drifting_calls(generator, 3, 100, drafting_s, [2, 3], 0.0)
+    assert harness.timing["chain"].rate < harness.timing["plain"].rate
+    assert harness.speed_gap() == 0.0 and harness.speculate
+    # The power of the test: the rounds alone (one call's drift unknown) decide that drafting loses.
+    rounds_only = harness.timing["plain"].rate_variance() + harness.timing["chain"].rate_variance()
+    gap = harness.timing["chain"].rate - harness.timing["plain"].rate
+    assert gap + 2.0 * rounds_only**0.5 < 0
+    # 64 control calls around plain's real speed and 128 drafting calls: drafting is measured faster.
+    harness.timing["plain"], harness.spread["plain"] = drifting_calls(generator, 64, 20, 2.5e-3, [1])
+    harness.timing["chain"], harness.spread["drafting"] = drifting_calls(generator, 128, 20, drafting_s, [2, 3])
+    assert harness.speed_gap() > 0
+
+
+def test_call_spread_variance_of_a_rate_pooled_over_drifting_calls(generator):
+    """The variance speed_gap takes for a pooled rate, the larger of its rounds' and of CallSpread's between-call
+    one (its mean over repeats), against the spread of the pooled
+    rate over many independent repeats of calls whose speed drifts by 15%; before any call shows its spread, the
+    prior CALL_CV."""
+    repeats = [drifting_calls(generator, 12, 10, 4e-3, [2], drift=0.15) for _ in range(600)]
+    rates = torch.tensor([pooled.rate for pooled, _ in repeats], dtype=torch.float64)
+    estimated = sum(
+        max(pooled.rate_variance(), spread.mean_variance(pooled.rate, open_call=False)) for pooled, spread in repeats
+    )
+    assert estimated / len(repeats) == pytest.approx(float(rates.var()), rel=0.35)
+    assert CallSpread().mean_variance(500.0, open_call=True) == pytest.approx((CALL_CV * 500.0) ** 2)
+    one = CallSpread()
+    one.add(500.0)  # one finished call and the open one: the prior's spread over two calls
+    assert one.mean_variance(500.0, open_call=True) == pytest.approx((CALL_CV * 500.0) ** 2 / 2)
 
 
 def test_round_times_rate_and_its_standard_error(generator):

@@ -38,7 +38,9 @@ for n nodes (root included, from the cost table row of the batch-size bucket and
   or when its drafting rounds emit fewer tokens per second than plain rounds, measured: a generate call decodes
   plainly now and then, a control call, to time plain decoding (the 2nd call, then intervals that double up to 32
   calls), which counts what the table leaves out (bookkeeping, commits). Both by :data:`EVIDENCE_Z` standard errors,
-  since near break-even drafting costs little and stopping a drafter that pays costs its whole speed-up. The next
+  since near break-even drafting costs little and stopping a drafter that pays costs its whole speed-up; a measured
+  rate's error is at least that of the drift of the machine's speed between the calls that timed it
+  (:class:`CallSpread`), since plain and drafting rounds come from different calls. The next
   calls at that batch size then decode plainly from the start when the measured speeds say so, or, where they have
   not decided, the acceptance of the calls so far (the earlier ones weighing less, :data:`CALL_DECAY`), except
   probes, which draft and time their drafting rounds afresh: the 2nd call after, then intervals that double up to 32
@@ -79,6 +81,7 @@ __all__ = [
     "EVIDENCE_Z",
     "MIN_TRIALS",
     "CallHarness",
+    "CallSpread",
     "ChainAcceptance",
     "DepthHarness",
     "DepthRound",
@@ -114,6 +117,13 @@ EVIDENCE_Z = 2.0
 # A round's seconds are taken to vary by at least this share (this shared machine's noise, which rounds of equal
 # length would hide from the spread of a few of them).
 ROUND_TIME_CV = 0.2
+# Rounds of one call are not independent samples: this machine's speed drifts between calls (the same plain call of
+# the same prompt ran at 227 to 391 tokens/s over one benchmark), and a prompt sets how often drafts are accepted. A
+# kind of call's tokens per second therefore also varies from call to call, by CALL_CV before calls show their spread,
+# a prior worth CALL_PRIOR calls (:class:`CallSpread`). (Without it, one control call timed in a fast moment put plain
+# decoding 20% above what it ran at in the calls around it, and the harness stopped a drafter that ran 1.15x.)
+CALL_CV = 0.1
+CALL_PRIOR = 2.0
 # Weight of the earlier calls' acceptance counts in the verdict of :meth:`HarnessPolicy.end_call` (halved per call):
 # how often a drafter is accepted varies from prompt to prompt, and one hard prompt must not make the next plain.
 CALL_DECAY = 0.5
@@ -382,6 +392,30 @@ class RoundTimes:
 
 
 @dataclass
+class CallSpread:
+    """The tokens per second of finished calls of one kind (drafting or plain): their count, sum and sum of squares,
+    for the variance that the drift between calls adds to a rate pooled over calls."""
+
+    calls: int = 0
+    total: float = 0.0
+    squares: float = 0.0
+
+    def add(self, rate: float) -> None:
+        self.calls += 1
+        self.total += rate
+        self.squares += rate * rate
+
+    def mean_variance(self, rate: float, open_call: bool) -> float:
+        """The between-call variance of ``rate``, pooled over these calls and ``open_call`` (the call under way, when
+        it timed rounds of this kind): the calls' spread, shrunk towards CALL_CV of ``rate`` with the weight of
+        CALL_PRIOR calls, over the number of calls (at least one: timed rounds came from some call)."""
+        calls = max(self.calls + int(open_call), 1)
+        spread = self.squares - self.total * self.total / self.calls if self.calls else 0.0
+        between = (CALL_PRIOR * (CALL_CV * rate) ** 2 + max(spread, 0.0)) / (CALL_PRIOR + max(self.calls - 1, 0))
+        return between / calls
+
+
+@dataclass
 class Plan:
     """How one round drafts: a dynamic tree or a chain (top-k children per depth), or plain decoding."""
 
@@ -462,6 +496,8 @@ class HarnessPolicy:
         # sampled): a round's tokens, seconds and the verify time its trees cost grow with the batch.
         self.learnt_trees: dict[tuple[int, int, bool], TreeLearning] = {}
         self.learnt_timing: dict[tuple[int, int, bool], dict[str, RoundTimes]] = {}
+        # {"plain" or "drafting": the spread of its calls' tokens per second}, by the same keys.
+        self.learnt_spread: dict[tuple[int, int, bool], dict[str, CallSpread]] = {}
         self._chain_cost_cache: dict[tuple[int, int, bool], list[float]] = {}
         self._break_even_cache: dict[tuple[int, int, bool], float] = {}  # by (bucket, interval, sampled)
         self._break_even_by_arguments: dict[tuple[int, int, bool], float] = {}
@@ -635,6 +671,13 @@ class CallHarness:
             kind: RoundTimes() if start == "probe" and kind != "plain" else replace(learnt.get(kind, RoundTimes()))
             for kind in ROUND_KINDS
         }
+        # {"plain" or "drafting": the spread of earlier calls' tokens per second}; this call's own timed rounds.
+        spread = policy.learnt_spread.get(self.key, {})
+        self.spread = {
+            kind: CallSpread() if start == "probe" and kind == "drafting" else replace(spread.get(kind, CallSpread()))
+            for kind in ("plain", "drafting")
+        }
+        self.call_timing = {"plain": RoundTimes(), "drafting": RoundTimes()}
         # The kind of the round under way: a control call's are plain; P-EAGLE's drafting rounds set tree or chain.
         self.round_kind = "plain" if self.control else "chain"
 
@@ -652,16 +695,23 @@ class CallHarness:
         emitted, counted by its kind (with the policy's ``timed`` only)."""
         if self.policy.timed:
             self.timing[self.round_kind].add(seconds, tokens)
+            self.call_timing["plain" if self.round_kind == "plain" else "drafting"].add(seconds, tokens)
 
     def speed_gap(self) -> float:
         """Drafting rounds' (trees' and chains') measured tokens per second minus plain rounds', beyond EVIDENCE_Z
         standard errors of the difference: > 0 where drafting is faster, < 0 where plain decoding is, 0 while the
-        difference is within the noise or fewer than MIN_TIMED of each are timed."""
+        difference is within the noise or fewer than MIN_TIMED of each are timed. Each rate's variance is the larger
+        of its rounds' and its calls' (:class:`CallSpread`: the drift between the calls that timed them; the calls'
+        rates already vary by their rounds' noise, and with one call the rounds' spread is all there is)."""
         plain, drafting = self.timing["plain"], self.timing["tree"] + self.timing["chain"]
         if plain.rounds < MIN_TIMED[0] or drafting.rounds < MIN_TIMED[1]:
             return 0.0
+        variance = 0.0
+        for kind, times in (("plain", plain), ("drafting", drafting)):
+            open_call = self.call_timing[kind].rounds > 0
+            variance += max(times.rate_variance(), self.spread[kind].mean_variance(times.rate, open_call))
         gap = drafting.rate - plain.rate
-        margin = EVIDENCE_Z * math.sqrt(plain.rate_variance() + drafting.rate_variance())
+        margin = EVIDENCE_Z * math.sqrt(variance)
         return math.copysign(max(abs(gap) - margin, 0.0), gap)
 
     def finish(self) -> None:
@@ -672,6 +722,10 @@ class CallHarness:
         else:
             policy.end_call(self.batch, self.context, self.chain_acceptance, self.sampled, self.speed_gap())
         policy.learnt_timing[self.key] = self.timing
+        for kind, times in self.call_timing.items():
+            if times.rounds:
+                self.spread[kind].add(times.rate)
+        policy.learnt_spread[self.key] = self.spread
 
 
 class PassHarness(CallHarness):
