@@ -8,7 +8,7 @@ Goal (issue 14): >= 1.1x the best fixed configuration at batch 1, never below 0.
 
     PYTHONPATH=. python benchmarks/harness_speed.py --target DIR --drafter DIR [--prompts 8 --new-tokens 96]
         [--batch-sizes 1,4,16] [--budgets 8,16,32] [--costs costs.json] [--prompts-file heldout.jsonl] [--passes 3]
-        [--temperature 1.0] [--costs-out harness-costs.json]
+        [--temperature 1.0] [--costs-out harness-costs.json] [--trace]
 
 With no --target / --drafter: the demo-sized random models of ``engine_speed.py`` (acceptance near zero).
 """
@@ -50,6 +50,7 @@ class Call(NamedTuple):
     accepted: list[list[int]]  # the requests' accepted drafts per round
     batched_rounds: int
     phases: tuple[float, float, float]  # seconds drafting, verifying and the rest
+    harness_call: str = ""  # how mode "harness" started the call (draft, probe, plain, control)
 
 
 def one_call(
@@ -62,7 +63,7 @@ def one_call(
     accepted = [r.accepted for r in out.requests]
     m = out.metrics
     phases = (m.draft_s, m.verify_s, m.other_s)
-    return Call(seconds, cpu, m.new_tokens, emitted, m.request_rounds, accepted, m.rounds, phases)
+    return Call(seconds, cpu, m.new_tokens, emitted, m.request_rounds, accepted, m.rounds, phases, m.harness_call)
 
 
 def run(
@@ -154,6 +155,24 @@ def every_call_ratio(calls: dict[tuple[str, int, int], Call], kind: str) -> tupl
     return speed["harness"] / speed[best], best
 
 
+def call_trace(calls: dict[tuple[str, int, int], Call], fixed: str) -> list[str]:
+    """One line per harness call in the order they ran: its pass and first prompt, how it started (draft, probe,
+    plain, control), its acceptance length and tokens/s, and the ``fixed`` configuration's tokens/s on the same
+    prompts in the same pass (their ratio: where the harness gained or lost, call by call)."""
+    lines = []
+    for (name, start, turn), ours in calls.items():
+        if name != "harness":
+            continue
+        theirs = calls[fixed, start, turn]
+        speed, their_speed = ours.tokens / ours.seconds, theirs.tokens / theirs.seconds
+        acceptance = ours.emitted / max(ours.rounds, 1)
+        lines.append(
+            f"pass {turn} prompt {start:>3} {ours.harness_call:<8} AL {acceptance:4.2f} {speed:8.1f} tokens/s, "
+            f"{fixed} {their_speed:8.1f} ({speed / their_speed:.2f}x)"
+        )
+    return lines
+
+
 def oracle_bound(table: CostTable, traces: list[list[list[int]]], depth: int, context: int) -> float:
     """How much faster than a fixed chain of ``depth`` any choice of pass depth and budget could be on the same
     rounds, in the cost table's seconds: an oracle that knows each round's accepted drafts m drafts and verifies
@@ -194,6 +213,9 @@ def main() -> None:
     )
     parser.add_argument("--budgets", default="8,16,32")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy rounds; above 0: sampled ones")
+    parser.add_argument(
+        "--trace", action="store_true", help="also print every harness call against the best fixed chain's"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.target:
@@ -250,6 +272,9 @@ def main() -> None:
                 print(f"{batch:>5} harness / best {kind} picked on the other passes: {ratio:.2f}x ({', '.join(picks)})")
             ratio, name = every_call_ratio(calls, kind)
             print(f"{batch:>5} harness / best {kind}, every call of every pass counted: {ratio:.2f}x ({name})")
+        if args.trace:
+            for line in call_trace(calls, best_of(results, "chain")):
+                print(f"{batch:>5} {line}")
         bound = oracle_bound(table, results[f"chain {depth}"].accepted, depth, context)
         print(f"{batch:>5} oracle depth choice / chain {depth} (cost-table seconds, same rounds): {bound:.3f}x")
 

@@ -61,7 +61,7 @@ def test_every_call_ratio_counts_the_slow_passes_that_the_fastest_pass_hides():
 def test_the_script_runs_on_the_random_models(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent.parent), str(Path(__file__).parent)]))
     args = ["--prompts", "2", "--new-tokens", "6", "--batch-sizes", "1", "--passes", "2", "--budgets", "8"]
-    args += ["--costs-out", str(tmp_path / "costs.json")]
+    args += ["--costs-out", str(tmp_path / "costs.json"), "--trace"]
     out = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("harness_speed.py")), *args],
         capture_output=True,
@@ -78,3 +78,17 @@ def test_the_script_runs_on_the_random_models(tmp_path):
     assert len(held_out) == 2 and all(math.isfinite(float(line.split(": ")[1].split("x")[0])) for line in held_out)
     every_call = [line for line in lines if "every call of every pass counted" in line]
     assert len(every_call) == 2 and all(math.isfinite(float(line.split(": ")[1].split("x")[0])) for line in every_call)
+    traced = [line.split()[5] for line in lines if " prompt " in line and line.split()[1] == "pass"]
+    assert len(traced) == 2 * 2 and set(traced) <= {"draft", "probe", "plain", "control"}  # 2 passes of 2 calls
+
+
+def test_the_trace_lists_every_harness_call_against_the_fixed_configuration():
+    calls = {
+        ("chain 1", 0, 0): call(1.0),
+        ("harness", 0, 0): call(2.0)._replace(harness_call="draft"),
+        ("chain 1", 8, 0): call(1.0),
+        ("harness", 8, 0): call(0.5)._replace(harness_call="control"),
+    }
+    lines = harness_speed.call_trace(calls, "chain 1")
+    assert [line.split()[4] for line in lines] == ["draft", "control"]
+    assert lines[0].endswith("(0.50x)") and lines[1].endswith("(2.00x)") and " prompt   8 " in lines[1]

@@ -123,7 +123,7 @@ def test_target_alone_decodes_greedily_one_token_per_forward(dense):
     assert out.tokens == [dense.reference(p)[:40] for p in PROMPTS]
     assert out.metrics.acceptance_length == 1.0
     assert [r.rounds for r in out.requests] == [39] * 4  # prefill emits the first token
-    assert out.metrics.drafted_rounds == 0
+    assert out.metrics.drafted_rounds == 0 and out.metrics.harness_call == ""
 
 
 def costly_drafts_table():
@@ -172,13 +172,15 @@ def test_calls_after_one_where_speculation_lost_decode_plainly_then_probe(dense,
     options = dict(method=method, cost_table=table, num_nodes=12, **(dict(depth=4) if method == "eagle3" else {}))
     options["harness_timing"] = False  # the acceptance rate decides, not the wall clock
     decoder = SpeculativeDecoder(dense.model, untrained, "harness", **options)
-    drafted = []
+    drafted, starts = [], []
     for prompt in PROMPTS[:3]:
         out = decoder.generate([prompt], NEW_TOKENS)
         assert out.tokens == [dense.reference(prompt)]
         drafted.append(out.metrics.drafted_rounds)
+        starts.append(out.metrics.harness_call)
     first, skipped, probe = drafted
     assert MIN_TRIALS / 5 <= first <= MIN_TRIALS + 1 and skipped == 0 and MIN_TRIALS / 5 <= probe <= MIN_TRIALS + 1
+    assert starts == ["draft", "plain", "probe"]
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -200,6 +202,7 @@ def test_timed_harness_times_plain_decoding_in_control_calls_losslessly(dense, m
         m = out.metrics
         drafted.append(m.drafted_rounds == m.rounds)
         assert m.drafted_rounds in (0, m.rounds) and (m.drafted_rounds == 0 or m.acceptance_length > 1.5)
+        assert m.harness_call == ("draft" if drafted[-1] else "control")
     assert drafted == [True, False, True, True, True, False]
     plain = decoder.policy.learnt_timing[decoder.policy.table_key(len(prompts), max(map(len, prompts)))]["plain"]
     assert plain.rounds == 2 * NEW_TOKENS - 2 and plain.tokens == plain.rounds * len(prompts)  # the control calls'

@@ -99,6 +99,9 @@ class GenerateMetrics:
     # that speculation loses (plain decoding from there on), or none when the cost table or earlier calls said so, or
     # in a control call (plain decoding timed to weigh drafting against).
     drafted_rounds: int = 0
+    # How mode "harness" started the call (HarnessPolicy.start_call): "draft", "probe" (drafting again after calls
+    # that found speculation did not pay), "plain", or "control" (plain decoding, timed); "" in the other modes.
+    harness_call: str = ""
 
 
 @dataclass
@@ -396,6 +399,7 @@ class _Generation:
         self.clock = _Clock(self.device)
         self.batched_rounds = self.drafted_rounds = 0
         self.depth_chain = ""  # the harness's chain_report
+        self.harness_call = ""  # how the harness started the call (GenerateMetrics.harness_call)
         self.harness: PassHarness | DepthHarness | None = None
         if decoder.policy is not None:
             longest = max(len(p) for p in prompts)
@@ -405,6 +409,7 @@ class _Generation:
             self.harness = kind(decoder.policy, batch, depth, longest, vocab, self.device, sampled=self.gumbel)
             if isinstance(self.harness, DepthHarness):
                 self.harness.chain_mode = decoder.depth_chain_mode
+            self.harness_call = self.harness.call_start
             if not self.harness.speculate:  # the cost table, or earlier calls: speculation loses at this batch size
                 self.drafting = None  # ... or a control call, which decodes plainly to time it (the harness stays)
                 if not self.harness.control:
@@ -557,5 +562,6 @@ class _Generation:
             tokens_per_s=new_tokens / total if total > 0 else 0.0,
             depth_chain=self.depth_chain,
             drafted_rounds=self.drafted_rounds,
+            harness_call=self.harness_call,
         )
         return GenerateOutput(self.tokens, requests, metrics)

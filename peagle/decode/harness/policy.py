@@ -664,6 +664,7 @@ class CallHarness:
         self.chain_acceptance = ChainAcceptance()  # sampled chains' length; whether speculating pays
         self.key = policy.table_key(batch, context, sampled)
         start = policy.start_call(batch, context, sampled) if self.plan.kind != "plain" else "plain"
+        self.call_start: Literal["draft", "probe", "plain", "control"] = start  # GenerateMetrics.harness_call
         self.drafts, self.control = start in ("draft", "probe"), start == "control"
         learnt = policy.learnt_timing.get(self.key, {})
         # {kind of round: its timed rounds} (:meth:`timed`); a probe times its drafting rounds afresh.
