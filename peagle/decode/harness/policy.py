@@ -121,7 +121,7 @@ ROUND_TIME_CV = 0.2
 # the same prompt ran at 227 to 391 tokens/s over one benchmark), and a prompt sets how often drafts are accepted. A
 # kind of call's tokens per second therefore also varies from call to call, by CALL_CV before calls show their spread,
 # a prior worth CALL_PRIOR calls (:class:`CallSpread`). (Without it, one control call timed in a fast moment put plain
-# decoding 20% above what it ran at in the calls around it, and the harness stopped a drafter that ran 1.15x.)
+# decoding 20% above what it ran at in the calls around it, and the harness stopped a drafter that ran 1.18x.)
 CALL_CV = 0.1
 CALL_PRIOR = 2.0
 # Weight of the earlier calls' acceptance counts in the verdict of :meth:`HarnessPolicy.end_call` (halved per call):
