@@ -665,7 +665,8 @@ def drifting_calls(
     factors = 1.0 + drift * torch.randn(calls, generator=generator, dtype=torch.float64).clamp(-3, 3)
     for factor in factors.tolist():
         call = noisy_rounds(generator, rounds, seconds * factor, tokens)
-        pooled, _ = pooled + call, spread.add(call.rate)
+        pooled = pooled + call
+        spread.add(call.rate)
     return pooled, spread
 
 
