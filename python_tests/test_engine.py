@@ -16,7 +16,7 @@ from peagle.decode import SpeculativeDecoder, TargetRunner
 from peagle.decode.drafting import Eagle3Drafting, PEagleDrafting, Sampling
 from peagle.decode.engine import _Generation
 from peagle.decode.harness import CostTable, HarnessPolicy
-from peagle.decode.harness.policy import MIN_TRIALS, CallHarness
+from peagle.decode.harness.policy import MIN_TRIALS, PAIRED_MEMORY, PairedGains
 from peagle.model import DrafterConfig, PEagleDrafter
 from peagle.ops.gdn import tree_path
 from peagle.train.evaluate import chain_drafts
@@ -185,27 +185,46 @@ def test_calls_after_one_where_speculation_lost_decode_plainly_then_probe(dense,
 
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("method", ["peagle", "eagle3"])
-def test_timed_harness_times_plain_decoding_in_control_calls_losslessly(dense, method, batch, monkeypatch):
-    """With harness_timing, while speculating pays the 2nd call of a batch size, then every 4th, is a control call
-    that decodes plainly and times its rounds (what drafting rounds are weighed against); the calls between draft. The
-    comparison is held undecided here (on the tiny target it is the wall clock's call); every output is the target's
-    greedy output."""
-    monkeypatch.setattr(CallHarness, "speed_gap", lambda self: 0.0)
+def test_timed_harness_pairs_drafting_and_plain_phases_in_control_calls_losslessly(dense, method, batch, monkeypatch):
+    """With harness_timing, while speculating pays the 2nd call of a batch size, then every 2nd while the gains are
+    undecided, is a paired call: it drafts, then decodes a third of its tokens plainly, or the other way round (every
+    other paired call; the drafter then catches up on the plain rounds' tokens); the calls between draft. The gains are
+    held undecided here (on the tiny target it is the wall clock's call); every output is the target's greedy output,
+    and each paired call's gain is counted."""
+    monkeypatch.setattr(PairedGains, "verdict", lambda self: 0.0)
     prompts = PROMPTS[:batch] if batch == 4 else PROMPTS[1:2]
     options = dict(OPTIONS[(method, "harness")], harness_timing=True)
     drafter = dense.peagle if method == "peagle" else dense.eagle3
     decoder = SpeculativeDecoder(dense.model, drafter, "harness", method=method, **options)
-    drafted = []
+    phases, starts, phase_of_round, emitted = [], [], [], []
+    round_ = _Generation._round
+
+    def recorded(self, *args):
+        drafts = self.drafting is not None and (self.harness is None or self.harness.drafting_phase)
+        before = sum(map(len, self.tokens))
+        active = round_(self, *args)
+        phase_of_round.append(drafts)
+        emitted.append(sum(map(len, self.tokens)) - before)
+        return active
+
+    monkeypatch.setattr(_Generation, "_round", recorded)
     for _ in range(6):
+        phase_of_round.clear()
+        emitted.clear()
         out = decoder.generate(prompts, NEW_TOKENS)
         assert out.tokens == [dense.reference(p) for p in prompts]
         m = out.metrics
-        drafted.append(m.drafted_rounds == m.rounds)
-        assert m.drafted_rounds in (0, m.rounds) and (m.drafted_rounds == 0 or m.acceptance_length > 1.5)
-        assert m.harness_call == ("draft" if drafted[-1] else "control")
-    assert drafted == [True, False, True, True, True, False]
-    plain = decoder.policy.learnt_timing[decoder.policy.table_key(len(prompts), max(map(len, prompts)))]["plain"]
-    assert plain.rounds == 2 * NEW_TOKENS - 2 and plain.tokens == plain.rounds * len(prompts)  # the control calls'
+        starts.append(m.harness_call)
+        assert m.drafted_rounds == sum(phase_of_round) and m.acceptance_length > 1.2
+        # Runs of drafting (True) and plain (False) rounds.
+        phases.append([kind for i, kind in enumerate(phase_of_round) if i == 0 or kind != phase_of_round[i - 1]])
+        if m.harness_call == "control":  # a third of the tokens plain, to a drafting round's tokens
+            plain_tokens = sum(n for n, drafts in zip(emitted, phase_of_round, strict=True) if not drafts)
+            assert abs(plain_tokens - len(prompts) * NEW_TOKENS / 3) <= len(prompts) * 6
+    assert starts == ["draft", "control", "draft", "control", "draft", "control"]
+    assert phases == [[True], [True, False], [True], [False, True], [True], [True, False]]
+    gains = decoder.policy.paired_gains[decoder.policy.table_key(len(prompts), max(map(len, prompts)))]
+    assert gains.calls == pytest.approx(sum((1 - 1 / PAIRED_MEMORY) ** k for k in range(3)))
 
 
 def test_num_threads_applies_during_generate_only(dense, monkeypatch):
@@ -413,6 +432,32 @@ def assert_cached_pass_equals_forward_inference(changes: dict) -> None:
             expected = model.forward_inference(tokens[b, : seen[b]], hidden[b, : seen[b]], 3)[seen[b] - 1 :]
             torch.testing.assert_close(logits[b], expected, rtol=1e-9, atol=1e-9)
         assert drafting.cache.seq_len.tolist() == seen == drafting.cache.host_len
+
+
+def test_appended_pending_elements_catch_up_in_the_next_pass():
+    """Rounds that did not draft (a paired call's plain phase) append their element to the pending ones, one round at
+    a time and past the pending buffer's width; the next pass takes them all in and gives the distributions of
+    forward_inference on the whole prefix."""
+    gen = torch.Generator().manual_seed(fresh_seed())
+    model = random_drafter(gen, 4)
+    drafting = PEagleDrafting(model, 61, "chain", 4, [1] * 4, 5)
+    batch = 3
+    tokens, hidden = random_prefix(gen, batch, 80)
+    drafting.allocate(batch, 88, 8, block_size=16)
+    prompt = [5, 2, 7]
+    feed(drafting, tokens, hidden, [0] * batch, prompt)
+    seen = list(prompt)
+    rows = torch.arange(batch)
+    for _ in range(30):  # plain rounds: each request's next element
+        index = torch.tensor(seen)[:, None]
+        element = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[2]))
+        drafting.set_pending(rows, rows.tolist(), tokens.gather(1, index), element, [1] * batch, append=True)
+        seen = [n + 1 for n in seen]
+    assert drafting.host_pending == seen
+    logits, _ = drafting._pass(rows, rows.tolist(), 3, 4)
+    for b in range(batch):
+        expected = model.forward_inference(tokens[b, : seen[b]], hidden[b, : seen[b]], 3)[seen[b] - 1 :]
+        torch.testing.assert_close(logits[b], expected, rtol=1e-9, atol=1e-9)
 
 
 def reference_probs(model: PEagleDrafter, tokens: torch.Tensor, hidden: torch.Tensor, path: list[int]) -> torch.Tensor:

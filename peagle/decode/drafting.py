@@ -247,18 +247,29 @@ class _CachedDrafter:
             self.mask_feat = self.drafter.projected_mask_hidden()
 
     @torch.no_grad()
-    def set_pending(self, rows: Tensor, host_rows: list[int], tokens: Tensor, aux: Tensor, counts: list[int]) -> None:
+    def set_pending(
+        self, rows: Tensor, host_rows: list[int], tokens: Tensor, aux: Tensor, counts: list[int], append: bool = False
+    ) -> None:
         """The next pass's new elements of ``rows``: tokens [b, m] (target ids) paired with target aux states
-        [b, m, num_aux * H]; the first ``counts[b]`` of them are real."""
-        width = tokens.shape[1]
+        [b, m, num_aux * H]; the first ``counts[b]`` of them are real. ``append``: after the elements already pending
+        (rounds that did not draft: the next pass catches up on them, in chunks when they are many)."""
+        offsets = [self.host_pending[r] if append else 0 for r in host_rows]
+        width = tokens.shape[1] + max(offsets)
         if width > self.pending_tokens.shape[1]:
             grow = width - self.pending_tokens.shape[1]
             self.pending_tokens = torch.nn.functional.pad(self.pending_tokens, (0, grow))
             self.pending_feats = torch.nn.functional.pad(self.pending_feats, (0, 0, 0, grow))
-        self.pending_tokens[rows, :width] = tokens.long()
-        self.pending_feats[rows, :width] = self.drafter.project(aux.to(self.dtype))
-        for r, c in zip(host_rows, counts, strict=True):
-            self.host_pending[r] = c
+        feats = self.drafter.project(aux.to(self.dtype))
+        if append:
+            columns = torch.arange(tokens.shape[1], device=self.device)
+            slots = torch.tensor(offsets, device=self.device)[:, None] + columns
+            self.pending_tokens[rows[:, None], slots] = tokens.long()
+            self.pending_feats[rows[:, None], slots] = feats
+        else:
+            self.pending_tokens[rows, : tokens.shape[1]] = tokens.long()
+            self.pending_feats[rows, : tokens.shape[1]] = feats
+        for r, offset, c in zip(host_rows, offsets, counts, strict=True):
+            self.host_pending[r] = offset + c
 
     def _context(
         self, rows: Tensor, host_rows: list[int] | None, length: int | None = None

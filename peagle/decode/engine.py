@@ -97,10 +97,10 @@ class GenerateMetrics:
     depth_chain: str = ""
     # Batched rounds that drafted: all of them, except under mode "harness" once the observed acceptance or speed said
     # that speculation loses (plain decoding from there on), or none when the cost table or earlier calls said so, or
-    # in a control call (plain decoding timed to weigh drafting against).
+    # the plain phase of a paired call (a third of its tokens, timed to weigh drafting against).
     drafted_rounds: int = 0
-    # How mode "harness" started the call (HarnessPolicy.start_call): "draft", "probe" (drafting again after calls
-    # that found speculation did not pay), "plain", or "control" (plain decoding, timed); "" in the other modes.
+    # How mode "harness" started the call (HarnessPolicy.start_call): "draft", "plain", or a paired call: "probe"
+    # (after calls that found speculation did not pay) or "control" (while it pays); "" in the other modes.
     harness_call: str = ""
 
 
@@ -143,8 +143,9 @@ class SpeculativeDecoder:
         cost_table: mode "harness" only: a :class:`~peagle.decode.harness.CostTable` or the JSON file ``peagle
             profile`` wrote for this target and drafter. ``num_nodes`` then caps the verified nodes (default 32).
         harness_timing: mode "harness" only: also weigh drafting against plain decoding, and trees against chains, by
-            the rounds' measured wall time (a generate call decodes plainly now and then, a control call, to time it),
-            which counts what the cost table leaves out (bookkeeping, commits); False: the table and the observed
+            the rounds' measured wall time (now and then a generate call drafts for two thirds of its tokens and
+            decodes the rest plainly, a paired call, to compare the two on the same prompt at the same moment), which
+            counts what the cost table leaves out (bookkeeping, commits); False: the table and the observed
             acceptance alone decide, so the decisions, and a sampled request's tokens for a seed, repeat from run to
             run.
         num_threads: torch's intra-op CPU threads while ``generate`` runs (restored afterwards); None leaves torch's
@@ -411,9 +412,7 @@ class _Generation:
                 self.harness.chain_mode = decoder.depth_chain_mode
             self.harness_call = self.harness.call_start
             if not self.harness.speculate:  # the cost table, or earlier calls: speculation loses at this batch size
-                self.drafting = None  # ... or a control call, which decodes plainly to time it (the harness stays)
-                if not self.harness.control:
-                    self.harness = None
+                self.drafting = self.harness = None
 
     def run(self) -> GenerateOutput:
         start = time.perf_counter()
@@ -486,7 +485,9 @@ class _Generation:
         rows = torch.tensor(active, device=self.device)
         clock = self.clock
         t0 = clock.mark()
-        if drafting is None:
+        # The plain phase of a paired call that drafts later: the drafter only takes in the round's token.
+        paused = drafting is not None and self.harness is not None and not self.harness.drafting_phase
+        if drafting is None or paused:
             tree = root_tree(roots[rows])
         else:
             offset = step * STREAMS + DRAFT_STREAM
@@ -504,7 +505,7 @@ class _Generation:
         )
         host_accepted = accepted[:, 0].tolist()
         check_errors()
-        if self.harness is not None and drafting is not None:
+        if self.harness is not None and drafting is not None and not paused:
             host = (host_accepted, nodes[:, 0].tolist())
             self.harness.observe(rows, result.num_accepted, tree.num_nodes, tree.parent, result.accepted_path, host)
         runner.commit(rows, active, result.accepted_path, result.num_accepted, result.last_node, host_accepted)
@@ -516,17 +517,20 @@ class _Generation:
             new_aux = aux.gather(1, path[..., None].expand(-1, -1, aux.shape[2]))
             counts = [m + 1 for m in host_accepted]
             tokens = result.emitted_tokens[:, :width].clamp(min=0)
-            drafting.set_pending(rows, active, tokens, new_aux, counts)
+            drafting.set_pending(rows, active, tokens, new_aux, counts, append=paused)
         host_emitted = emitted.tolist()
         for i, r in enumerate(active):
             m = host_accepted[i]
             self.accepted[r].append(m)
             self._emit(r, host_emitted[i][: m + 1])
         self.batched_rounds += 1
-        self.drafted_rounds += drafting is not None
+        self.drafted_rounds += drafting is not None and not paused
         if self.harness is not None:  # the host has waited for the round's tokens: its wall time is complete
             self.harness.timed(time.perf_counter() - begin, sum(host_accepted) + len(active))
-            if drafting is not None and not self.harness.speculate:  # what it observed and timed: drafting loses
+            emitted_share = sum(map(len, self.tokens)) / (len(self.tokens) * self.max_new)
+            if self.harness.switch(emitted_share) and not self.harness.drafting_phase:
+                self.drafting = None  # a paired call's plain phase comes last
+            elif drafting is not None and not self.harness.speculate:  # what it observed and timed: drafting loses
                 self._end_harness()
                 self.drafting = None  # plain decoding for the rest of the call
         clock.add("draft", t0, t1)

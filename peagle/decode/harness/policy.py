@@ -35,17 +35,18 @@ for n nodes (root included, from the cost table row of the batch-size bucket and
   generate call has observed :data:`MIN_TRIALS` drafts and rejections, it also stops drafting for the rest of the
   call when the observed per-position acceptance rate lies below the cost table's break-even rate, the rate below
   which no chain length emits more tokens per second than plain decoding (:meth:`HarnessPolicy.speculation_pays`),
-  or when its drafting rounds emit fewer tokens per second than plain rounds, measured: a generate call decodes
-  plainly now and then, a control call, to time plain decoding (the 2nd call, then intervals that double up to 32
-  calls), which counts what the table leaves out (bookkeeping, commits). Both by :data:`EVIDENCE_Z` standard errors,
-  since near break-even drafting costs little and stopping a drafter that pays costs its whole speed-up; a measured
-  rate's error is at least that of the drift of the machine's speed between the calls that timed it
-  (:class:`CallSpread`), since plain and drafting rounds come from different calls. The next
-  calls at that batch size then decode plainly from the start when the measured speeds say so, or, where they have
-  not decided, the acceptance of the calls so far (the earlier ones weighing less, :data:`CALL_DECAY`), except
-  probes, which draft and time their drafting rounds afresh: the 2nd call after, then intervals that double up to 32
-  calls while probes find the same; only a probe measured faster clears the verdict
-  (:meth:`HarnessPolicy.start_call`).
+  by :data:`EVIDENCE_Z` standard errors, since near break-even drafting costs little and stopping a drafter that
+  pays costs its whole speed-up. The wall clock decides in **paired calls**, which count what the table leaves out
+  (bookkeeping, commits): now and then a generate call drafts for part of its tokens and decodes plainly for the rest
+  (a third; plain first or drafting first, in turn), and its gain, its drafting rounds' tokens per second over its
+  plain rounds' minus 1, compares the two on the same prompt at the same moment (:class:`PairedGains` pools the
+  gains of the calls so far). Comparing rounds of different calls instead mixes the machine's drift between calls
+  (+-20% here) and the prompts' difficulty into the comparison. While speculating pays, the 2nd call is paired, then
+  every 2nd while the gains have not decided, intervals that double up to 32 calls once they say drafting is faster
+  (a "control"). Once they say plain decoding is faster, or, where they have not decided, the acceptance of the calls
+  so far does (the earlier ones weighing less, :data:`CALL_DECAY`), the next calls at that batch size decode plainly,
+  except paired calls (a "probe"): the 2nd call after, then intervals that double up to 32 calls while they find the
+  same; only gains that say drafting is faster clear the verdict (:meth:`HarnessPolicy.start_call`).
 * **Temperature > 0.** Sampled rounds (drafts drawn) draft chains, P-EAGLE's as EAGLE-3's, whose length is fixed
   after the previous round, before this round's draws, so verification stays lossless: the chain length of the cost
   table at the per-position acceptance rate observed so far (:class:`ChainAcceptance`). Path scores of the drafter's
@@ -81,12 +82,12 @@ __all__ = [
     "EVIDENCE_Z",
     "MIN_TRIALS",
     "CallHarness",
-    "CallSpread",
     "ChainAcceptance",
     "DepthHarness",
     "DepthRound",
     "DepthStepper",
     "HarnessPolicy",
+    "PairedGains",
     "PassHarness",
     "Plan",
     "RoundTimes",
@@ -94,6 +95,7 @@ __all__ = [
     "TreeLearning",
     "harness_budget",
     "kept_first",
+    "paired_gain",
     "pass_budget",
     "predicted_acceptance",
     "recalibrate",
@@ -117,26 +119,29 @@ EVIDENCE_Z = 2.0
 # A round's seconds are taken to vary by at least this share (this shared machine's noise, which rounds of equal
 # length would hide from the spread of a few of them).
 ROUND_TIME_CV = 0.2
-# Rounds of one call are not independent samples: this machine's speed drifts between calls (the same plain call of
-# the same prompt ran at 227 to 391 tokens/s over one benchmark), and a prompt sets how often drafts are accepted. A
-# kind of call's tokens per second therefore also varies from call to call, by CALL_CV before calls show their spread,
-# a prior worth CALL_PRIOR calls (:class:`CallSpread`). (Without it, one control call timed in a fast moment put plain
-# decoding 20% above what it ran at in the calls around it, and the harness stopped a drafter that ran 1.18x.)
-CALL_CV = 0.1
+# Paired calls (:class:`PairedGains`): the share of a paired call's tokens decoded plainly; the rounds of each kind a
+# call times before its gain counts (the first round after the switch is not timed: the drafter catches up on the
+# plain rounds' tokens there, and the target's caches on its own work); the gains of the last PAIRED_MEMORY calls or
+# so count. A call's gain varies from prompt to prompt (how often drafts are accepted) and with the machine's noise:
+# by PAIR_CV before calls show their spread, a prior worth CALL_PRIOR calls. (Comparing rounds of different calls, a
+# control call timed in a fast moment put plain decoding 20% above what it ran at in the calls around it, and one
+# drafting call on a hard prompt right after it stopped a drafter that ran 1.17x.)
+PAIRED_PLAIN_SHARE = 1.0 / 3.0
+MIN_PAIRED_ROUNDS = 8
+PAIRED_MEMORY = 64
+PAIR_CV = 0.15
 CALL_PRIOR = 2.0
 # Weight of the earlier calls' acceptance counts in the verdict of :meth:`HarnessPolicy.end_call` (halved per call):
 # how often a drafter is accepted varies from prompt to prompt, and one hard prompt must not make the next plain.
 CALL_DECAY = 0.5
 # A call that finds speculation does not pay makes the next calls at its batch size decode plainly; the 2nd call after
-# it probes again (drafts, timing its drafting rounds afresh), an interval that doubles (up to 32 calls) while probes
-# find the same. While speculation pays, a control call decodes plainly at the same intervals (the 2nd call, then
-# every 4th, .. 32nd) to time plain decoding: drafting rounds are weighed against its rounds by their measured tokens
-# per second (MIN_TIMED plain and drafting rounds first). Plain rounds between drafting rounds do not measure it: they
-# ran 1.2x-1.4x as long as a plain call's rounds at batch 8 on this machine (the drafter's work evicts the target's
-# from the CPU's caches), and drafting looked faster than plain decoding where the target alone was 1.2x faster.
+# it is paired (a probe), an interval that doubles (up to 32 calls) while probes find the same. While speculation
+# pays, the 2nd call is paired too (a control), then every 2nd while the gains are undecided, intervals that double
+# (up to 32 calls) once they say drafting is faster. A paired call's plain rounds run one after another: plain rounds
+# between drafting rounds ran 1.2x-1.4x as long as a plain call's at batch 8 on this machine (the drafter's work
+# evicts the target's from the CPU's caches), consecutive ones after a drafting phase as long as a plain call's.
 FIRST_PROBE_EVERY = 2
 MAX_PROBE_EVERY = 32
-MIN_TIMED = (2, 8)
 ROUND_KINDS = ("tree", "chain", "plain")
 EXPLORE_EVERY = 8  # ... except every 8th round, an interval that doubles (up to 64) while exploring finds nothing
 MAX_EXPLORE_EVERY = 64
@@ -391,28 +396,51 @@ class RoundTimes:
         return max(spread, (rate * ROUND_TIME_CV) ** 2 / n)
 
 
-@dataclass
-class CallSpread:
-    """The tokens per second of finished calls of one kind (drafting or plain): their count, sum and sum of squares,
-    for the variance that the drift between calls adds to a rate pooled over calls."""
+def paired_gain(plain: RoundTimes, drafting: RoundTimes) -> tuple[float, float] | None:
+    """A paired call's gain, drafting rounds' tokens per second over its plain rounds' minus 1, and its variance from
+    the two rates' (delta method); None below MIN_PAIRED_ROUNDS rounds of either kind."""
+    if min(plain.rounds, drafting.rounds) < MIN_PAIRED_ROUNDS:
+        return None
+    ratio = drafting.rate / plain.rate
+    variance = (drafting.rate_variance() + ratio * ratio * plain.rate_variance()) / (plain.rate * plain.rate)
+    return ratio - 1.0, variance
 
-    calls: int = 0
+
+@dataclass
+class PairedGains:
+    """The gains of paired calls (:func:`paired_gain`) of one batch-size bucket, context interval and kind of round:
+    decayed sums (the last PAIRED_MEMORY calls or so) of the calls, their gains, squared gains and own variances."""
+
+    calls: float = 0.0
     total: float = 0.0
     squares: float = 0.0
+    within: float = 0.0
 
-    def add(self, rate: float) -> None:
-        self.calls += 1
-        self.total += rate
-        self.squares += rate * rate
+    def add(self, gain: float, variance: float) -> None:
+        keep = 1.0 - 1.0 / PAIRED_MEMORY
+        self.calls = keep * self.calls + 1.0
+        self.total = keep * self.total + gain
+        self.squares = keep * self.squares + gain * gain
+        self.within = keep * self.within + variance
 
-    def mean_variance(self, rate: float, open_call: bool) -> float:
-        """The between-call variance of ``rate``, pooled over these calls and ``open_call`` (the call under way, when
-        it timed rounds of this kind): the calls' spread, shrunk towards CALL_CV of ``rate`` with the weight of
-        CALL_PRIOR calls, over the number of calls (at least one: timed rounds came from some call)."""
-        calls = max(self.calls + int(open_call), 1)
-        spread = self.squares - self.total * self.total / self.calls if self.calls else 0.0
-        between = (CALL_PRIOR * (CALL_CV * rate) ** 2 + max(spread, 0.0)) / (CALL_PRIOR + max(self.calls - 1, 0))
-        return between / calls
+    @property
+    def mean(self) -> float:
+        return self.total / self.calls if self.calls else 0.0
+
+    def mean_variance(self) -> float:
+        """Variance of :attr:`mean`: the calls' spread, shrunk towards PAIR_CV with the weight of CALL_PRIOR calls, or
+        their own variances (their rounds' noise) if larger, over the number of calls. Infinite before a call."""
+        if not self.calls:
+            return math.inf
+        spread = max(self.squares - self.total * self.total / self.calls, 0.0)
+        between = (CALL_PRIOR * PAIR_CV**2 + spread) / (CALL_PRIOR + max(self.calls - 1.0, 0.0))
+        return max(between, self.within / self.calls) / self.calls
+
+    def verdict(self) -> float:
+        """The mean gain beyond EVIDENCE_Z standard errors: > 0 where drafting is faster, < 0 where plain decoding
+        is, 0 while undecided."""
+        margin = EVIDENCE_Z * math.sqrt(self.mean_variance())
+        return math.copysign(max(abs(self.mean) - margin, 0.0), self.mean) if math.isfinite(margin) else 0.0
 
 
 @dataclass
@@ -438,21 +466,22 @@ class TreeLearning:
 
 @dataclass
 class SpeculationRecord:
-    """The verdict of the last generate call that decided (:meth:`HarnessPolicy.end_call`: its measured speeds, or the
-    acceptance of the calls so far; or a control call, :meth:`HarnessPolicy.end_control`) for one batch-size bucket,
-    context interval and kind of round: whether speculating paid, the calls since the last probe or control call, and
-    how many calls apart the next one comes."""
+    """The verdict of the last generate call that decided (:meth:`HarnessPolicy.end_call`, :meth:`HarnessPolicy.
+    end_paired`) for one batch-size bucket, context interval and kind of round: whether speculating paid, the calls
+    since the last paired call, how many calls apart the next one comes, and the paired calls so far (they decode
+    plainly first and last in turn)."""
 
     pays: bool = True
-    skipped: int = 0  # calls since the last probe (speculation does not pay) or control call (it pays)
+    skipped: int = 0  # calls since the last paired call: a probe (speculation does not pay) or a control (it pays)
     probe_every: int = FIRST_PROBE_EVERY
     control_every: int = FIRST_PROBE_EVERY
+    paired_calls: int = 0
 
 
 def _record_verdict(record: SpeculationRecord, pays: bool) -> None:
     """A call's verdict on whether speculating pays, with the probe / control intervals it implies."""
     if pays:
-        if not record.pays:  # a probe that found speculating pays again: control calls start over
+        if not record.pays:  # a probe that found speculating pays again: controls start over
             record.control_every, record.skipped = FIRST_PROBE_EVERY, 0
         record.pays, record.probe_every = True, FIRST_PROBE_EVERY
     else:
@@ -496,8 +525,7 @@ class HarnessPolicy:
         # sampled): a round's tokens, seconds and the verify time its trees cost grow with the batch.
         self.learnt_trees: dict[tuple[int, int, bool], TreeLearning] = {}
         self.learnt_timing: dict[tuple[int, int, bool], dict[str, RoundTimes]] = {}
-        # {"plain" or "drafting": the spread of its calls' tokens per second}, by the same keys.
-        self.learnt_spread: dict[tuple[int, int, bool], dict[str, CallSpread]] = {}
+        self.paired_gains: dict[tuple[int, int, bool], PairedGains] = {}  # the paired calls' gains, by the same keys
         self._chain_cost_cache: dict[tuple[int, int, bool], list[float]] = {}
         self._break_even_cache: dict[tuple[int, int, bool], float] = {}  # by (bucket, interval, sampled)
         self._break_even_by_arguments: dict[tuple[int, int, bool], float] = {}
@@ -562,14 +590,13 @@ class HarnessPolicy:
     def start_call(
         self, batch: int, context: int, sampled: bool = False
     ) -> Literal["draft", "probe", "plain", "control"]:
-        """Whether a new generate call drafts at all: ``"draft"``, unless the last call that decided here (batch-size
-        bucket, context interval, kind of round) found that speculating did not pay. Then only every
-        ``probe_every``-th call drafts, a ``"probe"`` that times its drafting rounds afresh (its acceptance adds to
-        the earlier calls' halved), so a drafter that got better, or prompts it suits, are noticed; each probe that
-        finds the same doubles the interval (:meth:`end_call`); the calls between decode ``"plain"``. Without this,
-        every call would pay for its first MIN_TRIALS observations again. While speculating pays and rounds are timed,
-        every ``control_every``-th call is a ``"control"`` that decodes plainly and times its rounds, the measure of
-        plain decoding that drafting rounds are weighed against (:meth:`end_control`)."""
+        """How a new generate call decodes: ``"draft"``, unless the last call that decided here (batch-size bucket,
+        context interval, kind of round) found that speculating did not pay; then ``"plain"``, except every
+        ``probe_every``-th call, a ``"probe"``, so that a drafter that got better, or prompts it suits, are noticed
+        (each probe that finds the same doubles the interval, :meth:`end_paired`). Without probes, every call would
+        pay for its first MIN_TRIALS observations again. While speculating pays and rounds are timed, every
+        ``control_every``-th call is a ``"control"``. Probes and controls are paired calls: they draft for part of
+        their tokens and decode plainly for the rest, and time both (:class:`PairedGains`)."""
         record = self._records.setdefault(self.table_key(batch, context, sampled), SpeculationRecord())
         if record.pays and not self.timed:
             return "draft"
@@ -577,30 +604,40 @@ class HarnessPolicy:
         if record.skipped < (record.control_every if record.pays else record.probe_every):
             return "draft" if record.pays else "plain"
         record.skipped = 0
+        record.paired_calls += 1
         return "control" if record.pays else "probe"
 
-    def end_call(
-        self,
-        batch: int,
-        context: int,
-        acceptance: ChainAcceptance,
-        sampled: bool = False,
-        speed_gap: float = 0.0,
-    ) -> None:
-        """Records what a drafting call found for the next calls' :meth:`start_call`. ``speed_gap``: its
-        :meth:`CallHarness.speed_gap` (drafting measured faster than plain decoding > 0, slower < 0, 0 undecided or
-        not timed), which decides where it is not 0. Undecided where rounds are timed, a verdict that speculating does
-        not pay stands: a probe must show that drafting pays, not merely fail to show that it loses (the cost table's
-        break-even rate, which leaves out a round's bookkeeping, would clear it). Otherwise the acceptance rate
-        decides once at least :data:`MIN_TRIALS` are observed: this call's counts added to the earlier calls'
-        (weighed CALL_DECAY per call, so that one hard prompt does not outweigh the rest)."""
-        key = self.table_key(batch, context, sampled)
+    def plain_first(self, batch: int, context: int, sampled: bool = False) -> bool:
+        """Whether the paired call :meth:`start_call` just started decodes plainly first (every other one does, so
+        that the longer context of a call's later rounds weighs on both kinds alike)."""
+        return self._records[self.table_key(batch, context, sampled)].paired_calls % 2 == 0
+
+    def paired_verdict(self, batch: int, context: int, sampled: bool = False) -> float:
+        """:meth:`PairedGains.verdict` of the paired calls so far (0 before one)."""
+        gains = self.paired_gains.get(self.table_key(batch, context, sampled))
+        return gains.verdict() if gains is not None else 0.0
+
+    def _pool(self, key: tuple[int, int, bool], acceptance: ChainAcceptance) -> ChainAcceptance:
+        """The calls' acceptance so far, earlier calls weighing CALL_DECAY per call, with this call's added."""
         pooled = self._pooled.setdefault(key, ChainAcceptance())
         pooled.decay(CALL_DECAY)
         pooled.count(acceptance.accepted, acceptance.trials - acceptance.accepted)
+        return pooled
+
+    def end_call(self, batch: int, context: int, acceptance: ChainAcceptance, sampled: bool = False) -> None:
+        """Records what a drafting call found for the next calls' :meth:`start_call`. The paired calls' gains decide
+        where they have (measured speeds, not the table, say whether drafting pays). Where rounds are timed and they
+        have not, a verdict that speculating does not pay stands: a probe must show that drafting pays, not merely
+        fail to show that it loses (the cost table's break-even rate, which leaves out a round's bookkeeping, would
+        clear it). Otherwise the acceptance rate decides once at least :data:`MIN_TRIALS` are observed: this call's
+        counts added to the earlier calls' (weighed CALL_DECAY per call, so that one hard prompt does not outweigh
+        the rest)."""
+        key = self.table_key(batch, context, sampled)
+        pooled = self._pool(key, acceptance)
         record = self._records.setdefault(key, SpeculationRecord())
-        if speed_gap:
-            pays = speed_gap > 0
+        verdict = self.paired_verdict(batch, context, sampled) if self.timed else 0.0
+        if verdict:
+            pays = verdict > 0
         elif self.timed and not record.pays:
             pays = False
         elif pooled.trials >= MIN_TRIALS:
@@ -609,15 +646,33 @@ class HarnessPolicy:
             return
         _record_verdict(record, pays)
 
-    def end_control(self, batch: int, context: int, sampled: bool, speed_gap: float) -> None:
-        """Records what a control call found (``speed_gap``: drafting's measured tokens per second beyond the plain
-        rounds timed so far, this call's included): the next calls decode plainly where drafting is measured slower;
-        otherwise the interval to the next control call doubles (up to MAX_PROBE_EVERY)."""
-        record = self._records.setdefault(self.table_key(batch, context, sampled), SpeculationRecord())
-        if speed_gap < 0:
-            _record_verdict(record, False)
-        else:
+    def end_paired(
+        self,
+        batch: int,
+        context: int,
+        sampled: bool,
+        plain: RoundTimes,
+        drafting: RoundTimes,
+        acceptance: ChainAcceptance,
+    ) -> None:
+        """Records what a paired call found: its gain (``plain`` and ``drafting``: its timed rounds of each kind)
+        joins the gains so far, which then decide. Drafting faster: speculating pays, and the interval to the next
+        control doubles (up to MAX_PROBE_EVERY). Plain decoding faster: the next calls decode plainly. Undecided: a
+        verdict either way stands; controls stay FIRST_PROBE_EVERY calls apart, and so do probes while they find
+        drafting faster (their interval doubles when one finds it no faster, as when they decide it is slower).
+        ``acceptance``: its drafting rounds', pooled with the calls' so far."""
+        key = self.table_key(batch, context, sampled)
+        self._pool(key, acceptance)
+        gain = paired_gain(plain, drafting)
+        gains = self.paired_gains.setdefault(key, PairedGains())
+        if gain is not None:
+            gains.add(*gain)
+        record = self._records.setdefault(key, SpeculationRecord())
+        verdict = gains.verdict()
+        if verdict > 0 and record.pays:
             record.control_every = min(2 * record.control_every, MAX_PROBE_EVERY)
+        elif verdict or (not record.pays and (gain is None or gain[0] <= 0)):
+            _record_verdict(record, verdict > 0)
 
     def table_key(self, batch: int, context: int, sampled: bool = False) -> tuple[int, int, bool]:
         """(batch-size bucket, context interval, sampled): what the cached and recorded figures are kept by."""
@@ -655,7 +710,10 @@ class HarnessPolicy:
 class CallHarness:
     """What both harnesses share over one generate call: the plan of its batch size, the per-position acceptance it
     observes, and whether it drafts at all (the plan; what earlier calls found, :meth:`HarnessPolicy.start_call`;
-    then what this call observes, :meth:`HarnessPolicy.speculation_pays`). ``sampled``: the call's drafts are drawn."""
+    then what this call observes, :meth:`HarnessPolicy.speculation_pays`). ``sampled``: the call's drafts are drawn.
+
+    A paired call (a probe or a control) drafts in one phase and decodes plainly in the other, PAIRED_PLAIN_SHARE of
+    its tokens: :attr:`drafting_phase` says which phase is under way and :meth:`switch` ends the first."""
 
     def __init__(self, policy: HarnessPolicy, batch: int, context: int, sampled: bool) -> None:
         self.policy, self.batch, self.context, self.sampled = policy, batch, context, sampled
@@ -665,68 +723,60 @@ class CallHarness:
         self.key = policy.table_key(batch, context, sampled)
         start = policy.start_call(batch, context, sampled) if self.plan.kind != "plain" else "plain"
         self.call_start: Literal["draft", "probe", "plain", "control"] = start  # GenerateMetrics.harness_call
-        self.drafts, self.control = start in ("draft", "probe"), start == "control"
+        # Untimed, a probe drafts whole and its acceptance decides (end_call); controls come only where timed.
+        self.drafts, self.paired = start != "plain", policy.timed and start in ("probe", "control")
+        plain_first = self.paired and policy.plain_first(batch, context, sampled)
+        self.drafting_phase = not plain_first
+        # The share of the call's tokens after which the first phase ends (None: one phase).
+        self.switch_share = (PAIRED_PLAIN_SHARE if plain_first else 1.0 - PAIRED_PLAIN_SHARE) if self.paired else None
         learnt = policy.learnt_timing.get(self.key, {})
-        # {kind of round: its timed rounds} (:meth:`timed`); a probe times its drafting rounds afresh.
-        self.timing = {
-            kind: RoundTimes() if start == "probe" and kind != "plain" else replace(learnt.get(kind, RoundTimes()))
-            for kind in ROUND_KINDS
-        }
-        # {"plain" or "drafting": the spread of earlier calls' tokens per second}; this call's own timed rounds.
-        spread = policy.learnt_spread.get(self.key, {})
-        self.spread = {
-            kind: CallSpread() if start == "probe" and kind == "drafting" else replace(spread.get(kind, CallSpread()))
-            for kind in ("plain", "drafting")
-        }
+        # {kind of round: its timed rounds, earlier calls' included} (tree against chain rounds); this call's alone.
+        self.timing = {kind: replace(learnt.get(kind, RoundTimes())) for kind in ROUND_KINDS}
         self.call_timing = {"plain": RoundTimes(), "drafting": RoundTimes()}
-        # The kind of the round under way: a control call's are plain; P-EAGLE's drafting rounds set tree or chain.
-        self.round_kind = "plain" if self.control else "chain"
+        self._skip_timing = False
+        # The kind of the round under way: plain in a plain phase; P-EAGLE's drafting rounds set tree or chain.
+        self.round_kind = "chain" if self.drafting_phase else "plain"
 
     @property
     def speculate(self) -> bool:
-        """Whether rounds draft: the cost table's plan and earlier calls, then the measured speed of drafting against
-        plain rounds where it has decided (:meth:`speed_gap`), else the acceptance this call observed so far."""
-        gap = self.speed_gap()
-        if not self.drafts or gap < 0:
+        """Whether rounds draft: the cost table's plan and earlier calls, then the paired calls' gains where they have
+        decided, else the acceptance this call observed so far. A paired call drafts its drafting phase whole."""
+        if not self.drafts:
             return False
-        return gap > 0 or self.policy.speculation_pays(self.batch, self.context, self.chain_acceptance, self.sampled)
+        if self.paired:
+            return True
+        verdict = self.policy.paired_verdict(self.batch, self.context, self.sampled) if self.policy.timed else 0.0
+        if verdict:
+            return verdict > 0
+        return self.policy.speculation_pays(self.batch, self.context, self.chain_acceptance, self.sampled)
+
+    def switch(self, emitted_share: float) -> bool:
+        """After a round of a paired call, with ``emitted_share`` of the call's most tokens emitted: True when its
+        first phase ends here (once); the next round is then the other kind, and it is not timed."""
+        if self.switch_share is None or emitted_share < self.switch_share:
+            return False
+        self.switch_share, self.drafting_phase, self._skip_timing = None, not self.drafting_phase, True
+        self.round_kind = "chain" if self.drafting_phase else "plain"
+        return True
 
     def timed(self, seconds: float, tokens: int) -> None:
         """The wall-clock seconds of the round that just ended (drafting, or not, to bookkeeping) and the tokens it
         emitted, counted by its kind (with the policy's ``timed`` only)."""
-        if self.policy.timed:
+        if self._skip_timing:
+            self._skip_timing = False
+        elif self.policy.timed:
             self.timing[self.round_kind].add(seconds, tokens)
             self.call_timing["plain" if self.round_kind == "plain" else "drafting"].add(seconds, tokens)
-
-    def speed_gap(self) -> float:
-        """Drafting rounds' (trees' and chains') measured tokens per second minus plain rounds', beyond EVIDENCE_Z
-        standard errors of the difference: > 0 where drafting is faster, < 0 where plain decoding is, 0 while the
-        difference is within the noise or fewer than MIN_TIMED of each are timed. Each rate's variance is the larger
-        of its rounds' and its calls' (:class:`CallSpread`: the drift between the calls that timed them; the calls'
-        rates already vary by their rounds' noise, and with one call the rounds' spread is all there is)."""
-        plain, drafting = self.timing["plain"], self.timing["tree"] + self.timing["chain"]
-        if plain.rounds < MIN_TIMED[0] or drafting.rounds < MIN_TIMED[1]:
-            return 0.0
-        variance = 0.0
-        for kind, times in (("plain", plain), ("drafting", drafting)):
-            open_call = self.call_timing[kind].rounds > 0
-            variance += max(times.rate_variance(), self.spread[kind].mean_variance(times.rate, open_call))
-        gap = drafting.rate - plain.rate
-        margin = EVIDENCE_Z * math.sqrt(variance)
-        return math.copysign(max(abs(gap) - margin, 0.0), gap)
 
     def finish(self) -> None:
         """Hands what this call observed to the policy (the next calls start from it)."""
         policy = self.policy
-        if self.control:
-            policy.end_control(self.batch, self.context, self.sampled, self.speed_gap())
+        if self.paired:
+            plain, drafting = self.call_timing["plain"], self.call_timing["drafting"]
+            policy.end_paired(self.batch, self.context, self.sampled, plain, drafting, self.chain_acceptance)
         else:
-            policy.end_call(self.batch, self.context, self.chain_acceptance, self.sampled, self.speed_gap())
+            policy.end_call(self.batch, self.context, self.chain_acceptance, self.sampled)
         policy.learnt_timing[self.key] = self.timing
-        for kind, times in self.call_timing.items():
-            if times.rounds:
-                self.spread[kind].add(times.rate)
-        policy.learnt_spread[self.key] = self.spread
 
 
 class PassHarness(CallHarness):
