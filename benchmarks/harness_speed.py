@@ -1,14 +1,16 @@
 """The harness against the best fixed configurations, in the engine on this CPU: tokens/s and acceptance length of
 ``mode="harness"`` (a cost table profiled first, in the same run) against every P-EAGLE chain length (chain 0: the
-target alone) and P-EAGLE trees at several node budgets, at batch sizes 1, 4 and 16, as ratios to the best fixed chain
-and the best fixed tree: the fastest in the run (hindsight), and, with two passes or more, the one picked on the other
-half of the passes (:func:`held_out_ratio`: no winner's curse).
+target alone) and P-EAGLE trees at several node budgets (the Cartesian tree of per-depth top-k that fits the budget,
+``tree N``; the best N nodes by path score of the top-2-per-depth candidate tree, ``tree N pruned``, the engine's
+default tree), at batch sizes 1, 4 and 16, as ratios to the best fixed chain and the best fixed tree: the fastest in
+the run (hindsight), and, with two passes or more, the one picked on the other half of the passes
+(:func:`held_out_ratio`: no winner's curse).
 
 Goal (issue 14): >= 1.1x the best fixed configuration at batch 1, never below 0.97x at any batch size.
 
     PYTHONPATH=. python benchmarks/harness_speed.py --target DIR --drafter DIR [--prompts 8 --new-tokens 96]
-        [--batch-sizes 1,4,16] [--budgets 8,16,32] [--costs costs.json] [--prompts-file heldout.jsonl] [--passes 3]
-        [--temperature 1.0] [--costs-out harness-costs.json] [--trace]
+        [--batch-sizes 1,4,16] [--budgets 8,16,32] [--pruned-budgets 8,16] [--costs costs.json]
+        [--prompts-file heldout.jsonl] [--passes 3] [--temperature 1.0] [--costs-out harness-costs.json] [--trace]
 
 With no --target / --drafter: the demo-sized random models of ``engine_speed.py`` (acceptance near zero).
 """
@@ -211,7 +213,8 @@ def main() -> None:
         default=3,
         help="passes per configuration (each call's fastest counts; >= 2: also the held-out pick)",
     )
-    parser.add_argument("--budgets", default="8,16,32")
+    parser.add_argument("--budgets", default="8,16,32", help="node budgets of the Cartesian trees")
+    parser.add_argument("--pruned-budgets", default="8,16", help="node budgets of the pruned top-2 trees ('' none)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy rounds; above 0: sampled ones")
     parser.add_argument(
         "--trace", action="store_true", help="also print every harness call against the best fixed chain's"
@@ -237,6 +240,8 @@ def main() -> None:
     configs.update({f"chain {k}": dict(mode="chain", depth=k) for k in range(1, depth + 1)})
     for budget in (int(b) for b in args.budgets.split(",")):
         configs[f"tree {budget}"] = dict(mode="tree", topk=tree_topk(depth, vocab, budget), num_nodes=budget)
+    for budget in (int(b) for b in args.pruned_budgets.split(",") if b):
+        configs[f"tree {budget} pruned"] = dict(mode="tree", topk=[min(2, vocab)] * depth, num_nodes=budget)
     configs["harness"] = dict(mode="harness", cost_table=table)
     decoders = {
         name: SpeculativeDecoder(target, o.pop("drafter", drafter), num_threads=1, **o) for name, o in configs.items()
@@ -249,14 +254,14 @@ def main() -> None:
         prompts = [torch.randint(0, runner.vocab_size, (args.prompt_len,), generator=gen).tolist() for _ in range(16)]
         prompts = prompts[: args.prompts]
     context = max(len(p) for p in prompts)
-    print(f"{'batch':>5} {'config':<10} {'tok/s':>8} {'cpu tok/s':>10} {'AL':>6}  ms a round: draft / verify / other")
+    print(f"{'batch':>5} {'config':<14} {'tok/s':>8} {'cpu tok/s':>10} {'AL':>6}  ms a round: draft / verify / other")
     for batch in batches:
         calls = run(decoders, prompts, batch, args.new_tokens, args.passes, args.temperature)
         results = summarize(calls, range(args.passes))
         for name, r in results.items():
             phases = " / ".join(f"{ms:.3f}" for ms in r.phase_ms)
             speed = f"{r.tokens_per_s:8.1f} {r.cpu_tokens_per_s:10.1f} {r.acceptance_length:6.2f}"
-            print(f"{batch:>5} {name:<10} {speed}  {phases}")
+            print(f"{batch:>5} {name:<14} {speed}  {phases}")
         ours = results["harness"]
         for kind in ("chain", "tree"):
             name = best_of(results, kind)

@@ -61,6 +61,7 @@ def test_every_call_ratio_counts_the_slow_passes_that_the_fastest_pass_hides():
 def test_the_script_runs_on_the_random_models(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent.parent), str(Path(__file__).parent)]))
     args = ["--prompts", "2", "--new-tokens", "6", "--batch-sizes", "1", "--passes", "2", "--budgets", "8"]
+    args += ["--pruned-budgets", "8"]
     args += ["--costs-out", str(tmp_path / "costs.json"), "--trace"]
     out = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("harness_speed.py")), *args],
@@ -74,6 +75,7 @@ def test_the_script_runs_on_the_random_models(tmp_path):
     assert (tmp_path / "costs.json").is_file()
     lines = out.stdout.splitlines()
     assert any(line.split()[1:3] == ["chain", "0"] for line in lines if len(line.split()) > 3)
+    assert any(line.split()[1:4] == ["tree", "8", "pruned"] for line in lines if len(line.split()) > 4)
     held_out = [line for line in lines if "picked on the other passes" in line]
     assert len(held_out) == 2 and all(math.isfinite(float(line.split(": ")[1].split("x")[0])) for line in held_out)
     every_call = [line for line in lines if "every call of every pass counted" in line]
