@@ -354,6 +354,12 @@ def test_a_paired_call_times_its_two_phases_and_its_gain_decides_the_next_calls(
     drafting = kind(faster, 1, DEPTH, 0, VOCAB, "cpu")
     drafting.chain_acceptance.count(0, 10 * MIN_TRIALS)  # every draft rejected
     assert drafting.speculate and not faster.speculation_pays(1, 0, drafting.chain_acceptance)
+    # Rounds of fewer requests than the call's batch (the last ones running) do not count towards its gain.
+    batched = kind(HarnessPolicy(FLAT, MAX_NODES), 4, DEPTH, 0, VOCAB, "cpu")
+    batched.timed(1e-3, 3, live=3)
+    assert batched.call_timing["drafting"].rounds == 0 and batched.timing["chain"].rounds == 1
+    batched.timed(1e-3, 5, live=4)
+    assert batched.call_timing["drafting"].rounds == 1
 
 
 def gains_of(values: list[float], variance: float = 0.0) -> PairedGains:

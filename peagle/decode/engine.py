@@ -526,7 +526,7 @@ class _Generation:
         self.batched_rounds += 1
         self.drafted_rounds += drafting is not None and not paused
         if self.harness is not None:  # the host has waited for the round's tokens: its wall time is complete
-            self.harness.timed(time.perf_counter() - begin, sum(host_accepted) + len(active))
+            self.harness.timed(time.perf_counter() - begin, sum(host_accepted) + len(active), len(active))
             emitted_share = sum(map(len, self.tokens)) / (len(self.tokens) * self.max_new)
             if self.harness.switch(emitted_share) and not self.harness.drafting_phase:
                 self.drafting = None  # a paired call's plain phase comes last

@@ -759,14 +759,18 @@ class CallHarness:
         self.round_kind = "chain" if self.drafting_phase else "plain"
         return True
 
-    def timed(self, seconds: float, tokens: int) -> None:
+    def timed(self, seconds: float, tokens: int, live: int | None = None) -> None:
         """The wall-clock seconds of the round that just ended (drafting, or not, to bookkeeping) and the tokens it
-        emitted, counted by its kind (with the policy's ``timed`` only)."""
+        emitted, counted by its kind (with the policy's ``timed`` only). ``live``: the requests it ran (default the
+        call's batch); only rounds of the whole batch count towards a paired call's gain, since a round of fewer
+        requests emits fewer tokens a second (its phase would look slower: the requests still running after a drafting
+        phase, whose progress varies, would fall to the plain phase)."""
         if self._skip_timing:
             self._skip_timing = False
         elif self.policy.timed:
             self.timing[self.round_kind].add(seconds, tokens)
-            self.call_timing["plain" if self.round_kind == "plain" else "drafting"].add(seconds, tokens)
+            if live is None or live == self.batch:
+                self.call_timing["plain" if self.round_kind == "plain" else "drafting"].add(seconds, tokens)
 
     def finish(self) -> None:
         """Hands what this call observed to the policy (the next calls start from it)."""
