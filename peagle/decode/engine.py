@@ -527,9 +527,9 @@ class _Generation:
         self.drafted_rounds += drafting is not None and not paused
         if self.harness is not None:  # the host has waited for the round's tokens: its wall time is complete
             self.harness.timed(time.perf_counter() - begin, sum(host_accepted) + len(active), len(active))
-            emitted_share = sum(map(len, self.tokens)) / (len(self.tokens) * self.max_new)
-            if self.harness.switch(emitted_share) and not self.harness.drafting_phase:
-                self.drafting = None  # a paired call's plain phase comes last
+            if self.harness.paired and self.harness.switch(self._emitted_share()):
+                if not self.harness.drafting_phase:
+                    self.drafting = None  # a paired call's plain phase comes last
             elif drafting is not None and not self.harness.speculate:  # what it observed and timed: drafting loses
                 self._end_harness()
                 self.drafting = None  # plain decoding for the rest of the call
@@ -537,6 +537,10 @@ class _Generation:
         clock.add("verify", t1, t2)
         clock.add("other", t2, clock.mark())
         return [r for r in active if not self.finish[r]]
+
+    def _emitted_share(self) -> float:
+        """The share of the call's most tokens emitted so far."""
+        return sum(map(len, self.tokens)) / (len(self.tokens) * self.max_new)
 
     def _end_harness(self) -> None:
         """Hands the harness's learning to the policy and keeps its report."""
