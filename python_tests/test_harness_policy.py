@@ -536,7 +536,11 @@ def test_sampled_rounds_draft_chains_of_the_observed_acceptance_rate(generator):
     table = cost_table([10e-3 + s for s in steps], [1e-3 + 0.2e-3 * k for k in range(DEPTH)])
     policy = HarnessPolicy(table, MAX_NODES)
     assert policy.plan(2, 0).kind == "chain"
-    accepted = torch.randint(0, DEPTH + 1, (40, 2), generator=generator)
+    # Uniform acceptance, then few accepted drafts: the rate falls from about 0.8 to about 0.5, and the chain with it
+    # (uniform throughout, the chain stayed at the full depth for 0.7% of seeds).
+    accepted = torch.cat(
+        [torch.randint(0, DEPTH + 1, (20, 2), generator=generator), torch.randint(0, 2, (20, 2), generator=generator)]
+    )
     depths = []
     for sharpness in (0.1, 10.0):
         harness, rows, seen, trials, run = PassHarness(policy, 2, DEPTH, 0, VOCAB, "cpu"), torch.arange(2), 0, 0, []
@@ -731,11 +735,12 @@ def test_a_near_tie_does_not_stop_drafting_and_many_paired_calls_find_a_real_los
 def test_a_fast_moment_or_a_hard_prompt_does_not_stop_a_drafter_that_pays(generator):
     """What stopped the harness on days this machine's speed drifted by +-20% between calls: one control call ran
     plain decoding 25% faster than it ran in the calls around it, and the drafting call after it, on a hard prompt,
-    emitted 12% fewer tokens per second than that control; rates of different calls compared (their rounds' noise
-    alone) said drafting loses (the power of the test). Paired, each call compares its own two phases: 60 calls of a
-    drafter 25% faster on average (prompts varying by 15%) never find it slower, and find it faster."""
+    emitted 20% fewer tokens per second than that control; rates of different calls compared (their rounds' noise
+    alone) said drafting loses (the power of the test; at 12% fewer, this precondition failed for 2.7% of seeds).
+    Paired, each call compares its own two phases: 60 calls of a drafter 25% faster on average (prompts varying by
+    15%) never find it slower, and find it faster."""
     fast_plain = noisy_rounds(generator, 180, 2.5e-3 / 1.25, [1])
-    hard_drafting = noisy_rounds(generator, 100, 2.5 * 2.5e-3 / 1.1, [2, 3])
+    hard_drafting = noisy_rounds(generator, 100, 2.5 * 2.5e-3, [2, 3])
     gap = hard_drafting.rate - fast_plain.rate
     assert gap + 2.0 * (fast_plain.rate_variance() + hard_drafting.rate_variance()) ** 0.5 < 0
     gains, verdicts = PairedGains(), []
@@ -764,12 +769,13 @@ def test_paired_gains_variance_of_the_mean_gain_over_calls(generator):
 
 def test_round_times_rate_and_its_standard_error(generator):
     """RoundTimes' variance (its mean over repeats) against the spread of the rate over many independent repeats of
-    the same kind of noisy rounds."""
-    repeats = [noisy_rounds(generator, 50, 4e-3, [1, 2, 3, 4]) for _ in range(400)]
+    the same kind of noisy rounds. Over 150 seeds, estimate/empirical was 1.00 +- 0.033 with 1600 repeats, so the
+    tolerance of 0.2 is 6 of its standard deviations (400 repeats and 0.25 were 3.5, and flaked in CI)."""
+    repeats = [noisy_rounds(generator, 50, 4e-3, [1, 2, 3, 4]) for _ in range(1600)]
     assert repeats[0].rounds == 50 and repeats[0].rate == pytest.approx(repeats[0].tokens / repeats[0].seconds)
     rates = torch.tensor([times.rate for times in repeats], dtype=torch.float64)
     estimated = sum(times.rate_variance() for times in repeats) / len(repeats)
-    assert estimated == pytest.approx(float(rates.var()), rel=0.25)
+    assert estimated == pytest.approx(float(rates.var()), rel=0.2)
     assert equal_rounds(1, 4e-3, 2).rate_variance() == float("inf")  # one round: no spread known
     exact = equal_rounds(4, 4e-3, 2)  # equal rounds: the assumed timing noise, not zero
     assert exact.rate_variance() == pytest.approx((500 * 0.2) ** 2 / 4)
