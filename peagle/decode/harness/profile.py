@@ -12,7 +12,11 @@ on this machine, with the engine's own components.
 Each point is the fastest of ``repeats`` timed calls after one warm-up call (other processes only ever add time, so
 the minimum is the steadiest estimate on a shared machine), the points of a row taking turns call by call (a machine
 whose speed drifts over seconds then touches every point of the row alike: the differences between node counts,
-widths and depths are what the harness decides on); CUDA timings synchronise around each call. Costs cannot
+widths and depths are what the harness decides on), each timed call right after an untimed call of the same point:
+the engine runs one shape round after round, with its caches warm, and a call timed cold after another point's ran
+slower (a 1-node verify at batch 16 by 1.4x on this machine: 2.93 ms cold, 2.15 ms warm, the engine's plain rounds
+2.1 ms, which made drafting look cheaper next to plain decoding than it is); CUDA timings synchronise around each
+call. Costs cannot
 fall as the work grows, so each row is made non-decreasing along its node / width / depth-count axis (a point above a
 later one is lowered to it: a late spike of interference must not make fewer nodes look dearer).
 """
@@ -48,7 +52,8 @@ def _monotone(row: list[float]) -> list[float]:
 
 
 def _timer(device: torch.device, repeats: int, bar) -> Callable[[list[Callable[[], object]]], list[float]]:
-    """measure(calls) -> the fastest of ``repeats`` timed runs of each call, the calls taking turns."""
+    """measure(calls) -> the fastest of ``repeats`` timed runs of each call (each after an untimed run of it), the
+    calls taking turns."""
 
     def once(fn: Callable[[], object]) -> float:
         if device.type == "cuda":
@@ -64,7 +69,9 @@ def _timer(device: torch.device, repeats: int, bar) -> Callable[[list[Callable[[
             fn()
         best = [float("inf")] * len(calls)
         for _ in range(repeats):
-            best = [min(b, once(fn)) for b, fn in zip(best, calls, strict=True)]
+            for i, fn in enumerate(calls):
+                fn()  # warm: the engine runs the same shape round after round; after the other points, caches are cold
+                best[i] = min(best[i], once(fn))
         bar.update(len(calls))
         return best
 
