@@ -186,7 +186,11 @@ def test_pass_decisions_follow_the_ratio_rule(generator):
         for b in range(3):
             want_budget, best = pass_brute_force(*args, b)
             assert int(budget[b]) == want_budget
-            assert int(next_depth[b]) in (best, best + 1)  # + 1: the budget used the deepest depth (grow)
+            # + 1: the budget used the deepest depth (grow); never below the drafted depth - 1
+            drafted = args[-1]
+            assert int(next_depth[b]) in (max(best, drafted - 1), best + 1)
+            if best < drafted - 1:
+                assert int(next_depth[b]) == drafted - 1
 
 
 def test_pass_opcheck(generator):

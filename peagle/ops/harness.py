@@ -240,7 +240,7 @@ def harness_pass_decide_reference(
     grow = (kept >= drafted_depth) & (best == drafted_depth) & (drafted_depth < pass_time.shape[0])
     _, sums = _ordered_sums(candidates, calibration, verify_cost.shape[0] - 1)
     predicted = sums.gather(1, (budget - 1)[:, None])[:, 0]
-    return budget, torch.where(grow, best + 1, best), predicted
+    return budget, torch.where(grow, best + 1, best.clamp(min=max(drafted_depth - 1, 1))), predicted
 
 
 def harness_observe(

@@ -127,7 +127,10 @@ PEAGLE_HD Decision decide(const double* scores, int64_t count, double scale, con
 //     R_K'(k) = (1 + S_k) / (pass[K' - 1] + V[k + 1]),   S_k = s_(1) + ... + s_(k), s = min(1, c * p),          (5)
 // the ratio (1) of a pass of depth K' verifying its best n nodes. The budget is 1 + the first k maximising R_D; the
 // next round's depth is the first K' whose best R_K' is largest - or D + 1 (at most num_pass) when that K' is D and
-// the budget keeps a node of depth D: the tree cannot show what a deeper pass would gain, so the harness tries one.
+// the budget keeps a node of depth D: the tree cannot show what a deeper pass would gain, so the harness tries one -
+// and never below D - 1: one round's tree is a noisy sample of how deep the next round's accepted path goes, a depth
+// more costs a pass little, and a pass too shallow caps the next round's acceptance (falling by one a round, as it
+// grows, the depth follows the drafter's level instead of one round's luck).
 // predicted = S_(budget - 1), the E of the budget's tree. Same order of evaluation as pass_budget in
 // peagle/decode/harness/policy.py (S_k a running sum, sequential), so the results agree bit for bit.
 constexpr int64_t kMaxPassDepth = 32;
@@ -206,7 +209,9 @@ PEAGLE_HD PassDecision pass_decide(const double* scores, const int64_t* depth, i
     ++seen;
   }
   const bool grow = kept_depth >= d_max && best_depth == d_max && d_max < num_pass;
-  return PassDecision{budget_drafts + 1, grow ? best_depth + 1 : best_depth, predicted};
+  const int64_t floor_depth = d_max > 1 ? d_max - 1 : 1;
+  const int64_t next_depth = grow ? best_depth + 1 : (best_depth > floor_depth ? best_depth : floor_depth);
+  return PassDecision{budget_drafts + 1, next_depth, predicted};
 }
 
 // Calibration update (harness_observe). After a verified round with A accepted drafts and E predicted for the verified
