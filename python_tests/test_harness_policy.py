@@ -23,10 +23,12 @@ from peagle.decode.harness import (
 from peagle.decode.harness.policy import (
     MIN_PAIRED_ROUNDS,
     MIN_TRIALS,
+    OVERHEAD_DECAY,
     PAIR_CV,
     PAIRED_PLAIN_SHARE,
     ChainAcceptance,
     PairedGains,
+    RoundOverhead,
     RoundTimes,
     paired_gain,
     recalibrate,
@@ -35,7 +37,7 @@ from peagle.decode.harness.policy import (
     verified_tree_counts,
     widest,
 )
-from peagle.ops import calibration_scale, tree_build_parallel
+from peagle.ops import calibration_scale, harness_pass_decide_reference, tree_build_parallel
 
 DEPTH, VOCAB, MAX_NODES = 6, 8, 32
 
@@ -101,12 +103,13 @@ FLAT = cost_table([10e-3, 10.2e-3, 10.6e-3, 11.4e-3, 13e-3, 16e-3], [1e-3 + 0.2e
 STEEP = cost_table([10e-3, 20e-3, 40e-3, 80e-3, 160e-3, 320e-3], [1e-3 + 0.2e-3 * k for k in range(DEPTH)])
 
 
-def fixed_goodput(table: CostTable, probs, truth, topk: list[int], nodes: int) -> float:
+def fixed_goodput(table: CostTable, probs, truth, topk: list[int], nodes: int, overhead: float = 0.0) -> float:
+    """Tokens per second of a fixed configuration whose rounds take the table's seconds plus ``overhead``."""
     depth = len(topk)
     spec = tree_build_parallel(probs[:, :depth], topk, nodes)
     accepted = accepted_drafts(spec, truth)
     verify = table.verify_row(1, 0, MAX_NODES)
-    seconds = len(truth) * (table.pass_time(1, depth) + float(verify[nodes]))
+    seconds = len(truth) * (table.pass_time(1, depth) + float(verify[nodes]) + overhead)
     return float((accepted + 1).sum()) / seconds
 
 
@@ -114,8 +117,12 @@ def plain_goodput(table: CostTable, truth) -> float:
     return len(truth) / (len(truth) * float(table.verify_row(1, 0, MAX_NODES)[1]))
 
 
-def harness_goodput(table: CostTable, probs, truth) -> tuple[float, PassHarness]:
-    harness = PassHarness(HarnessPolicy(table, MAX_NODES), 1, DEPTH, 0, VOCAB, "cpu")
+def harness_goodput(
+    table: CostTable, probs, truth, policy: HarnessPolicy | None = None, overhead: float | None = None
+) -> tuple[float, PassHarness]:
+    """The harness's tokens per second over a recorded trace. ``overhead``: every round takes that long beyond the
+    table's seconds and the harness is told each round's seconds (:meth:`PassHarness.timed`); None: rounds untimed."""
+    harness = PassHarness(policy or HarnessPolicy(table, MAX_NODES), 1, DEPTH, 0, VOCAB, "cpu")
     if not harness.speculate:
         return plain_goodput(table, truth), harness
     rows = torch.tensor([0])
@@ -127,7 +134,12 @@ def harness_goodput(table: CostTable, probs, truth) -> tuple[float, PassHarness]
         accepted = accepted_drafts(tree, truth[r : r + 1])
         harness.observe(rows, accepted, tree.num_nodes, tree.parent, accepted_path(tree, truth[r : r + 1]))
         emitted += int(accepted) + 1
-        seconds += float(harness.pass_time[depth - 1]) + float(harness.verify_cost[int(tree.num_nodes)])
+        round_s = float(harness.pass_time[depth - 1]) + float(harness.verify_cost[int(tree.num_nodes)])
+        if overhead is not None:
+            round_s += overhead
+            harness.timed(round_s, int(accepted) + 1)
+        seconds += round_s
+    harness.finish()
     return emitted / seconds, harness
 
 
@@ -166,6 +178,111 @@ def test_harness_decodes_plainly_where_speculation_loses():
 
 # Drafting a chain costs about a third of a verify (break-even acceptance rate near 0.45, between FLAT and STEEP).
 COSTLY_DRAFTS = cost_table([10e-3, 11e-3, 13e-3, 17e-3, 25e-3, 41e-3], [3.5e-3 + 0.5e-3 * k for k in range(DEPTH)])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_harness_learns_what_rounds_take_beyond_the_table_and_pays_it_once_a_round(seed):
+    """Rounds that take 10 ms beyond the cost table (bookkeeping the table leaves out, as large as a verify): once a
+    call has timed them, the next call plans trees (the overhead makes a wider verify cost little more than a
+    chain's) and drafts deeper, and beats every fixed configuration; without timing it keeps the table's chain plan
+    and loses to the best of them (the power check: the overhead is what the harness wins by)."""
+    overhead, probs, truth = 10e-3, *recorded_trace(seed)
+    best = max(fixed_goodput(COSTLY_DRAFTS, probs, truth, topk, n, overhead) for topk, n in fixed_configs())
+    results = {}
+    for timed in (True, False):
+        policy = HarnessPolicy(COSTLY_DRAFTS, MAX_NODES, timed=timed)
+        harness_goodput(COSTLY_DRAFTS, *recorded_trace(seed + 10), policy, overhead)  # an earlier call
+        results[timed] = harness_goodput(COSTLY_DRAFTS, probs, truth, policy, overhead)
+    (ours, harness), (untimed, blind) = results[True], results[False]
+    assert harness.overhead.seconds == pytest.approx(overhead, rel=1e-9)
+    assert blind.overhead.seconds == 0.0
+    assert harness.plan.kind == "tree" and blind.plan.kind == "chain"
+    assert ours > best > untimed, f"harness {ours:.1f} tokens/s, best fixed {best:.1f}, untimed harness {untimed:.1f}"
+
+
+def test_round_overhead_is_a_decayed_mean_of_the_residuals_and_never_negative(generator):
+    measured = (torch.rand(50, generator=generator, dtype=torch.float64) * 4e-3).tolist()
+    predicted = (torch.rand(50, generator=generator, dtype=torch.float64) * 2e-3).tolist()
+    overhead = RoundOverhead()
+    assert overhead.seconds == 0.0
+    for m, p in zip(measured, predicted, strict=True):
+        overhead.add(m, p)
+    weights = [OVERHEAD_DECAY ** (49 - i) for i in range(50)]
+    residuals = [m - p for m, p in zip(measured, predicted, strict=True)]
+    expected = sum(w * r for w, r in zip(weights, residuals, strict=True)) / sum(weights)
+    assert overhead.seconds == pytest.approx(max(expected, 0.0), rel=1e-9, abs=1e-15)
+    faster = RoundOverhead()
+    for p in predicted:
+        faster.add(0.5 * p, p)  # rounds faster than the table: noise of its timing, not a negative cost
+    assert faster.seconds == 0.0
+
+
+def test_timed_pass_rounds_add_the_overhead_to_every_depth_of_the_decision(generator):
+    """What a timed round took beyond the table's seconds of its pass and verified slots becomes the overhead, except
+    the first round after a paired call's switch; every decision after it is the op's with the overhead added to each
+    pass time (and differs from the decision without it)."""
+    policy = HarnessPolicy(COSTLY_DRAFTS, MAX_NODES)
+    harness, rows = PassHarness(policy, 1, DEPTH, 0, VOCAB, "cpu"), torch.tensor([0])
+    probs = torch.softmax(torch.randn(40, DEPTH, VOCAB, generator=generator) * 2, -1)
+    for r in range(40):
+        depth = harness.depth(rows)
+        spec = tree_build_parallel(probs[r : r + 1, :depth], harness.topk(depth), MAX_NODES)
+        overhead = harness.overhead.seconds
+        gamma, calibration = harness.gamma.clone(), harness.calibration.clone()
+        tree = harness.select(rows, spec, depth, sampled=False)
+        sharp = sharpen(spec.scores, gamma)
+        args = (sharp, spec.depth, spec.num_nodes, calibration)
+        pass_time = harness.pass_time + overhead
+        budget, next_depth, _ = harness_pass_decide_reference(*args, pass_time, harness.verify_cost, depth)
+        assert torch.equal(harness.next_depth, next_depth)
+        assert int(tree.num_nodes) == int(budget.clamp(min=min(2, int(spec.num_nodes))))
+        verify = COSTLY_DRAFTS.verify_row(1, 0, MAX_NODES)
+        table_s = COSTLY_DRAFTS.pass_time(1, depth) + float(verify[tree.tokens.shape[1]])
+        if r == 20:
+            harness._skip_timing = True  # as after a paired call's switch: not counted
+            harness.timed(table_s + 1.0, 1)
+            continue
+        harness.timed(table_s + 20e-3, 1)
+        harness.observe(rows, torch.tensor([depth]))
+    assert harness.overhead.seconds == pytest.approx(20e-3, rel=1e-9)
+    # ... and it changes decisions: chains of edge probability q verify more of their drafts once 20 ms a round is paid
+    chains = torch.linspace(0.2, 0.95, 16)[:, None, None].expand(16, DEPTH, 1)
+    spec = tree_build_parallel(torch.cat([chains, (1 - chains).expand(16, DEPTH, VOCAB - 1) / (VOCAB - 1)], 2),
+                               [1] * DEPTH, MAX_NODES)  # fmt: skip
+    args = (spec.scores.double(), spec.depth, spec.num_nodes, torch.zeros(16, 2, dtype=torch.float64))
+    paid = harness_pass_decide_reference(*args, harness.pass_time + 20e-3, harness.verify_cost, DEPTH)[0]
+    table_only = harness_pass_decide_reference(*args, harness.pass_time, harness.verify_cost, DEPTH)[0]
+    assert bool((paid >= table_only).all()) and bool((paid > table_only).any())
+    harness.finish()
+    assert PassHarness(policy, 1, DEPTH, 0, VOCAB, "cpu").overhead == harness.overhead  # the next call starts from it
+    assert PassHarness(policy, 1, DEPTH, 0, VOCAB, "cpu", sampled=True).overhead == RoundOverhead()  # nor sampled
+    untimed = PassHarness(HarnessPolicy(COSTLY_DRAFTS, MAX_NODES, timed=False), 1, DEPTH, 0, VOCAB, "cpu")
+    untimed.select(rows, tree_build_parallel(probs[:1], untimed.topk(DEPTH), MAX_NODES), DEPTH, sampled=False)
+    untimed.timed(1.0, 1)
+    assert untimed.overhead == RoundOverhead()  # a policy without timing keeps the table's decisions
+
+
+def test_depth_rounds_pay_the_overhead_from_their_root():
+    """EAGLE-3 rounds: a round starts with the overhead spent (draft_time = root cost + overhead, so that every
+    width's ratio pays it) and the table's seconds it predicts for the round leave it out."""
+    table = cost_table([10e-3 + 1e-3 * (n - 1) for n in [1, 2, 4, 8, 16, 32]], [1e-3] * DEPTH)
+    harness = DepthHarness(HarnessPolicy(table, MAX_NODES), 1, DEPTH, 0, VOCAB, "cpu")
+    nodes, rows = 6, torch.tensor([0])
+    index = torch.arange(nodes)
+    tokens, parent, chosen = index[None], (index - 1)[None], torch.ones(1, nodes, dtype=torch.bool)
+    scores = torch.full((1, nodes), 0.9, dtype=torch.float64).pow(index.double())
+    for seconds in (None, 0.05, 0.05):
+        round_ = harness.start(rows)
+        assert float(round_.state.draft_time[0]) == pytest.approx(harness.root_cost + harness.overhead.seconds)
+        round_.state.draft_time.add_(2e-3)  # two depths drafted
+        tree = round_.tree(*round_.select(tokens, parent, scores, chosen))
+        width = tree.tokens.shape[1]
+        table_s = harness.root_cost + 2e-3 + float(harness.verify_cost[width])
+        assert float(harness.predicted_s) == pytest.approx(table_s, rel=1e-12)
+        harness.timed(table_s if seconds is None else seconds, 1)
+    # residuals 0, then 0.05 - table_s twice
+    expected = (OVERHEAD_DECAY + 1) * (0.05 - table_s) / (OVERHEAD_DECAY**2 + OVERHEAD_DECAY + 1)
+    assert harness.overhead.seconds == pytest.approx(expected, rel=1e-9)
 
 
 @pytest.mark.parametrize("table", [FLAT, COSTLY_DRAFTS, STEEP], ids=["flat", "costly-drafts", "steep"])

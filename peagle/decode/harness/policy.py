@@ -24,10 +24,16 @@ for n nodes (root included, from the cost table row of the batch-size bucket and
 * **P-EAGLE.** One pass drafts K depths at cost pass(K); the budget is chosen over the parallel candidate tree as
   above (at least one draft, so that the calibration keeps learning), and the next round's K is the K' whose ratio on
   this round's tree (nodes deeper than K' dropped, cost pass(K')) is best, one more when that is the drafted depth and
-  the budget used it (:func:`pass_budget`): a shallow round stops paying for depths it does not use. A tree plan drafts
+  the budget used it, one less at most (:func:`pass_budget`): shallow rounds stop paying for depths they do not use,
+  and one round's luck does not cap the next. A tree plan drafts
   chains while what its trees gained over chains (accepted drafts off the top-1 chain, observed) does not pay for
   the time tree rounds took beyond chain rounds (measured wall clock once both were timed) at a chain round's tokens
   per second (every 8th to 64th round explores a tree).
+* **Round overhead.** A round takes longer than the table's seconds of its drafting and verify (the drafter catching
+  up on the accepted tokens, the tree's layout, the commit, the engine's bookkeeping): timed rounds learn that
+  difference (:class:`RoundOverhead`), and every decision pays it once per round, as part of T_draft, so a round of
+  more drafts spreads it over more tokens (the plan's tree-or-chain rule below counts it as well). Chain widths and
+  the break-even rate leave it out: plain rounds have bookkeeping of their own, and the paired calls weigh the two.
 * **Batch size.** :meth:`HarnessPolicy.plan`: at batch sizes whose verify cost grows slowly with the node count the
   candidates form a dynamic tree (top-k children per depth); where it grows fast, a chain (one child per depth) whose
   length the budget still chooses per request; :meth:`HarnessPolicy.chain_widths` is the per-bucket table of the best
@@ -90,6 +96,7 @@ __all__ = [
     "PairedGains",
     "PassHarness",
     "Plan",
+    "RoundOverhead",
     "RoundTimes",
     "SpeculationRecord",
     "TreeLearning",
@@ -147,6 +154,7 @@ EXPLORE_EVERY = 8  # ... except every 8th round, an interval that doubles (up to
 MAX_EXPLORE_EVERY = 64
 CALIBRATION_DECAY = 0.9  # weight of the past in the observed / predicted sums (about the last 10 rounds)
 SHARPNESS_RANGE = (0.02, 1.5)  # bounds of the exponent gamma of the path scores
+OVERHEAD_DECAY = 0.95  # weight of the past in :class:`RoundOverhead` (about the last 20 rounds)
 
 
 def sharpen(scores: Tensor, gamma: Tensor) -> Tensor:
@@ -181,7 +189,10 @@ def pass_budget(
     budget is :func:`harness_budget` over its nodes. Each K' in 1 .. ``depth`` is scored by the best ratio this tree
     would have given had the pass drafted K' depths (deeper nodes dropped, cost ``pass_time[K' - 1]``); the best K' is
     the next depth, or ``depth + 1`` (up to ``len(pass_time)``) when the best is ``depth`` and the budget reaches it:
-    the tree cannot show what a deeper pass would gain, so the harness tries it. Returns (budget, next depth, the
+    the tree cannot show what a deeper pass would gain, so the harness tries it; never below ``depth - 1`` (one
+    round's tree is a noisy sample of the drafter's level, a depth more costs a pass little and a pass too shallow
+    caps the next round's acceptance: on the simulation's traces, a fall to the single round's best K' lost up to 9%
+    to a depth that falls by one a round). Returns (budget, next depth, the
     budget's predicted accepted drafts), [B] each: the ``harness_pass_decide`` op, one call per round (its reference,
     ``harness_pass_decide_reference``, is the same decision in PyTorch).
     """
@@ -407,6 +418,30 @@ def paired_gain(plain: RoundTimes, drafting: RoundTimes) -> tuple[float, float] 
 
 
 @dataclass
+class RoundOverhead:
+    """The seconds a drafting round takes beyond what the cost table predicts for it (its pass and its verify): the
+    drafter catching up on the accepted tokens, the tree's layout, the commit and the engine's bookkeeping, which the
+    table's timed forwards leave out. A decayed mean of the rounds' residuals (measured minus predicted, the last
+    1 / (1 - OVERHEAD_DECAY) rounds or so), never below 0: residuals below 0 come from a table profiled in a slower
+    moment of the machine than now (it ran 1.6x faster on some days) and say nothing of a round's fixed cost, and a
+    negative one would make a round look cheaper than its forwards alone. Added to every depth's pass time, it is
+    the fixed cost of a round that the budget and depth decisions pay once per round (a round of more drafts spreads
+    it over more tokens)."""
+
+    residuals: float = 0.0  # decayed sum of measured - predicted seconds
+    weight: float = 0.0  # decayed count of rounds
+
+    def add(self, measured: float, predicted: float) -> None:
+        self.residuals = OVERHEAD_DECAY * self.residuals + (measured - predicted)
+        self.weight = OVERHEAD_DECAY * self.weight + 1.0
+
+    @property
+    def seconds(self) -> float:
+        """The overhead estimate (0 before a round)."""
+        return max(0.0, self.residuals / self.weight) if self.weight > 0 else 0.0
+
+
+@dataclass
 class PairedGains:
     """The gains of paired calls (:func:`paired_gain`) of one batch-size bucket, context interval and kind of round:
     decayed sums (the last PAIRED_MEMORY calls or so) of the calls, their gains, squared gains and own variances."""
@@ -497,8 +532,9 @@ class HarnessPolicy:
         table: the profiled cost table.
         max_nodes: the most nodes (root included) a round may verify.
         tree_topk: children per candidate node of a dynamic tree.
-        tree_growth: a bucket drafts trees while V[2 L + 1] <= tree_growth * V[L + 1] for its best chain length L,
-            i.e. while doubling the verified nodes costs little; chains otherwise.
+        tree_growth: a bucket drafts trees while V[2 L + 1] + O <= tree_growth * (V[L + 1] + O) for its best chain
+            length L and the round overhead O its earlier calls timed (:class:`RoundOverhead`), i.e. while doubling
+            the verified nodes costs a round little; chains otherwise.
         acceptance: the per-position acceptance rate the chain-width table assumes before calibration.
         timed: harnesses also decide by the measured wall time of their rounds (plain against drafting rounds, trees
             against chains; :class:`CallHarness`); False: by the table and the observed acceptance alone.
@@ -526,6 +562,7 @@ class HarnessPolicy:
         self.learnt_trees: dict[tuple[int, int, bool], TreeLearning] = {}
         self.learnt_timing: dict[tuple[int, int, bool], dict[str, RoundTimes]] = {}
         self.paired_gains: dict[tuple[int, int, bool], PairedGains] = {}  # the paired calls' gains, by the same keys
+        self.learnt_overhead: dict[tuple[int, int, bool], RoundOverhead] = {}  # by the same keys
         self._chain_cost_cache: dict[tuple[int, int, bool], list[float]] = {}
         self._break_even_cache: dict[tuple[int, int, bool], float] = {}  # by (bucket, interval, sampled)
         self._break_even_by_arguments: dict[tuple[int, int, bool], float] = {}
@@ -703,7 +740,11 @@ class HarnessPolicy:
         if length == 0:
             return Plan("plain", 1, verify, self.max_nodes)
         wide = min(2 * length + 1, self.max_nodes)
-        kind = "tree" if float(verify[wide]) <= self.tree_growth * float(verify[length + 1]) else "chain"
+        # What rounds take beyond the table (RoundOverhead, learnt by earlier calls) is paid by either kind of round.
+        learnt = self.learnt_overhead.get(self.table_key(batch, context))
+        overhead = learnt.seconds if learnt is not None else 0.0
+        tree_s, chain_s = float(verify[wide]) + overhead, float(verify[length + 1]) + overhead
+        kind = "tree" if tree_s <= self.tree_growth * chain_s else "chain"
         return Plan(kind, self.tree_topk if kind == "tree" else 1, verify, self.max_nodes)
 
 
@@ -734,6 +775,11 @@ class CallHarness:
         self.timing = {kind: replace(learnt.get(kind, RoundTimes())) for kind in ROUND_KINDS}
         self.call_timing = {"plain": RoundTimes(), "drafting": RoundTimes()}
         self._skip_timing = False
+        # What drafting rounds take beyond the table's seconds of their drafting and verify (:class:`RoundOverhead`),
+        # earlier calls' included; the harness sets the table's seconds of the round under way (a float, or a device
+        # scalar read once the round is timed).
+        self.overhead = replace(policy.learnt_overhead.get(self.key, RoundOverhead()))
+        self.predicted_s: float | Tensor | None = None
         # The kind of the round under way: plain in a plain phase; P-EAGLE's drafting rounds set tree or chain.
         self.round_kind = "chain" if self.drafting_phase else "plain"
 
@@ -765,12 +811,15 @@ class CallHarness:
         call's batch); only rounds of the whole batch count towards a paired call's gain, since a round of fewer
         requests emits fewer tokens a second (its phase would look slower: the requests still running after a drafting
         phase, whose progress varies, would fall to the plain phase)."""
-        if self._skip_timing:
+        predicted, self.predicted_s = self.predicted_s, None
+        if self._skip_timing:  # the first round after a switch: the drafter caught up on the plain rounds' tokens
             self._skip_timing = False
         elif self.policy.timed:
             self.timing[self.round_kind].add(seconds, tokens)
             if live is None or live == self.batch:
                 self.call_timing["plain" if self.round_kind == "plain" else "drafting"].add(seconds, tokens)
+            if predicted is not None:
+                self.overhead.add(seconds, float(predicted))
 
     def finish(self) -> None:
         """Hands what this call observed to the policy (the next calls start from it)."""
@@ -781,6 +830,7 @@ class CallHarness:
         else:
             policy.end_call(self.batch, self.context, self.chain_acceptance, self.sampled)
         policy.learnt_timing[self.key] = self.timing
+        policy.learnt_overhead[self.key] = self.overhead
 
 
 class PassHarness(CallHarness):
@@ -888,15 +938,27 @@ class PassHarness(CallHarness):
 
     def _chain_seconds(self, depth: int) -> float:
         """The cost table's seconds of a round that drafts and verifies a chain of ``depth``."""
-        return self.pass_s[max(depth, 1) - 1] + self.verify_s[min(depth + 1, len(self.verify_s) - 1)]
+        return self._round_seconds(depth, depth + 1)
+
+    def _round_seconds(self, depth: int, width: int) -> float:
+        """The cost table's seconds of a round whose pass drafted ``depth`` depths and whose trees have ``width``
+        slots."""
+        return self.pass_s[max(depth, 1) - 1] + self.verify_s[min(width, len(self.verify_s) - 1)]
 
     def select(self, rows: Tensor, spec: TreeSpec, depth: int, sampled: bool) -> TreeSpec:
+        tree = self._select(rows, spec, depth, sampled)
+        self.predicted_s = self._round_seconds(depth, tree.tokens.shape[1])
+        return tree
+
+    def _select(self, rows: Tensor, spec: TreeSpec, depth: int, sampled: bool) -> TreeSpec:
         if sampled:  # a chain whose length, fixed after the previous round, is the pass depth: verify it whole
             width = tree_width(spec.num_nodes, spec.tokens.shape[1], self.max_nodes)
             return tree_select(spec.tokens, spec.parent, spec.scores, spec.num_nodes, width)
         calibration = self._of(rows, self.calibration)
         spec = spec._replace(scores=sharpen(spec.scores, self._of(rows, self.gamma)))
-        budget, next_depth, predicted = pass_budget(spec, calibration, self.pass_time, depth, self.verify_cost)
+        overhead = self.overhead.seconds  # paid once per round, whatever its depth: part of every depth's pass time
+        pass_time = self.pass_time + overhead if overhead > 0 else self.pass_time
+        budget, next_depth, predicted = pass_budget(spec, calibration, pass_time, depth, self.verify_cost)
         # At least one draft: a round that verifies none teaches the calibration nothing (it would never recover from
         # a drafter whose scores start far too low).
         floored = torch.maximum(budget, torch.clamp(spec.num_nodes, max=2))
@@ -1018,6 +1080,7 @@ class DepthRound:
         self.gamma = torch.ones(padded, dtype=torch.float64, device=device)
         self.calibration = torch.zeros(padded, 2, dtype=torch.float64, device=device)
         self.state = HarnessState.start(padded, device, harness.root_cost)
+        self.overhead = 0.0  # the harness's overhead estimate when the round started (in state.draft_time)
         self._index = torch.arange(padded, device=device)
 
     def reset(self, rows: Tensor) -> None:
@@ -1032,7 +1095,9 @@ class DepthRound:
         torch.index_select(self.harness.calibration, 0, self.rows, out=self.calibration)
         state = self.state
         state.expected.zero_()
-        state.draft_time.fill_(self.harness.root_cost)
+        # The round's fixed cost beyond the table's, paid once whatever its depths and budget: part of every ratio.
+        self.overhead = self.harness.overhead.seconds
+        state.draft_time.fill_(self.harness.root_cost + self.overhead)
         state.num_nodes.fill_(1)
         state.width.zero_()
         state.stop.copy_(self._index >= count)
@@ -1064,6 +1129,10 @@ class DepthRound:
         tree = tree_select(tokens[rows], parent[rows], scores[rows], count[rows], width)
         harness = self.harness
         harness.predicted[self.rows[rows]] = predicted_acceptance(tree, self.calibration[rows])
+        # The table's seconds of the round: its deepest request's drafting (a device scalar, read once it is timed)
+        # and the verify of its slots.
+        verify = harness.verify_s[min(tree.tokens.shape[1], len(harness.verify_s) - 1)]
+        harness.predicted_s = self.state.draft_time[rows].max() + (verify - self.overhead)
         return tree
 
 
@@ -1099,6 +1168,7 @@ class DepthHarness(CallHarness):
         self.draft_cost = [table.draft_row(batch, d)[columns].to(self.device) for d in range(1, max_depth + 1)]
         self.root_cost = float(table.draft_row(batch, 1)[0])
         self.verify_cost = self.plan.verify_cost.to(self.device)
+        self.verify_s = self.plan.verify_cost.tolist()  # host copy
         self.gamma, self.calibration = policy.start_state(batch, self.device)
         self.predicted = torch.zeros(batch, dtype=torch.float64, device=self.device)
         self.rounds: dict[int, DepthRound] = {}
