@@ -328,6 +328,36 @@ def observed_call(policy: HarnessPolicy, accepted: int, sampled: bool = False, t
     policy.end_call(1, 0, acceptance, sampled)
 
 
+def static_batch_call(policy: HarnessPolicy, batch: int, rounds: list[int]) -> str:
+    """A drafting call of ``batch`` requests whose rounds ran ``rounds[i]`` live requests, each accepting 2 of 3
+    chained drafts (3 tokens), every round taking the table's seconds of a chain of 3 at the batch's bucket; returns
+    how the next call at this batch size starts."""
+    harness = PassHarness(policy, batch, DEPTH, 0, VOCAB, "cpu")
+    assert harness.speculate and harness.plan.kind != "plain"
+    round_s = harness._chain_seconds(3)
+    for live in rounds:
+        harness.chain_acceptance.observe(torch.full((live,), 2), torch.full((live,), 4))
+        harness.predicted_s = round_s
+        harness.timed(round_s, 3 * live, live)
+    harness.finish()
+    return policy.start_call(batch, 0)
+
+
+def test_a_static_batch_whose_slowest_requests_outlast_plain_decoding_decodes_plainly_next():
+    """At batch 8 a call's rounds last until its slowest request is done. The per-request acceptance (2 of 3 drafts)
+    is far above break-even; 20 full rounds and 80 more for one straggler emit fewer tokens per table second than
+    plain decoding of the 8 requests would, so the next call decodes plainly. Power: the same rounds without the
+    stragglers, or at batch 1 (no one to wait for), keep drafting."""
+    table = cost_table([10e-3, 10.2e-3, 10.6e-3, 11.4e-3, 13e-3, 16e-3], [1e-3 + 0.2e-3 * k for k in range(DEPTH)], 8)
+    policy = HarnessPolicy(table, MAX_NODES, timed=False)
+    assert policy.break_even_rate(8, 0) < 0.5
+    round_s, plain_rate = policy.table.pass_time(8, 3) + float(table.verify_row(8, 0, MAX_NODES)[4]), 8 / 10e-3
+    assert (20 * 24 + 80 * 3) / (100 * round_s) < plain_rate < 24 / round_s  # a full round beats plain decoding
+    assert static_batch_call(policy, 8, [8] * 20 + [1] * 80) == "plain"
+    assert static_batch_call(HarnessPolicy(table, MAX_NODES, timed=False), 8, [8] * 20) == "draft"
+    assert static_batch_call(HarnessPolicy(table, MAX_NODES, timed=False), 1, [1] * 100) == "draft"
+
+
 def test_a_rate_just_below_break_even_stops_speculation_only_after_many_observations():
     """Near break-even drafting costs little, stopping a drafter that pays a lot: a rate 0.05 below break-even stops
     only once its standard error is small enough (EVIDENCE_Z of them), not after MIN_TRIALS."""

@@ -38,19 +38,21 @@ for n nodes (root included, from the cost table row of the batch-size bucket and
   candidates form a dynamic tree (top-k children per depth); where it grows fast, a chain (one child per depth) whose
   length the budget still chooses per request; :meth:`HarnessPolicy.chain_widths` is the per-bucket table of the best
   chain length at a given acceptance rate, and a bucket whose best length is 0 decodes without speculation. Once a
-  generate call has observed :data:`MIN_TRIALS` drafts and rejections, it also stops drafting for the rest of the
-  call when the observed per-position acceptance rate lies below the cost table's break-even rate, the rate below
-  which no chain length emits more tokens per second than plain decoding (:meth:`HarnessPolicy.speculation_pays`),
-  by :data:`EVIDENCE_Z` standard errors, since near break-even drafting costs little and stopping a drafter that
-  pays costs its whole speed-up. The wall clock decides in **paired calls**, which count what the table leaves out
-  (bookkeeping, commits): now and then a generate call drafts for part of its tokens and decodes plainly for the rest
-  (a third; plain first or drafting first, in turn), and its gain, its drafting rounds' tokens per second over its
-  plain rounds' minus 1, compares the two on the same prompt at the same moment (:class:`PairedGains` pools the
-  gains of the calls so far). Comparing rounds of different calls instead mixes the machine's drift between calls
-  (+-20% here) and the prompts' difficulty into the comparison. While speculating pays, the 2nd call is paired, then
-  every 2nd while the gains have not decided, intervals that double up to 32 calls once they say drafting is faster
-  (a "control"). Once they say plain decoding is faster, or, where they have not decided, the acceptance of the calls
-  so far does (the earlier ones weighing less, :data:`CALL_DECAY`), the next calls at that batch size decode plainly,
+  generate call has observed :data:`MIN_TRIALS` drafts and rejections, it also stops drafting for the rest of the call
+  when the observed per-position acceptance rate lies below the cost table's break-even rate, the rate below which no
+  chain length emits more tokens per second than plain decoding (:meth:`HarnessPolicy.speculation_pays`), by
+  :data:`EVIDENCE_Z` standard errors, since near break-even drafting costs little and stopping a drafter that pays costs
+  its whole speed-up. At batch > 1 a call's verdict for the next calls also needs its drafting rounds to emit at least
+  plain decoding's tokens per table second (:class:`CallYield`): a static batch pays for rounds until its slowest
+  request is done, which the per-request rate does not see. The wall clock decides in **paired calls**, which count what
+  the table leaves out (bookkeeping, commits): now and then a generate call drafts for part of its tokens and decodes
+  plainly for the rest (a third; plain first or drafting first, in turn), and its gain, its drafting rounds' tokens per
+  second over its plain rounds' minus 1, compares the two on the same prompt at the same moment (:class:`PairedGains`
+  pools the gains of the calls so far). Comparing rounds of different calls instead mixes the machine's drift between
+  calls (+-20% here) and the prompts' difficulty into the comparison. While speculating pays, the 2nd call is paired,
+  then every 2nd while the gains have not decided, intervals that double up to 32 calls once they say drafting is faster
+  (a "control"). Once they say plain decoding is faster, or, where they have not decided, the acceptance of the calls so
+  far does (the earlier ones weighing less, :data:`CALL_DECAY`), the next calls at that batch size decode plainly,
   except paired calls (a "probe"): the 2nd call after, then intervals that double up to 32 calls while they find the
   same; only gains that say drafting is faster clear the verdict (:meth:`HarnessPolicy.start_call`).
 * **Temperature > 0.** Sampled rounds (drafts drawn) draft chains, P-EAGLE's as EAGLE-3's, whose length is fixed
@@ -88,6 +90,7 @@ __all__ = [
     "EVIDENCE_Z",
     "MIN_TRIALS",
     "CallHarness",
+    "CallYield",
     "ChainAcceptance",
     "DepthHarness",
     "DepthRound",
@@ -442,6 +445,25 @@ class RoundOverhead:
 
 
 @dataclass
+class CallYield:
+    """The tokens a call's drafting rounds emitted and the cost table's seconds of those rounds (their pass and
+    verify at the call's batch-size bucket): a static batch pays for every round until its slowest request is done,
+    so at batch > 1 the tokens per table second of its rounds can fall below plain decoding's where the per-request
+    acceptance rate says drafting pays (:meth:`HarnessPolicy.batch_yield_pays`)."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+
+    def add(self, tokens: float, seconds: float) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
+
+    def decay(self, weight: float) -> None:
+        self.tokens *= weight
+        self.seconds *= weight
+
+
+@dataclass
 class PairedGains:
     """The gains of paired calls (:func:`paired_gain`) of one batch-size bucket, context interval and kind of round:
     decayed sums (the last PAIRED_MEMORY calls or so) of the calls, their gains, squared gains and own variances."""
@@ -568,6 +590,7 @@ class HarnessPolicy:
         self._break_even_by_arguments: dict[tuple[int, int, bool], float] = {}
         self._records: dict[tuple[int, int, bool], SpeculationRecord] = {}  # by (bucket, interval, sampled)
         self._pooled: dict[tuple[int, int, bool], ChainAcceptance] = {}  # the calls' acceptance, by the same keys
+        self._yields: dict[tuple[int, int, bool], CallYield] = {}  # the calls' drafting yield, by the same keys
 
     def start_state(self, batch: int, device) -> tuple[Tensor, Tensor]:
         """(gamma [B], calibration [B, 2]) for the requests of a new generate call."""
@@ -624,6 +647,17 @@ class HarnessPolicy:
         accepts a level as often as a chain accepts a position costs more per level, so it does not pay either."""
         return acceptance.trials < MIN_TRIALS or acceptance.upper_rate > self.break_even_rate(batch, context, sampled)
 
+    def batch_yield_pays(self, batch: int, context: int, call_yield: CallYield, sampled: bool = False) -> bool:
+        """Whether drafting rounds at ``batch`` > 1 emitted at least plain decoding's tokens per table second
+        (``batch`` tokens per V[1]); True at batch 1 (each round is its request's own) and before a drafting round.
+        In a static batch the rounds go on until the slowest request is done: at batch 16 on the demo, chain 5 ran
+        115 batched rounds where a request needed 71 on average (its prompts accepted 1.6 to 3.4 tokens a round), and
+        the target alone ran 1.57x as fast, while the per-request acceptance rate (0.6) was above break-even (0.54).
+        The table's seconds, not the measured ones: the same every run, so one call decides as the acceptance does."""
+        if batch <= 1 or call_yield.seconds <= 0:
+            return True
+        return call_yield.tokens / call_yield.seconds >= batch / self._chain_costs(batch, context, sampled)[0]
+
     def start_call(
         self, batch: int, context: int, sampled: bool = False
     ) -> Literal["draft", "probe", "plain", "control"]:
@@ -661,16 +695,28 @@ class HarnessPolicy:
         pooled.count(acceptance.accepted, acceptance.trials - acceptance.accepted)
         return pooled
 
-    def end_call(self, batch: int, context: int, acceptance: ChainAcceptance, sampled: bool = False) -> None:
+    def end_call(
+        self,
+        batch: int,
+        context: int,
+        acceptance: ChainAcceptance,
+        sampled: bool = False,
+        call_yield: CallYield | None = None,
+    ) -> None:
         """Records what a drafting call found for the next calls' :meth:`start_call`. The paired calls' gains decide
         where they have (measured speeds, not the table, say whether drafting pays). Where rounds are timed and they
         have not, a verdict that speculating does not pay stands: a probe must show that drafting pays, not merely
         fail to show that it loses (the cost table's break-even rate, which leaves out a round's bookkeeping, would
         clear it). Otherwise the acceptance rate decides once at least :data:`MIN_TRIALS` are observed: this call's
         counts added to the earlier calls' (weighed CALL_DECAY per call, so that one hard prompt does not outweigh
-        the rest)."""
+        the rest), and at batch > 1 the drafting rounds' tokens per table second must reach plain decoding's
+        (:meth:`batch_yield_pays`, ``call_yield`` pooled over calls the same way)."""
         key = self.table_key(batch, context, sampled)
         pooled = self._pool(key, acceptance)
+        yields = self._yields.setdefault(key, CallYield())
+        yields.decay(CALL_DECAY)
+        if call_yield is not None:
+            yields.add(call_yield.tokens, call_yield.seconds)
         record = self._records.setdefault(key, SpeculationRecord())
         verdict = self.paired_verdict(batch, context, sampled) if self.timed else 0.0
         if verdict:
@@ -679,6 +725,7 @@ class HarnessPolicy:
             pays = False
         elif pooled.trials >= MIN_TRIALS:
             pays = self.speculation_pays(batch, context, pooled, sampled)
+            pays = pays and self.batch_yield_pays(batch, context, yields, sampled)
         else:
             return
         _record_verdict(record, pays)
@@ -780,6 +827,7 @@ class CallHarness:
         # scalar read once the round is timed).
         self.overhead = replace(policy.learnt_overhead.get(self.key, RoundOverhead()))
         self.predicted_s: float | Tensor | None = None
+        self.call_yield = CallYield()  # this call's drafting rounds (:meth:`HarnessPolicy.batch_yield_pays`)
         # The kind of the round under way: plain in a plain phase; P-EAGLE's drafting rounds set tree or chain.
         self.round_kind = "chain" if self.drafting_phase else "plain"
 
@@ -807,11 +855,15 @@ class CallHarness:
 
     def timed(self, seconds: float, tokens: int, live: int | None = None) -> None:
         """The wall-clock seconds of the round that just ended (drafting, or not, to bookkeeping) and the tokens it
-        emitted, counted by its kind (with the policy's ``timed`` only). ``live``: the requests it ran (default the
-        call's batch); only rounds of the whole batch count towards a paired call's gain, since a round of fewer
-        requests emits fewer tokens a second (its phase would look slower: the requests still running after a drafting
-        phase, whose progress varies, would fall to the plain phase)."""
+        emitted, counted by its kind (with the policy's ``timed`` only; a drafting round's table seconds, which the
+        harness set in :attr:`predicted_s`, and tokens count into :attr:`call_yield` either way). ``live``: the
+        requests it ran (default the call's batch); only rounds of the whole batch count towards a paired call's gain,
+        since a round of fewer requests emits fewer tokens a second (its phase would look slower: the requests still
+        running after a drafting phase, whose progress varies, would fall to the plain phase)."""
         predicted, self.predicted_s = self.predicted_s, None
+        if predicted is not None:
+            predicted = float(predicted)
+            self.call_yield.add(tokens, predicted)
         if self._skip_timing:  # the first round after a switch: the drafter caught up on the plain rounds' tokens
             self._skip_timing = False
         elif self.policy.timed:
@@ -819,7 +871,7 @@ class CallHarness:
             if live is None or live == self.batch:
                 self.call_timing["plain" if self.round_kind == "plain" else "drafting"].add(seconds, tokens)
             if predicted is not None:
-                self.overhead.add(seconds, float(predicted))
+                self.overhead.add(seconds, predicted)
 
     def finish(self) -> None:
         """Hands what this call observed to the policy (the next calls start from it)."""
@@ -828,7 +880,7 @@ class CallHarness:
             plain, drafting = self.call_timing["plain"], self.call_timing["drafting"]
             policy.end_paired(self.batch, self.context, self.sampled, plain, drafting, self.chain_acceptance)
         else:
-            policy.end_call(self.batch, self.context, self.chain_acceptance, self.sampled)
+            policy.end_call(self.batch, self.context, self.chain_acceptance, self.sampled, self.call_yield)
         policy.learnt_timing[self.key] = self.timing
         policy.learnt_overhead[self.key] = self.overhead
 
