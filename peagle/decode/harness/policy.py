@@ -806,6 +806,7 @@ class CallHarness:
     def __init__(self, policy: HarnessPolicy, batch: int, context: int, sampled: bool) -> None:
         self.policy, self.batch, self.context, self.sampled = policy, batch, context, sampled
         self.plan = policy.plan(batch, context)
+        self.verify_s = self.plan.verify_cost.tolist()  # host copy of V[n]
         self.max_nodes = policy.max_nodes
         self.chain_acceptance = ChainAcceptance()  # sampled chains' length; whether speculating pays
         self.key = policy.table_key(batch, context, sampled)
@@ -830,6 +831,10 @@ class CallHarness:
         self.call_yield = CallYield()  # this call's drafting rounds (:meth:`HarnessPolicy.batch_yield_pays`)
         # The kind of the round under way: plain in a plain phase; P-EAGLE's drafting rounds set tree or chain.
         self.round_kind = "chain" if self.drafting_phase else "plain"
+
+    def verify_seconds(self, slots: int) -> float:
+        """The cost table's V[n] for trees of ``slots`` slots (at most the row's last node count)."""
+        return self.verify_s[min(slots, len(self.verify_s) - 1)]
 
     @property
     def speculate(self) -> bool:
@@ -921,7 +926,7 @@ class PassHarness(CallHarness):
         # Tokens emitted and batched rounds (greedy), from earlier calls on: the first rounds of a generation alone
         # would understate a chain round's tokens per second.
         self.emitted = list(learnt.emitted)
-        self.pass_s, self.verify_s = self.pass_time.tolist(), self.verify_cost.tolist()  # host copies
+        self.pass_s = self.pass_time.tolist()  # host copy
         self.explore_every, self.since_tree = learnt.explore_every, 0
         self.chain_round = False  # this round's candidates form a chain (set by topk)
         self.exploring = False  # ... or a tree drafted only to look for accepted drafts off the chain
@@ -995,7 +1000,7 @@ class PassHarness(CallHarness):
     def _round_seconds(self, depth: int, width: int) -> float:
         """The cost table's seconds of a round whose pass drafted ``depth`` depths and whose trees have ``width``
         slots."""
-        return self.pass_s[max(depth, 1) - 1] + self.verify_s[min(width, len(self.verify_s) - 1)]
+        return self.pass_s[max(depth, 1) - 1] + self.verify_seconds(width)
 
     def select(self, rows: Tensor, spec: TreeSpec, depth: int, sampled: bool) -> TreeSpec:
         tree = self._select(rows, spec, depth, sampled)
@@ -1021,8 +1026,7 @@ class PassHarness(CallHarness):
         else:
             tree = select_widest(spec, use, self.max_nodes)
             # The target verifies every slot: what this tree costs beyond a chain of the pass depth.
-            width, chain = tree.tokens.shape[1], min(depth + 1, len(self.verify_s) - 1)
-            self.siblings[1] += max(0.0, self.verify_s[min(width, len(self.verify_s) - 1)] - self.verify_s[chain])
+            self.siblings[1] += max(0.0, self.verify_seconds(tree.tokens.shape[1]) - self.verify_seconds(depth + 1))
         if not torch.equal(use, budget):  # the op's prediction is that of its own budget
             predicted = predicted_acceptance(tree, calibration)
         self._set(rows, "next_depth", next_depth)
@@ -1183,7 +1187,7 @@ class DepthRound:
         harness.predicted[self.rows[rows]] = predicted_acceptance(tree, self.calibration[rows])
         # The table's seconds of the round: its deepest request's drafting (a device scalar, read once it is timed)
         # and the verify of its slots.
-        verify = harness.verify_s[min(tree.tokens.shape[1], len(harness.verify_s) - 1)]
+        verify = harness.verify_seconds(tree.tokens.shape[1])
         harness.predicted_s = self.state.draft_time[rows].max() + (verify - self.overhead)
         return tree
 
@@ -1220,7 +1224,6 @@ class DepthHarness(CallHarness):
         self.draft_cost = [table.draft_row(batch, d)[columns].to(self.device) for d in range(1, max_depth + 1)]
         self.root_cost = float(table.draft_row(batch, 1)[0])
         self.verify_cost = self.plan.verify_cost.to(self.device)
-        self.verify_s = self.plan.verify_cost.tolist()  # host copy
         self.gamma, self.calibration = policy.start_state(batch, self.device)
         self.predicted = torch.zeros(batch, dtype=torch.float64, device=self.device)
         self.rounds: dict[int, DepthRound] = {}
