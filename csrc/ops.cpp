@@ -110,6 +110,18 @@ TORCH_LIBRARY(peagle, m) {
   m.def(
       "harness_observe(Tensor(a!) calibration, Tensor(b!) gamma, Tensor predicted, Tensor accepted, Tensor? rows, "
       "float decay, float gamma_min, float gamma_max) -> ()");
+  // P-EAGLE edge calibration (math: (7) and (8) of csrc/include/peagle/harness.h). harness_edge_scores: from a
+  // candidate tree (path scores [B, N], parent [B, N], num_nodes [B]) and the edge table (decayed sums [2, E], their
+  // prior [2, E], bin thresholds [T]): each node's predicted acceptance [B, N] (the product of its path's calibrated
+  // edges), its edge probability [B, N] and its kind of edge [B, N] (-1: root, padding). harness_edge_observe: folds a
+  // verified round into the table and, per row r, request b = rows[r]'s (observed, predicted) sums, in place.
+  m.def(
+      "harness_edge_scores(Tensor scores, Tensor parent, Tensor num_nodes, Tensor table, Tensor prior, "
+      "Tensor thresholds) -> (Tensor path, Tensor q, Tensor kind)");
+  m.def(
+      "harness_edge_observe(Tensor(a!) table, Tensor(b!) calibration, Tensor q, Tensor kind, Tensor path, "
+      "Tensor parent, Tensor accepted_path, Tensor num_accepted, Tensor? rows, float edge_decay, float path_decay) "
+      "-> ()");
 
   // Returns the CPU output blocks kept for reuse (see csrc/cpu/large_buffers.h) to the OS; bytes released. Takes no
   // tensor, so its one kernel is composite (registered in csrc/cpu/large_buffers.cpp).

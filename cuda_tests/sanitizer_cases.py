@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import peagle  # noqa: F401  (registers torch.ops.peagle)
 from testkit import (
     gdn_inputs_to,
+    random_edge_case,
     random_gdn_inputs,
     random_packed_row,
     random_tree_batch,
@@ -181,6 +182,18 @@ def harness_observe_case(generator):
     harness_observe(calibration, gamma, predicted, every, None, 0.9, (0.02, 1.5))
     harness_observe(calibration, gamma, predicted, some, torch.tensor([2, 0], device=DEVICE), 0.9, (0.02, 1.5))
     harness_observe(calibration, gamma, predicted, every[:0], every[:0], 0.9, (0.02, 1.5))  # no rows: no launch
+
+
+@case("harness_edge_scores", "harness_edge_observe")
+def harness_edge(generator):
+    from peagle.ops import harness_edge_observe, harness_edge_scores
+
+    for rows in ("all", "subset", "none"):  # a tree per request, some requests, none (the observe kernel's table only)
+        case_ = random_edge_case(generator, 5, rows)
+        on_device = [t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in case_]
+        path, q, kind = harness_edge_scores(*on_device[:6])
+        _, parent, _, table, _, _, accepted_path, num_accepted, calibration, index = on_device
+        harness_edge_observe(table, calibration, q, kind, path, parent, accepted_path, num_accepted, index, 0.99, 0.5)
 
 
 def graph_chain(generator):

@@ -3,7 +3,9 @@ wider than one block), writes only into its arguments (no host synchronisation: 
 graph), and rejects tensors on two devices. harness_pass_decide on CUDA equals the CPU op bit for bit (chains and
 trees, batches over several blocks) without a host synchronisation. harness_observe on CUDA equals the CPU op bit for
 bit (every row, rows in random order, no rows; int64 and int32 accepted counts; batches over several blocks) without a
-host synchronisation, inside a captured CUDA graph too, and rejects tensors on two devices."""
+host synchronisation, inside a captured CUDA graph too, and rejects tensors on two devices. harness_edge_scores and
+harness_edge_observe on CUDA equal the CPU ops bit for bit (chains and trees, padding, every row, rows in random order,
+no rows, batches over several blocks) without a host synchronisation, inside a captured CUDA graph too."""
 
 from __future__ import annotations
 
@@ -12,8 +14,15 @@ import torch
 
 import peagle  # noqa: F401
 from peagle.decode.harness.policy import CALIBRATION_DECAY, SHARPNESS_RANGE
-from peagle.ops import HarnessState, harness_decide, harness_observe, harness_pass_decide
-from testkit import random_observe_case, random_pass_case
+from peagle.ops import (
+    HarnessState,
+    harness_decide,
+    harness_edge_observe,
+    harness_edge_scores,
+    harness_observe,
+    harness_pass_decide,
+)
+from testkit import random_edge_case, random_observe_case, random_pass_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -131,3 +140,52 @@ def test_harness_observe_device_mismatch(generator):
         harness_observe(calibration.cuda(), gamma.cuda(), predicted, accepted.cuda(), rows.cuda(), 0.9, (0.02, 1.5))
     with pytest.raises(RuntimeError, match="rows must be on the same device as calibration"):
         harness_observe(calibration.cuda(), gamma.cuda(), predicted.cuda(), accepted.cuda(), rows, 0.9, (0.02, 1.5))
+
+
+@pytest.mark.parametrize("batch,rows", [(1, "all"), (37, "subset"), (300, "all"), (300, "subset"), (5, "none")])
+def test_harness_edge_ops_on_cuda_equal_cpu(generator, batch, rows):
+    for _ in range(10):
+        case = random_edge_case(generator, batch, rows)
+        on_device = cuda_args(case)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            path, q, kind = harness_edge_scores(*on_device[:6])
+            table, calibration = on_device[3], on_device[8]
+            harness_edge_observe(
+                table, calibration, q, kind, path, on_device[1], *on_device[6:8], on_device[9], 0.99, 0.5
+            )
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        cpu = harness_edge_scores(*case[:6])
+        for name, a, e in zip(("path", "q", "kind"), (path, q, kind), cpu, strict=True):
+            assert a.is_cuda and torch.equal(a.cpu(), e), name
+        harness_edge_observe(case.table, case.calibration, *cpu[1:], cpu[0], case.parent, case.accepted_path,
+                             case.num_accepted, case.rows, 0.99, 0.5)  # fmt: skip
+        assert torch.equal(table.cpu(), case.table) and torch.equal(calibration.cpu(), case.calibration)
+
+
+def test_harness_edge_ops_are_graph_capturable(generator):
+    case = random_edge_case(generator, 6, "subset")
+    on_device = cuda_args(case)
+    live_table, live_calibration = on_device[3].clone(), on_device[8].clone()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+
+    def round_(table, calibration):
+        path, q, kind = harness_edge_scores(on_device[0], on_device[1], on_device[2], table, *on_device[4:6])
+        harness_edge_observe(table, calibration, q, kind, path, on_device[1], *on_device[6:8], on_device[9], 0.99, 0.5)
+
+    with torch.cuda.stream(stream):
+        round_(live_table.clone(), live_calibration.clone())  # warm-up
+        with torch.cuda.graph(graph, stream=stream):
+            round_(live_table, live_calibration)
+    table, calibration = case.table.clone(), case.calibration.clone()
+    for _ in range(3):  # three rounds: each replay scores with the table the last one left
+        graph.replay()
+        path, q, kind = harness_edge_scores(
+            case.scores, case.parent, case.num_nodes, table, case.prior, case.thresholds
+        )
+        harness_edge_observe(table, calibration, q, kind, path, case.parent, case.accepted_path, case.num_accepted,
+                             case.rows, 0.99, 0.5)  # fmt: skip
+    torch.cuda.synchronize()
+    assert torch.equal(live_table.cpu(), table) and torch.equal(live_calibration.cpu(), calibration)

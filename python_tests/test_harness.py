@@ -3,7 +3,9 @@
 their decisions follow the ratio rules of harness.h checked by brute force, opcheck, and every argument check.
 harness_observe: the CPU op equals its reference and (6) of harness.h in Python floats bit for bit (every row, rows
 in random order, no rows, both clamps); a swapped sharpness ratio fails the same comparison; opcheck; argument
-checks."""
+checks. harness_edge_scores and harness_edge_observe: the CPU ops equal their references and (7) / (8) of harness.h in
+Python floats bit for bit (chains and trees, padding, ties, empty and full kinds, every row, rows in random order, no
+rows); second children counted as first fail the same comparison; opcheck; argument checks."""
 
 from __future__ import annotations
 
@@ -12,18 +14,23 @@ import math
 import pytest
 import torch
 
-from peagle.decode.harness.policy import CALIBRATION_DECAY, SHARPNESS_RANGE
+from peagle.decode.harness.calibration import EDGE_DECAY
+from peagle.decode.harness.policy import CALIBRATION_DECAY, PATH_SCALE_DECAY, SHARPNESS_RANGE
 from peagle.ops import (
     HarnessState,
     calibration_scale,
     harness_decide,
     harness_decide_reference,
+    harness_edge_observe,
+    harness_edge_observe_reference,
+    harness_edge_scores,
+    harness_edge_scores_reference,
     harness_observe,
     harness_observe_reference,
     harness_pass_decide,
     harness_pass_decide_reference,
 )
-from testkit import random_observe_case, random_pass_case
+from testkit import EdgeCase, random_edge_case, random_observe_case, random_pass_case
 
 
 def random_case(generator: torch.Generator, batch: int, frontier: int, max_nodes: int):
@@ -330,3 +337,181 @@ def test_observe_argument_errors(generator):
         with pytest.raises(RuntimeError, match=message):
             harness_observe(**(base | replace))
     assert torch.equal(calibration, before[0]) and torch.equal(gamma, before[1])  # checked before any write
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# harness_edge_scores, harness_edge_observe
+
+
+def edge_scores_by_hand(case: EdgeCase, later_means_rank: int = 1) -> tuple[list, list, list]:
+    """(7) of harness.h in Python floats, tree by tree: a node's parent's siblings seen so far decide first / later
+    (``later_means_rank`` 2 is the mutant the comparison must catch: second children counted as first)."""
+    table, prior, thresholds = case.table.tolist(), case.prior.tolist(), case.thresholds.tolist()
+    bins = len(thresholds) + 1
+    out_path, out_q, out_kind = [], [], []
+    for b in range(case.scores.shape[0]):
+        scores, parent, count = case.scores[b].tolist(), case.parent[b].tolist(), int(case.num_nodes[b])
+        nodes = len(scores)
+        path, q, kind, children = [1.0] + [-1.0] * (nodes - 1), [0.0] * nodes, [-1] * nodes, {}
+        for i in range(1, count):
+            up = parent[i]
+            rank = children.get(up, 0)
+            children[up] = rank + 1
+            edge = scores[i] / scores[up] if scores[up] > 0 else 0.0
+            k = (1 if rank >= later_means_rank else 0) * bins + sum(t <= edge for t in thresholds)
+            scale = (table[0][k] + prior[0][k]) / (table[1][k] + prior[1][k])
+            path[i], q[i], kind[i] = path[up] * min(1.0, scale * edge), edge, k
+        out_path.append(path)
+        out_q.append(q)
+        out_kind.append(kind)
+    return out_path, out_q, out_kind
+
+
+EDGE_SHAPES = [(1, "all"), (6, "all"), (64, "all"), (9, "subset")]
+
+
+@pytest.mark.parametrize("batch,rows", EDGE_SHAPES)
+def test_edge_scores_op_equals_reference_and_the_math_by_hand(generator, batch, rows):
+    seen_kinds = set()
+    for _ in range(20):
+        case = random_edge_case(generator, batch, rows)
+        args = case[:6]
+        op, reference = harness_edge_scores(*args), harness_edge_scores_reference(*args)
+        for name, a, e in zip(("path", "q", "kind"), op, reference, strict=True):
+            assert a.dtype == e.dtype and torch.equal(a, e), f"{name}:\n{a}\n{e}"
+        path, q, kind = op
+        assert [path.tolist(), q.tolist(), kind.tolist()] == list(edge_scores_by_hand(case))
+        # A node's value never exceeds its parent's (so the best n nodes by it keep their parents).
+        real = kind >= 0
+        above = path.gather(1, case.parent.clamp(min=0))
+        assert bool((path[real] <= above[real]).all())
+        seen_kinds |= set(kind[real].tolist())
+    bins = case.thresholds.shape[0] + 1
+    assert {k < bins for k in seen_kinds} == {True, False}  # first and later children both met
+
+
+def test_edge_scores_comparison_has_power(generator):
+    """The same comparison rejects second children counted as first children."""
+    mismatches = 0
+    for _ in range(20):
+        case = random_edge_case(generator, 6)
+        _, _, kind = harness_edge_scores(*case[:6])
+        mismatches += kind.tolist() != edge_scores_by_hand(case, later_means_rank=2)[2]
+    assert mismatches >= 5, mismatches
+
+
+def edge_observe_by_hand(case: EdgeCase, q, kind, path, edge_decay: float, path_decay: float) -> tuple[list, list]:
+    """(8) of harness.h in Python floats: the table decays, then each row's verified nodes whose parent is accepted
+    count, in order; each row's request adds its accepted drafts and the sum of its nodes' path values."""
+    table = [[x * edge_decay for x in row] for row in case.table.tolist()]
+    calibration = case.calibration.tolist()
+    for r in range(q.shape[0]):
+        steps = case.accepted_path[r].tolist()[: int(case.num_accepted[r]) + 1]
+        accepted = {s for s in steps if s >= 0}
+        predicted = 0.0
+        for i, k in enumerate(kind[r].tolist()):
+            if k < 0:
+                continue
+            predicted += float(path[r, i])
+            if int(case.parent[r, i]) in accepted:
+                table[1][k] += float(q[r, i])
+                table[0][k] += float(i in accepted)
+        b = r if case.rows is None else int(case.rows[r])
+        calibration[b][0] = calibration[b][0] * path_decay + int(case.num_accepted[r])
+        calibration[b][1] = calibration[b][1] * path_decay + predicted
+    return table, calibration
+
+
+@pytest.mark.parametrize("batch,rows", [*EDGE_SHAPES, (5, "none")])
+def test_edge_observe_op_equals_reference_and_the_math_by_hand(generator, batch, rows):
+    for decay in ((EDGE_DECAY, PATH_SCALE_DECAY), (0.37, 1.0)):
+        for _ in range(10):
+            case = random_edge_case(generator, batch, rows)
+            path, q, kind = harness_edge_scores(*case[:6])
+            verified = (q, kind, path, case.parent, case.accepted_path, case.num_accepted, case.rows, *decay)
+            op = case.table.clone(), case.calibration.clone()
+            reference = case.table.clone(), case.calibration.clone()
+            harness_edge_observe(*op, *verified)
+            harness_edge_observe_reference(*reference, *verified)
+            for name, a, e in zip(("table", "calibration"), op, reference, strict=True):
+                assert torch.equal(a, e), f"{name}:\n{a}\n{e}"
+            table, calibration = edge_observe_by_hand(case, q, kind, path, *decay)
+            assert op[0].tolist() == table and op[1].tolist() == calibration
+            updated = torch.zeros(batch, dtype=torch.bool)
+            updated[torch.arange(batch) if case.rows is None else case.rows] = True
+            assert torch.equal(op[1][~updated], case.calibration[~updated])  # other requests untouched
+
+
+def test_edge_ops_opcheck(generator):
+    for rows in ("all", "subset"):
+        case = random_edge_case(generator, 5, rows)
+        torch.library.opcheck(torch.ops.peagle.harness_edge_scores, tuple(case[:6]))
+        path, q, kind = harness_edge_scores(*case[:6])
+        args = (case.table.clone(), case.calibration.clone(), q, kind, path, case.parent, case.accepted_path,
+                case.num_accepted, case.rows, EDGE_DECAY, PATH_SCALE_DECAY)  # fmt: skip
+        torch.library.opcheck(torch.ops.peagle.harness_edge_observe, args)
+
+
+def test_edge_scores_argument_errors(generator):
+    case = random_edge_case(generator, 3)
+    base = dict(zip(("scores", "parent", "num_nodes", "table", "prior", "thresholds"), case[:6], strict=True))
+    bad_parent = case.parent.clone()
+    bad_parent[0, 1] = 1
+    bad_scores = case.scores.clone()
+    bad_scores[0, 1] = 1.5
+    bad_prior = case.prior.clone()
+    bad_prior[1, 0] = 0.0
+    cases = [
+        (dict(scores=case.scores.float()), "scores must be Double"),
+        (dict(scores=case.scores[0]), r"scores must be 2-D \[B, N\]"),
+        (dict(parent=case.parent.int()), "parent must be Long"),
+        (dict(parent=case.parent[:, :1]), r"parent must have shape \[B, N\] \(like scores\)"),
+        (dict(num_nodes=case.num_nodes[:2]), r"num_nodes must have shape \[B\]"),
+        (dict(num_nodes=torch.zeros(3, dtype=torch.long)), r"num_nodes must be in \[1, N\]"),
+        (dict(table=case.table[:1]), r"table must have shape \[2, E\]"),
+        (dict(table=-case.table - 1), "table must be finite and >= 0"),
+        (dict(prior=case.prior[:, :4]), r"prior must have shape \[2, E\] \(like table\)"),
+        (dict(prior=bad_prior), r"prior must be finite, >= 0 \(accepted\) and > 0 \(drafted\)"),
+        (dict(thresholds=case.thresholds[:3]), r"table must have E = 2 \* \(T \+ 1\) = 8 kinds for T = 3"),
+        (dict(thresholds=case.thresholds.flip(0)), "thresholds must be finite and strictly ascending"),
+        (dict(parent=bad_parent), r"parent of a real node i must be in \[0, i\), got 1 at \[0, 1\]"),
+        (dict(scores=bad_scores), r"scores of real nodes must be in \[0, 1\], got 1.5 at \[0, 1\]"),
+    ]
+    for replace, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            harness_edge_scores(**(base | replace))
+
+
+def test_edge_observe_argument_errors(generator):
+    case = random_edge_case(generator, 4, "subset")
+    path, q, kind = harness_edge_scores(*case[:6])
+    rows = torch.arange(q.shape[0])
+    base = dict(table=case.table.clone(), calibration=case.calibration.clone(), q=q, kind=kind, path=path,
+                parent=case.parent, accepted_path=case.accepted_path, num_accepted=case.num_accepted, rows=rows,
+                edge_decay=0.99, path_decay=0.5)  # fmt: skip
+    before = base["table"].clone(), base["calibration"].clone()
+    bad_kind = kind.clone()
+    bad_kind[0, 0] = case.table.shape[1]
+    cases = [
+        (dict(table=case.table.float()), "table must be Double"),
+        (dict(calibration=case.calibration[:, :1]), r"calibration must have shape \[B, 2\]"),
+        (dict(q=q[:, :1].contiguous()), r"kind must have shape \[R, N\] \(like q\)"),
+        (dict(kind=kind.int()), "kind must be Long"),
+        (dict(path=path.float()), "path must be Double"),
+        (dict(parent=case.parent[:, :1]), r"parent must have shape \[R, N\] \(like q\)"),
+        (dict(accepted_path=case.accepted_path[0]), r"accepted_path must be 2-D \[R, L\]"),
+        (dict(num_accepted=case.num_accepted.int()), "num_accepted must be Long"),
+        (dict(rows=rows[:0]), r"rows must have shape \[R\] \(one per row of q\)"),
+        (dict(edge_decay=1.5), r"edge_decay must be in \[0, 1\]"),
+        (dict(path_decay=float("nan")), r"path_decay must be in \[0, 1\]"),
+        (dict(kind=bad_kind), r"kind must be in \[-1, E\) = \[-1, 20\)"),
+        (dict(rows=torch.full_like(rows, 4)), r"rows must be in \[0, B\) = \[0, 4\), got 4 at 0"),
+    ]
+    if q.shape[0] > 1:
+        cases.append((dict(rows=torch.zeros_like(rows)), "rows must be distinct, got 0 twice"))
+    else:
+        cases.append((dict(rows=None), r"without rows, q must have one row per request of calibration"))
+    for replace, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            harness_edge_observe(**(base | replace))
+    assert torch.equal(base["table"], before[0]) and torch.equal(base["calibration"], before[1])

@@ -564,6 +564,73 @@ def random_observe_case(
     return calibration, gamma, predicted, accepted, index
 
 
+class EdgeCase(NamedTuple):
+    """Inputs of harness_edge_scores (scores .. thresholds) and of harness_edge_observe over the same trees (their q,
+    kind and path, an accepted path per row, the rows' calibration sums and rows)."""
+
+    scores: Tensor
+    parent: Tensor
+    num_nodes: Tensor
+    table: Tensor
+    prior: Tensor
+    thresholds: Tensor
+    accepted_path: Tensor
+    num_accepted: Tensor
+    calibration: Tensor
+    rows: Tensor | None
+
+
+def random_edge_case(generator: torch.Generator, batch: int, rows: str = "all") -> EdgeCase:
+    """P-EAGLE candidate trees (chains or trees of top-3 then top-2 children, sharp or flat depths, rounded logits for
+    tied scores, every request cut at a random node count), an edge table with empty and full kinds and the policy's
+    bins, and per tree an accepted path that walks from the root to a random child, depth by depth, and stops at random.
+    ``rows``: "all" (None, a tree per request), "subset" (as many trees as a random subset of requests, in random
+    order) or "none" (no trees)."""
+    from peagle.decode.harness.calibration import EDGE_BINS, EDGE_KINDS, _constants
+    from peagle.ops import tree_build_parallel
+
+    count = batch if rows == "all" else int(torch.randint(1, batch + 1, (1,), generator=generator))
+    count = 0 if rows == "none" else count
+    trees = max(count, 1)
+    depth = int(torch.randint(1, 6, (1,), generator=generator))
+    sharp = 4.0 if float(torch.rand(1, generator=generator)) < 0.5 else 0.5
+    probs = torch.softmax((torch.randn(trees, depth, 10, generator=generator) * sharp).round(), -1)
+    topk = [1] * depth if float(torch.rand(1, generator=generator)) < 0.3 else [3] + [2] * (depth - 1)
+    spec = tree_build_parallel(probs, topk, int(torch.randint(2, 33, (1,), generator=generator)))
+    num_nodes = torch.minimum(spec.num_nodes, torch.randint(1, spec.scores.shape[1] + 1, (trees,), generator=generator))
+    table = torch.rand(2, EDGE_KINDS, generator=generator, dtype=torch.float64) * 20
+    table[:, torch.rand(EDGE_KINDS, generator=generator) < 0.3] = 0.0
+    prior, thresholds = _constants(torch.device("cpu"))
+    assert len(EDGE_BINS) == thresholds.shape[0]
+    path = torch.full(spec.parent.shape, -1, dtype=torch.long)
+    accepted = torch.zeros(trees, dtype=torch.long)
+    for b in range(trees):
+        node, steps = 0, [0]
+        while float(torch.rand(1, generator=generator)) < 0.8:
+            children = [i for i in range(int(num_nodes[b])) if int(spec.parent[b, i]) == node and i > 0]
+            if not children:
+                break
+            node = children[int(torch.randint(0, len(children), (1,), generator=generator))]
+            steps.append(node)
+        path[b, : len(steps)] = torch.tensor(steps)
+        accepted[b] = len(steps) - 1
+    calibration = torch.rand(batch, 2, generator=generator, dtype=torch.float64) * 10
+    index = None if rows == "all" else torch.randperm(batch, generator=generator)[:count]
+    keep = slice(0, count)
+    return EdgeCase(
+        spec.scores[keep].contiguous(),
+        spec.parent[keep].contiguous(),
+        num_nodes[keep],
+        table,
+        prior.clone(),
+        thresholds.clone(),
+        path[keep].contiguous(),
+        accepted[keep],
+        calibration,
+        index,
+    )
+
+
 def error_message(error: BaseException) -> str:
     """The first line of an op's error (the line that names the op and the argument)."""
     return str(error).splitlines()[0]

@@ -201,4 +201,131 @@ inline void check_harness_observe_rows(const ObserveDims& d, const int64_t* rows
   }
 }
 
+struct EdgeDims {
+  int64_t batch, nodes, kinds, num_thresholds;
+};
+
+// The edge table's tensors: table and prior [2, E] float64 (rows accepted, drafted), thresholds [T] float64, with
+// E = 2 (T + 1) kinds (first or later child, times the T + 1 bins).
+inline int64_t check_edge_table(const char* op, const at::Tensor& table, const at::Tensor& prior,
+                                const at::Tensor& thresholds, const at::Tensor& ref, const char* ref_name) {
+  check_harness_tensor("table", table, at::kDouble, {2, -1}, "[2, E] (accepted, drafted)", ref, op, ref_name);
+  const int64_t kinds = table.size(1);
+  check_harness_tensor("prior", prior, at::kDouble, {2, kinds}, "[2, E] (like table)", ref, op, ref_name);
+  check_harness_tensor("thresholds", thresholds, at::kDouble, {-1}, "[T]", ref, op, ref_name);
+  TORCH_CHECK(kinds == 2 * (thresholds.size(0) + 1), "peagle.", op,
+              ": table must have E = 2 * (T + 1) = ", 2 * (thresholds.size(0) + 1),
+              " kinds for T = ", thresholds.size(0), " thresholds, got shape ", shape_str(table));
+  return kinds;
+}
+
+// harness_edge_scores: scores [B, N] float64, parent [B, N] int64, num_nodes [B] int64, and the edge table.
+inline EdgeDims check_harness_edge_scores_args(const at::Tensor& scores, const at::Tensor& parent,
+                                               const at::Tensor& num_nodes, const at::Tensor& table,
+                                               const at::Tensor& prior, const at::Tensor& thresholds) {
+  const char* op = "harness_edge_scores";
+  check_harness_tensor("scores", scores, at::kDouble, {-1, -1}, "[B, N]", scores, op, "scores");
+  const int64_t batch = scores.size(0), nodes = scores.size(1);
+  TORCH_CHECK(nodes >= 1, "peagle.harness_edge_scores: scores must hold at least the root (N >= 1), got shape ",
+              shape_str(scores));
+  check_harness_tensor("parent", parent, at::kLong, {batch, nodes}, "[B, N] (like scores)", scores, op, "scores");
+  check_harness_tensor("num_nodes", num_nodes, at::kLong, {batch}, "[B]", scores, op, "scores");
+  const int64_t kinds = check_edge_table(op, table, prior, thresholds, scores, "scores");
+  return EdgeDims{batch, nodes, kinds, thresholds.size(0)};
+}
+
+// The edge table's values (CPU tensors): sums finite and >= 0, prior_drafted > 0 (no kind divides by zero),
+// thresholds finite and strictly ascending.
+inline void check_edge_table_values(const char* op, const EdgeDims& d, const double* table, const double* prior,
+                                    const double* thresholds) {
+  for (int64_t i = 0; i < 2 * d.kinds; ++i) {
+    TORCH_CHECK(std::isfinite(table[i]) && table[i] >= 0.0, "peagle.", op, ": table must be finite and >= 0, got ",
+                table[i], " at [", i / d.kinds, ", ", i % d.kinds, "]");
+    const bool positive = i < d.kinds ? prior[i] >= 0.0 : prior[i] > 0.0;
+    TORCH_CHECK(std::isfinite(prior[i]) && positive, "peagle.", op, ": prior must be finite, >= 0 (accepted) and > 0 ",
+                "(drafted), got ", prior[i], " at [", i / d.kinds, ", ", i % d.kinds, "]");
+  }
+  for (int64_t j = 0; j < d.num_thresholds; ++j) {
+    TORCH_CHECK(std::isfinite(thresholds[j]) && (j == 0 || thresholds[j] > thresholds[j - 1]), "peagle.", op,
+                ": thresholds must be finite and strictly ascending, got ", thresholds[j], " at ", j);
+  }
+}
+
+// Values of harness_edge_scores (CPU tensors): num_nodes in [1, N]; every real node i >= 1 has a parent in [0, i) and
+// a score in [0, 1].
+inline void check_harness_edge_scores_values(const EdgeDims& d, const double* scores, const int64_t* parent,
+                                             const int64_t* num_nodes) {
+  const char* op = "peagle.harness_edge_scores: ";
+  for (int64_t b = 0; b < d.batch; ++b) {
+    TORCH_CHECK(num_nodes[b] >= 1 && num_nodes[b] <= d.nodes, op, "num_nodes must be in [1, N] = [1, ", d.nodes,
+                "], got ", num_nodes[b], " at ", b);
+    for (int64_t i = 1; i < num_nodes[b]; ++i) {
+      const int64_t up = parent[b * d.nodes + i];
+      const double p = scores[b * d.nodes + i];
+      TORCH_CHECK(up >= 0 && up < i, op, "parent of a real node i must be in [0, i), got ", up, " at [", b, ", ", i,
+                  "]");
+      TORCH_CHECK(p >= 0.0 && p <= 1.0, op, "scores of real nodes must be in [0, 1], got ", p, " at [", b, ", ", i,
+                  "]");
+    }
+  }
+}
+
+struct EdgeObserveDims {
+  int64_t batch, rows, nodes, path_len, kinds;
+};
+
+// harness_edge_observe: table [2, E] and calibration [B, 2] float64 (updated in place); q, path [R, N] float64, kind,
+// parent [R, N] int64, accepted_path [R, L] int64, num_accepted [R] int64, rows [R] int64 (or none: R = B); decays in
+// [0, 1].
+inline EdgeObserveDims check_harness_edge_observe_args(const at::Tensor& table, const at::Tensor& calibration,
+                                                       const at::Tensor& q, const at::Tensor& kind,
+                                                       const at::Tensor& path, const at::Tensor& parent,
+                                                       const at::Tensor& accepted_path, const at::Tensor& num_accepted,
+                                                       const std::optional<at::Tensor>& rows, double edge_decay,
+                                                       double path_decay) {
+  const char* op = "harness_edge_observe";
+  const auto check = [&](const char* name, const at::Tensor& t, at::ScalarType dtype, at::IntArrayRef shape,
+                         const char* layout) {
+    check_harness_tensor(name, t, dtype, shape, layout, table, op, "table");
+  };
+  check("table", table, at::kDouble, {2, -1}, "[2, E] (accepted, drafted)");
+  check("calibration", calibration, at::kDouble, {-1, 2}, "[B, 2] (observed, predicted)");
+  check("q", q, at::kDouble, {-1, -1}, "[R, N]");
+  const int64_t count = q.size(0), nodes = q.size(1);
+  check("kind", kind, at::kLong, {count, nodes}, "[R, N] (like q)");
+  check("path", path, at::kDouble, {count, nodes}, "[R, N] (like q)");
+  check("parent", parent, at::kLong, {count, nodes}, "[R, N] (like q)");
+  check("accepted_path", accepted_path, at::kLong, {count, -1}, "[R, L]");
+  check("num_accepted", num_accepted, at::kLong, {count}, "[R]");
+  const int64_t batch = calibration.size(0);
+  if (rows.has_value()) {
+    check("rows", *rows, at::kLong, {count}, "[R] (one per row of q)");
+  } else {
+    TORCH_CHECK(count == batch, "peagle.harness_edge_observe: without rows, q must have one row per request of ",
+                "calibration (R = B = ", batch, "), got shape ", shape_str(q));
+  }
+  TORCH_CHECK(std::isfinite(edge_decay) && edge_decay >= 0.0 && edge_decay <= 1.0,
+              "peagle.harness_edge_observe: edge_decay must be in [0, 1], got ", edge_decay);
+  TORCH_CHECK(std::isfinite(path_decay) && path_decay >= 0.0 && path_decay <= 1.0,
+              "peagle.harness_edge_observe: path_decay must be in [0, 1], got ", path_decay);
+  return EdgeObserveDims{batch, count, nodes, accepted_path.size(1), table.size(1)};
+}
+
+// Values of harness_edge_observe (CPU tensors): kinds in [-1, E); rows distinct and in [0, B).
+inline void check_harness_edge_observe_values(const EdgeObserveDims& d, const int64_t* kind, const int64_t* rows) {
+  for (int64_t i = 0; i < d.rows * d.nodes; ++i) {
+    TORCH_CHECK(kind[i] >= -1 && kind[i] < d.kinds, "peagle.harness_edge_observe: kind must be in [-1, E) = [-1, ",
+                d.kinds, "), got ", kind[i], " at [", i / d.nodes, ", ", i % d.nodes, "]");
+  }
+  if (rows == nullptr) return;
+  std::vector<bool> seen(static_cast<size_t>(d.batch), false);
+  for (int64_t r = 0; r < d.rows; ++r) {
+    const int64_t b = rows[r];
+    TORCH_CHECK(b >= 0 && b < d.batch, "peagle.harness_edge_observe: rows must be in [0, B) = [0, ", d.batch, "), got ",
+                b, " at ", r);
+    TORCH_CHECK(!seen[static_cast<size_t>(b)], "peagle.harness_edge_observe: rows must be distinct, got ", b, " twice");
+    seen[static_cast<size_t>(b)] = true;
+  }
+}
+
 }  // namespace peagle

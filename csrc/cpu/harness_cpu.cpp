@@ -1,6 +1,7 @@
 // CPU kernels of the harness ops (math: csrc/include/peagle/harness.h). harness_decide: parallel over requests; writes
 // the next depth's width, the stop flags, the running state and the go flag in place. harness_pass_decide: the pass
 // budget and next depth per request. harness_observe: the calibration sums and exponents of the rows, in place.
+// harness_edge_scores / harness_edge_observe: P-EAGLE's edge-calibrated path scores, and their update in place.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -112,10 +113,75 @@ void harness_observe_cpu(const at::Tensor& calibration, const at::Tensor& gamma,
   }
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> harness_edge_scores_cpu(const at::Tensor& scores,
+                                                                       const at::Tensor& parent,
+                                                                       const at::Tensor& num_nodes,
+                                                                       const at::Tensor& table, const at::Tensor& prior,
+                                                                       const at::Tensor& thresholds) {
+  const EdgeDims d = check_harness_edge_scores_args(scores, parent, num_nodes, table, prior, thresholds);
+  const double* p = scores.data_ptr<double>();
+  const int64_t* up = parent.data_ptr<int64_t>();
+  const int64_t* n = num_nodes.data_ptr<int64_t>();
+  const double* t = table.data_ptr<double>();
+  const double* pr = prior.data_ptr<double>();
+  const double* th = thresholds.data_ptr<double>();
+  check_edge_table_values("harness_edge_scores", d, t, pr, th);
+  check_harness_edge_scores_values(d, p, up, n);
+  at::Tensor path = at::empty({d.batch, d.nodes}, scores.options());
+  at::Tensor q = at::empty({d.batch, d.nodes}, scores.options());
+  at::Tensor kind = at::empty({d.batch, d.nodes}, parent.options());
+  double* out_path = path.data_ptr<double>();
+  double* out_q = q.data_ptr<double>();
+  int64_t* out_kind = kind.data_ptr<int64_t>();
+  const harness::EdgeTable edges{t, t + d.kinds, pr, pr + d.kinds, th, d.num_thresholds};
+  at::parallel_for(0, d.batch, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t o = b * d.nodes;
+      harness::edge_scores(p + o, up + o, n[b], d.nodes, edges, out_path + o, out_q + o, out_kind + o);
+    }
+  });
+  return {path, q, kind};
+}
+
+// A few flops per node: plain loops, in the order of (8) (the table's sums add in order of row, then node).
+void harness_edge_observe_cpu(const at::Tensor& table, const at::Tensor& calibration, const at::Tensor& q,
+                              const at::Tensor& kind, const at::Tensor& path, const at::Tensor& parent,
+                              const at::Tensor& accepted_path, const at::Tensor& num_accepted,
+                              const std::optional<at::Tensor>& rows, double edge_decay, double path_decay) {
+  const EdgeObserveDims d = check_harness_edge_observe_args(table, calibration, q, kind, path, parent, accepted_path,
+                                                            num_accepted, rows, edge_decay, path_decay);
+  const int64_t* row = rows.has_value() ? rows->data_ptr<int64_t>() : nullptr;
+  const int64_t* k = kind.data_ptr<int64_t>();
+  check_harness_edge_observe_values(d, k, row);
+  double* accepted = table.data_ptr<double>();
+  double* drafted = accepted + d.kinds;
+  for (int64_t e = 0; e < d.kinds; ++e) {
+    accepted[e] = harness::mul_rn(accepted[e], edge_decay);
+    drafted[e] = harness::mul_rn(drafted[e], edge_decay);
+  }
+  double* calib = calibration.data_ptr<double>();
+  const double* edge = q.data_ptr<double>();
+  const double* value = path.data_ptr<double>();
+  const int64_t* up = parent.data_ptr<int64_t>();
+  const int64_t* accepted_nodes = accepted_path.data_ptr<int64_t>();
+  const int64_t* count = num_accepted.data_ptr<int64_t>();
+  for (int64_t r = 0; r < d.rows; ++r) {
+    const int64_t o = r * d.nodes;
+    const double predicted =
+        harness::edge_observe(edge + o, k + o, value + o, up + o, d.nodes, accepted_nodes + r * d.path_len, d.path_len,
+                              count[r], d.kinds, -1, accepted, drafted);
+    const int64_t b = row != nullptr ? row[r] : r;
+    calib[2 * b] = harness::add_rn(harness::mul_rn(calib[2 * b], path_decay), static_cast<double>(count[r]));
+    calib[2 * b + 1] = harness::add_rn(harness::mul_rn(calib[2 * b + 1], path_decay), predicted);
+  }
+}
+
 }  // namespace
 }  // namespace peagle
 
 TORCH_LIBRARY_IMPL(peagle, CPU, m) {
+  m.impl("harness_edge_scores", &peagle::harness_edge_scores_cpu);
+  m.impl("harness_edge_observe", &peagle::harness_edge_observe_cpu);
   m.impl("harness_decide", &peagle::harness_decide_cpu);
   m.impl("harness_pass_decide", &peagle::harness_pass_decide_cpu);
   m.impl("harness_observe", &peagle::harness_observe_cpu);

@@ -92,10 +92,65 @@ void harness_observe_cuda(const at::Tensor& calibration, const at::Tensor& gamma
   check_cuda(cuda::harness_observe(args, c10::cuda::getCurrentCUDAStream()), "harness_observe");
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> harness_edge_scores_cuda(
+    const at::Tensor& scores, const at::Tensor& parent, const at::Tensor& num_nodes, const at::Tensor& table,
+    const at::Tensor& prior, const at::Tensor& thresholds) {
+  const EdgeDims d = check_harness_edge_scores_args(scores, parent, num_nodes, table, prior, thresholds);
+  TORCH_CHECK(scores.is_cuda(), "peagle.harness_edge_scores: expected CUDA tensors, got scores on ", scores.device());
+  const c10::cuda::CUDAGuard guard(scores.device());
+  at::Tensor path = at::empty({d.batch, d.nodes}, scores.options());
+  at::Tensor q = at::empty({d.batch, d.nodes}, scores.options());
+  at::Tensor kind = at::empty({d.batch, d.nodes}, parent.options());
+  const cuda::HarnessEdgeScoresArgs args{scores.data_ptr<double>(),
+                                         parent.data_ptr<int64_t>(),
+                                         num_nodes.data_ptr<int64_t>(),
+                                         table.data_ptr<double>(),
+                                         prior.data_ptr<double>(),
+                                         thresholds.data_ptr<double>(),
+                                         path.data_ptr<double>(),
+                                         q.data_ptr<double>(),
+                                         kind.data_ptr<int64_t>(),
+                                         d.batch,
+                                         d.nodes,
+                                         d.kinds,
+                                         d.num_thresholds};
+  check_cuda(cuda::harness_edge_scores(args, c10::cuda::getCurrentCUDAStream()), "harness_edge_scores");
+  return {path, q, kind};
+}
+
+void harness_edge_observe_cuda(const at::Tensor& table, const at::Tensor& calibration, const at::Tensor& q,
+                               const at::Tensor& kind, const at::Tensor& path, const at::Tensor& parent,
+                               const at::Tensor& accepted_path, const at::Tensor& num_accepted,
+                               const std::optional<at::Tensor>& rows, double edge_decay, double path_decay) {
+  const EdgeObserveDims d = check_harness_edge_observe_args(table, calibration, q, kind, path, parent, accepted_path,
+                                                            num_accepted, rows, edge_decay, path_decay);
+  TORCH_CHECK(table.is_cuda(), "peagle.harness_edge_observe: expected CUDA tensors, got table on ", table.device());
+  const c10::cuda::CUDAGuard guard(table.device());
+  const cuda::HarnessEdgeObserveArgs args{table.data_ptr<double>(),
+                                          calibration.data_ptr<double>(),
+                                          q.data_ptr<double>(),
+                                          kind.data_ptr<int64_t>(),
+                                          path.data_ptr<double>(),
+                                          parent.data_ptr<int64_t>(),
+                                          accepted_path.data_ptr<int64_t>(),
+                                          num_accepted.data_ptr<int64_t>(),
+                                          rows.has_value() ? rows->data_ptr<int64_t>() : nullptr,
+                                          d.batch,
+                                          d.rows,
+                                          d.nodes,
+                                          d.path_len,
+                                          d.kinds,
+                                          edge_decay,
+                                          path_decay};
+  check_cuda(cuda::harness_edge_observe(args, c10::cuda::getCurrentCUDAStream()), "harness_edge_observe");
+}
+
 }  // namespace
 }  // namespace peagle
 
 TORCH_LIBRARY_IMPL(peagle, CUDA, m) {
+  m.impl("harness_edge_scores", &peagle::harness_edge_scores_cuda);
+  m.impl("harness_edge_observe", &peagle::harness_edge_observe_cuda);
   m.impl("harness_decide", &peagle::harness_decide_cuda);
   m.impl("harness_pass_decide", &peagle::harness_pass_decide_cuda);
   m.impl("harness_observe", &peagle::harness_observe_cuda);

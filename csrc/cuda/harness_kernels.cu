@@ -65,7 +65,61 @@ __global__ void harness_observe_kernel(const HarnessObserveArgs a) {
   a.gamma[b] = c.gamma;
 }
 
+__global__ void harness_edge_scores_kernel(const HarnessEdgeScoresArgs a) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b >= a.batch) return;
+  const int64_t n = a.num_nodes[b];
+  const int64_t count = n < 1 ? 1 : (n > a.nodes ? a.nodes : n);
+  const harness::EdgeTable edges{a.table,           a.table + a.kinds, a.prior,
+                                 a.prior + a.kinds, a.thresholds,      a.num_thresholds};
+  const int64_t o = b * a.nodes;
+  harness::edge_scores(a.scores + o, a.parent + o, count, a.nodes, edges, a.path + o, a.q + o, a.kind + o);
+}
+
+__global__ void harness_edge_observe_kernel(const HarnessEdgeObserveArgs a) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  double* accepted = a.table;
+  double* drafted = a.table + a.kinds;
+  if (t < a.kinds) {  // kind t: decay, then every row's observations of it in order
+    accepted[t] = harness::mul_rn(accepted[t], a.edge_decay);
+    drafted[t] = harness::mul_rn(drafted[t], a.edge_decay);
+    for (int64_t r = 0; r < a.num_rows; ++r) {
+      const int64_t o = r * a.nodes;
+      harness::edge_observe(a.q + o, a.kind + o, a.path + o, a.parent + o, a.nodes, a.accepted_path + r * a.path_len,
+                            a.path_len, a.num_accepted[r], a.kinds, t, accepted, drafted);
+    }
+    return;
+  }
+  const int64_t r = t - a.kinds;
+  if (r >= a.num_rows) return;
+  const int64_t b = a.rows != nullptr ? a.rows[r] : r;
+  if (b < 0 || b >= a.batch) return;
+  const int64_t o = r * a.nodes;
+  // only = kinds: no kind matches, the table is left to the kind threads; the row's predicted drafts come back.
+  const double predicted =
+      harness::edge_observe(a.q + o, a.kind + o, a.path + o, a.parent + o, a.nodes, a.accepted_path + r * a.path_len,
+                            a.path_len, a.num_accepted[r], a.kinds, a.kinds, accepted, drafted);
+  a.calibration[2 * b] =
+      harness::add_rn(harness::mul_rn(a.calibration[2 * b], a.path_decay), static_cast<double>(a.num_accepted[r]));
+  a.calibration[2 * b + 1] = harness::add_rn(harness::mul_rn(a.calibration[2 * b + 1], a.path_decay), predicted);
+}
+
 }  // namespace
+
+cudaError_t harness_edge_scores(const HarnessEdgeScoresArgs& args, cudaStream_t stream) {
+  if (args.batch == 0) return cudaSuccess;
+  const int64_t blocks = (args.batch + kPassThreads - 1) / kPassThreads;
+  harness_edge_scores_kernel<<<static_cast<unsigned>(blocks), kPassThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+cudaError_t harness_edge_observe(const HarnessEdgeObserveArgs& args, cudaStream_t stream) {
+  const int64_t threads = args.kinds + args.num_rows;
+  if (threads == 0) return cudaSuccess;
+  const int64_t blocks = (threads + kPassThreads - 1) / kPassThreads;
+  harness_edge_observe_kernel<<<static_cast<unsigned>(blocks), kPassThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
 
 cudaError_t harness_observe(const HarnessObserveArgs& args, cudaStream_t stream) {
   if (args.num_rows == 0) return cudaSuccess;

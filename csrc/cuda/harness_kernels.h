@@ -58,5 +58,40 @@ struct HarnessObserveArgs {
 // checks are the CPU's: they would need a host synchronisation).
 cudaError_t harness_observe(const HarnessObserveArgs& args, cudaStream_t stream);
 
+struct HarnessEdgeScoresArgs {
+  const double* scores;      // [B, N]
+  const int64_t* parent;     // [B, N]
+  const int64_t* num_nodes;  // [B]
+  const double* table;       // [2, E]
+  const double* prior;       // [2, E]
+  const double* thresholds;  // [T]
+  double* path;              // [B, N]
+  double* q;                 // [B, N]
+  int64_t* kind;             // [B, N]
+  int64_t batch, nodes, kinds, num_thresholds;
+};
+
+// A thread per request (1-D grid). num_nodes is clamped to [1, N]; a parent outside [0, i) makes node i padding.
+cudaError_t harness_edge_scores(const HarnessEdgeScoresArgs& args, cudaStream_t stream);
+
+struct HarnessEdgeObserveArgs {
+  double* table;                 // [2, E]
+  double* calibration;           // [B, 2]
+  const double* q;               // [R, N]
+  const int64_t* kind;           // [R, N]
+  const double* path;            // [R, N]
+  const int64_t* parent;         // [R, N]
+  const int64_t* accepted_path;  // [R, L]
+  const int64_t* num_accepted;   // [R]
+  const int64_t* rows;           // [R], or null: row r = request r
+  int64_t batch, num_rows, nodes, path_len, kinds;
+  double edge_decay, path_decay;
+};
+
+// A thread per kind of edge (its decay, then its observations in order of row and node: the CPU's sums, bit for bit)
+// and a thread per row (its request's calibration sums), on a 1-D grid. Rows outside [0, B) are skipped (the range
+// and distinctness checks are the CPU's).
+cudaError_t harness_edge_observe(const HarnessEdgeObserveArgs& args, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace peagle

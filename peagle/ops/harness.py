@@ -2,13 +2,14 @@
 nodes a request drafts at the next depth, and whether it stops. :func:`harness_pass_decide` (P-EAGLE): the verify
 budget of a pass's candidate tree and the next pass's depth. Both from calibrated path scores and the cost table (math:
 ``csrc/include/peagle/harness.h``; the policy around them: :mod:`peagle.decode.harness.policy`).
-:func:`harness_observe` folds a verified round into the calibration those decisions read.
+:func:`harness_observe` folds a verified round into the calibration those decisions read. P-EAGLE's path scores
+come calibrated edge by edge instead (:func:`harness_edge_scores`, whose table :func:`harness_edge_observe` updates).
 
 The op writes into preallocated tensors (no outputs), so a CUDA graph can capture it and a device-side runner can read
 ``go`` without the host. :func:`harness_decide_reference` is the executable spec in PyTorch, operation for operation
 the same float64 arithmetic, so its results equal the kernels' bit for bit; so are
-:func:`harness_pass_decide_reference` (on CPU tensors, whose cumulative sums run in order) and
-:func:`harness_observe_reference`.
+:func:`harness_pass_decide_reference` (on CPU tensors, whose cumulative sums run in order),
+:func:`harness_observe_reference` and the edge references.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ __all__ = [
     "calibration_scale",
     "harness_decide",
     "harness_decide_reference",
+    "harness_edge_observe",
+    "harness_edge_observe_reference",
+    "harness_edge_scores",
+    "harness_edge_scores_reference",
     "harness_observe",
     "harness_observe_reference",
     "harness_pass_decide",
@@ -295,3 +300,130 @@ def harness_observe_reference(
     ratio = torch.tensor([math.sqrt(r) for r in ratio.tolist()], dtype=torch.float64, device=ratio.device)
     calibration[index] = sums
     gamma[index] = (gamma[index] * ratio).clamp(*gamma_range)
+
+
+def harness_edge_scores(
+    scores: Tensor, parent: Tensor, num_nodes: Tensor, table: Tensor, prior: Tensor, thresholds: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """P-EAGLE candidate trees' edge-calibrated path scores ((7) of harness.h; the why:
+    :mod:`peagle.decode.harness.calibration`).
+
+    Args:
+        scores: [B, N] float64 path scores (products of the draft probabilities), node 0 the root; nodes at or beyond
+            ``num_nodes[b]`` are padding.
+        parent: [B, N] int64 parent indices (``parent[b, i]`` in [0, i) for real nodes i >= 1); siblings lie best
+            first, so a node's first sibling by index is its parent's first child.
+        num_nodes: [B] int64 real nodes, root included, in [1, N].
+        table: [2, E] float64 decayed sums per kind of edge: accepted edges, and their edge probabilities.
+        prior: [2, E] float64 the same sums' prior (the second row > 0).
+        thresholds: [T] float64 ascending bin edges of the edge probability; E = 2 * (T + 1).
+
+    Returns:
+        (path [B, N] float64: the product of each node's calibrated edges min(1, c * q), 1 at the root, -1 on padding;
+        q [B, N] float64 each node's edge probability, 0 at the root and on padding; kind [B, N] int64 each node's kind
+        of edge, (first child ? 0 : 1) * (T + 1) + its bin, -1 at the root and on padding).
+    """
+    return torch.ops.peagle.harness_edge_scores(scores, parent, num_nodes, table, prior, thresholds)
+
+
+@torch.library.register_fake("peagle::harness_edge_scores")
+def _harness_edge_scores_fake(scores, parent, num_nodes, table, prior, thresholds):
+    return torch.empty_like(scores), torch.empty_like(scores), torch.empty_like(parent)
+
+
+def harness_edge_scores_reference(
+    scores: Tensor, parent: Tensor, num_nodes: Tensor, table: Tensor, prior: Tensor, thresholds: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Reference of :func:`harness_edge_scores` (no input validation; real nodes' parents in [0, i)): node by node,
+    each node's product after its parent's, as the kernels multiply."""
+    batch, nodes = scores.shape
+    device = scores.device
+    index = torch.arange(nodes, device=device)
+    real = (index[None, :] > 0) & (index[None, :] < num_nodes[:, None])
+    above = scores.gather(1, parent.clamp(min=0))
+    q = torch.where(real & (above > 0), scores / torch.where(above > 0, above, 1.0), 0.0)
+    earlier = index[None, None, :] < index[None, :, None]
+    later = ((parent[:, :, None] == parent[:, None, :]) & earlier & (index[None, None, :] > 0)).any(2)
+    bins = torch.bucketize(q, thresholds, right=True)
+    kind = torch.where(real, later.long() * (thresholds.shape[0] + 1) + bins, -1)
+    scale = (table[0] + prior[0]) / (table[1] + prior[1])
+    edge = torch.clamp(scale[kind.clamp(min=0)] * q, max=1.0)
+    path = torch.where(index[None, :] == 0, 1.0, -1.0).to(torch.float64).expand(batch, nodes).clone()
+    for i in range(1, nodes):
+        up = parent[:, i].clamp(min=0)
+        path[:, i] = torch.where(real[:, i], path.gather(1, up[:, None])[:, 0] * edge[:, i], -1.0)
+    return path, torch.where(real, q, 0.0), kind
+
+
+def harness_edge_observe(
+    table: Tensor,
+    calibration: Tensor,
+    q: Tensor,
+    kind: Tensor,
+    path: Tensor,
+    parent: Tensor,
+    accepted_path: Tensor,
+    num_accepted: Tensor,
+    rows: Tensor | None,
+    edge_decay: float,
+    path_decay: float,
+) -> None:
+    """Folds a verified round into the edge table and the rows' calibration sums, in place ((8) of harness.h).
+
+    Args:
+        table: [2, E] float64 decayed sums per kind of edge (accepted, edge probabilities), updated: they decay by
+            ``edge_decay``, then each verified drafted node whose parent lies on the accepted path adds its ``q`` to
+            its kind's second sum and, if it lies on the accepted path too, 1 to the first.
+        calibration: [B, 2] float64 per-request (observed, predicted) sums, updated for each row r's request b =
+            ``rows[r]``: decay by ``path_decay``, add ``num_accepted[r]`` and the sum of its nodes' ``path`` values.
+        q, kind, path, parent: [R, N] of the verified trees (from :func:`harness_edge_scores` of their nodes; kind -1
+            at the root and on padding).
+        accepted_path: [R, L] int64 node indices from the root, -1 padded; num_accepted: [R] int64.
+        rows: [R] int64 distinct request indices in [0, B), or None (R = B). On CUDA, rows out of range are skipped and
+            duplicates race: the CPU op checks both, the CUDA op does not (no host sync).
+        edge_decay, path_decay: the weights of the past sums, in [0, 1].
+    """
+    torch.ops.peagle.harness_edge_observe(
+        table, calibration, q, kind, path, parent, accepted_path, num_accepted, rows, edge_decay, path_decay
+    )
+
+
+@torch.library.register_fake("peagle::harness_edge_observe")
+def _harness_edge_observe_fake(
+    table, calibration, q, kind, path, parent, accepted_path, num_accepted, rows, edge_decay, path_decay
+):
+    return None
+
+
+def harness_edge_observe_reference(
+    table: Tensor,
+    calibration: Tensor,
+    q: Tensor,
+    kind: Tensor,
+    path: Tensor,
+    parent: Tensor,
+    accepted_path: Tensor,
+    num_accepted: Tensor,
+    rows: Tensor | None,
+    edge_decay: float,
+    path_decay: float,
+) -> None:
+    """Reference of :func:`harness_edge_observe` (no input validation): the table's sums add row by row, node by
+    node, in the kernels' order."""
+    table.mul_(edge_decay)
+    steps = torch.arange(accepted_path.shape[1], device=q.device)
+    on_path = (steps[None, :] <= num_accepted[:, None]) & (accepted_path >= 0)
+    for r in range(q.shape[0]):
+        accepted_nodes = set(accepted_path[r][on_path[r]].tolist())
+        predicted = torch.zeros((), dtype=torch.float64, device=q.device)
+        for i in range(q.shape[1]):
+            k = int(kind[r, i])
+            if k < 0:
+                continue
+            predicted = predicted + path[r, i]
+            if int(parent[r, i]) in accepted_nodes:
+                table[1, k] += q[r, i]
+                table[0, k] += float(i in accepted_nodes)
+        b = r if rows is None else int(rows[r])
+        calibration[b, 0] = calibration[b, 0] * path_decay + num_accepted[r].double()
+        calibration[b, 1] = calibration[b, 1] * path_decay + predicted

@@ -244,5 +244,91 @@ PEAGLE_HD Calibration observe(Calibration c, double accepted, double round_predi
   return Calibration{observed, predicted, clamp_to(mul_rn(c.gamma, step), gamma_min, gamma_max)};
 }
 
+// P-EAGLE edge calibration (harness_edge_scores, harness_edge_observe; the why: peagle/decode/harness/calibration.py).
+// A P-EAGLE candidate tree gives every node of depth d - 1 the same top-k tokens of depth d's distribution, a marginal
+// over the earlier depths, so the path score p of (2)-(3) predicts acceptance poorly; instead each edge's acceptance
+// given its parent's is estimated by kind of edge. Node i >= 1 of a request's candidate tree (parent u = parent[i] < i)
+// has the edge probability q = p_i / p_u (0 when p_u <= 0), the bin b = #{t in thresholds : t <= q}, and the kind
+//     kind = (first ? 0 : 1) * (T + 1) + b,   first = no node j < i has parent u (siblings lie best first),       (7)
+// T thresholds ascending. The kind's scale is a ratio of decayed sums with a prior (table and prior: [2, E] rows
+// accepted, drafted; E = 2 (T + 1)),
+//     c = (accepted[kind] + prior_accepted[kind]) / (drafted[kind] + prior_drafted[kind]),
+// the edge's acceptance a = min(1, c * q), and the node's predicted acceptance is the product of its path's edges,
+//     path[i] = path[u] * a,   path[0] = 1,   path = -1, q = 0, kind = -1 on the root's q / kind and on padding.
+// After verification (8): the table decays by edge_decay, then every verified drafted node whose parent lies on the
+// accepted path is one observation of its kind, in order of row, then node: drafted[kind] += q, and accepted[kind] += 1
+// when the node lies on the accepted path too; each row's request b decays its (observed, predicted) sums by
+// path_decay and adds its accepted drafts and predicted = the sum of its verified drafted nodes' path values, in node
+// order. Same order of evaluation as the references in peagle/ops/harness.py, so the results agree bit for bit.
+
+// (7): the bin of an edge probability.
+PEAGLE_HD int64_t edge_bin(double q, const double* thresholds, int64_t num_thresholds) {
+  int64_t bin = 0;
+  while (bin < num_thresholds && thresholds[bin] <= q) ++bin;
+  return bin;
+}
+
+struct EdgeTable {
+  const double* accepted;        // [E]
+  const double* drafted;         // [E]
+  const double* prior_accepted;  // [E]
+  const double* prior_drafted;   // [E]
+  const double* thresholds;      // [T] ascending, E = 2 (T + 1)
+  int64_t num_thresholds;
+};
+
+// (7) for one request: scores / parent [nodes] of its candidate tree, the first `count` of them real (count in
+// [1, nodes]); writes path, q, kind [nodes]. A parent outside [0, i) makes the node padding (the CPU checks reject
+// it; the CUDA kernel cannot raise).
+PEAGLE_HD void edge_scores(const double* scores, const int64_t* parent, int64_t count, int64_t nodes,
+                           const EdgeTable& t, double* path, double* q, int64_t* kind) {
+  for (int64_t i = 0; i < nodes; ++i) {
+    path[i] = i == 0 ? 1.0 : -1.0;
+    q[i] = 0.0;
+    kind[i] = -1;
+    const int64_t up = parent[i];
+    if (i == 0 || i >= count || up < 0 || up >= i || path[up] < 0.0) continue;
+    const double above = scores[up];
+    const double edge = above > 0.0 ? div_rn(scores[i], above) : 0.0;
+    bool first = true;
+    for (int64_t j = 1; j < i && first; ++j) first = parent[j] != up;
+    const int64_t k = (first ? 0 : 1) * (t.num_thresholds + 1) + edge_bin(edge, t.thresholds, t.num_thresholds);
+    const double scale = div_rn(add_rn(t.accepted[k], t.prior_accepted[k]), add_rn(t.drafted[k], t.prior_drafted[k]));
+    const double a = mul_rn(scale, edge);
+    path[i] = mul_rn(path[up], a < 1.0 ? a : 1.0);
+    q[i] = edge;
+    kind[i] = k;
+  }
+}
+
+// Whether node x lies on a request's accepted path (path[0 .. last], -1 padded).
+PEAGLE_HD bool on_accepted_path(int64_t x, const int64_t* accepted_path, int64_t last) {
+  for (int64_t j = 0; j <= last; ++j) {
+    if (accepted_path[j] == x) return true;
+  }
+  return false;
+}
+
+// (8) for one request's verified tree, kind `only` alone (or every kind with only = -1): adds its observations to
+// accepted / drafted [E] and returns its predicted accepted drafts (the sum of its drafted nodes' path values). The
+// accepted path's last index is min(num_accepted, path_len - 1).
+PEAGLE_HD double edge_observe(const double* q, const int64_t* kind, const double* path, const int64_t* parent,
+                              int64_t nodes, const int64_t* accepted_path, int64_t path_len, int64_t num_accepted,
+                              int64_t num_kinds, int64_t only, double* accepted, double* drafted) {
+  const int64_t last = num_accepted < 0 ? -1 : (num_accepted < path_len - 1 ? num_accepted : path_len - 1);
+  double predicted = 0.0;
+  for (int64_t i = 0; i < nodes; ++i) {
+    const int64_t k = kind[i];
+    if (k < 0 || k >= num_kinds) continue;
+    predicted = add_rn(predicted, path[i]);
+    if (only >= 0 && k != only) continue;
+    const int64_t up = parent[i];
+    if (up < 0 || up >= nodes || !on_accepted_path(up, accepted_path, last)) continue;
+    drafted[k] = add_rn(drafted[k], q[i]);
+    if (on_accepted_path(i, accepted_path, last)) accepted[k] = add_rn(accepted[k], 1.0);
+  }
+  return predicted;
+}
+
 }  // namespace harness
 }  // namespace peagle
