@@ -20,12 +20,15 @@ from peagle.decode.harness import (
     harness_budget,
     select_budget,
 )
+from peagle.decode.harness.calibration import EdgeCalibration
 from peagle.decode.harness.policy import (
     MIN_PAIRED_ROUNDS,
     MIN_TRIALS,
     OVERHEAD_DECAY,
     PAIR_CV,
-    PAIRED_PLAIN_SHARE,
+    PAIRED_MINORITY_SHARE,
+    YIELD_SHARE,
+    CallYield,
     ChainAcceptance,
     PairedGains,
     RoundOverhead,
@@ -129,7 +132,7 @@ def harness_goodput(
     emitted, seconds = 0, 0.0
     for r in range(len(truth)):
         depth = harness.depth(rows)
-        spec = tree_build_parallel(probs[r : r + 1, :depth], harness.topk(depth), MAX_NODES)
+        spec = tree_build_parallel(probs[r : r + 1, :depth], harness.topk(depth), harness.candidates)
         tree = harness.select(rows, spec, depth, sampled=False)
         accepted = accepted_drafts(tree, truth[r : r + 1])
         harness.observe(rows, accepted, tree.num_nodes, tree.parent, accepted_path(tree, truth[r : r + 1]))
@@ -162,9 +165,43 @@ def test_harness_beats_every_fixed_chain_and_tree(seed):
         [plain_goodput(FLAT, truth)] + [fixed_goodput(FLAT, probs, truth, topk, n) for topk, n in fixed_configs()]
     )
     assert ours > best, f"harness {ours:.1f} tokens/s vs best fixed configuration {best:.1f}"
-    # Calibration stays near 1: the trace's path scores are the true acceptance probabilities.
-    assert 0.7 < float(calibration_scale(harness.calibration)[0]) < 1.4
-    assert 0.6 < float(harness.gamma[0]) < 1.6
+    # The trace's path scores are the true acceptance probabilities: every well observed kind of edge scales q by ~1.
+    observed = harness.edges.table[1] > 5.0
+    assert int(observed.sum()) >= 3
+    assert bool(((harness.edges.scales()[observed] - 1.0).abs() < 0.3).all()), harness.edges.scales()[observed]
+
+
+def parallel_drafter_trace(seed: int, rounds: int = 300) -> tuple[torch.Tensor, torch.Tensor]:
+    """A trace like a P-EAGLE drafter's: flat per-depth marginals (top-1 probability near 0.2) whose best tokens are
+    the target's while the text stays on the drafter's path, which it does at each depth with probability 0.9 in easy
+    stretches and 0.3 in hard ones; off the path the target's token is any other one. The path scores (products of
+    marginals) predict the chain's acceptance far too low and the siblings' too high."""
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(torch.randn(rounds, DEPTH, VOCAB, generator=g) * 0.4, -1)
+    easy = (torch.rand(rounds, generator=g) < 0.05).long().cumsum(0) % 2 == 0
+    stay = torch.where(easy, 0.9, 0.3)[:, None]
+    on_path = (torch.rand(rounds, DEPTH, generator=g) < stay).long().cumprod(1).bool()
+    best = probs.argmax(-1)
+    other = torch.randint(0, VOCAB - 1, (rounds, DEPTH), generator=g)
+    return probs, torch.where(on_path, best, other + (other >= best).long())
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_harness_learns_a_parallel_drafters_edges_and_beats_every_fixed_chain_and_tree(seed, monkeypatch):
+    """On a P-EAGLE-like trace, after one call on another trace of the same drafter, the harness's edge calibration
+    (first children and later ones apart) beats every fixed configuration; a harness whose edge table never learns
+    (the prior alone) loses to the best of them (the power of the test)."""
+    probs, truth = parallel_drafter_trace(seed)
+    best = max(fixed_goodput(COSTLY_DRAFTS, probs, truth, topk, n) for topk, n in fixed_configs())
+    policy = HarnessPolicy(COSTLY_DRAFTS, MAX_NODES)
+    harness_goodput(COSTLY_DRAFTS, *parallel_drafter_trace(seed + 100), policy)  # an earlier call
+    ours, harness = harness_goodput(COSTLY_DRAFTS, probs, truth, policy)
+    scales = harness.edges.scales().view(2, -1)
+    observed = harness.edges.table.view(2, 2, -1)[1] > 5.0  # [kind of child, bin]
+    assert bool((scales[0][observed[0]] > 1.5).all()) and bool(observed[0].any())  # first children: above q
+    monkeypatch.setattr(EdgeCalibration, "observe", lambda self, *args: None)
+    blind, _ = harness_goodput(COSTLY_DRAFTS, probs, truth)
+    assert ours > best > blind, f"harness {ours:.1f} tokens/s, best fixed {best:.1f}, without learning {blind:.1f}"
 
 
 def test_harness_decodes_plainly_where_speculation_loses():
@@ -226,12 +263,11 @@ def test_timed_pass_rounds_add_the_overhead_to_every_depth_of_the_decision(gener
     probs = torch.softmax(torch.randn(40, DEPTH, VOCAB, generator=generator) * 2, -1)
     for r in range(40):
         depth = harness.depth(rows)
-        spec = tree_build_parallel(probs[r : r + 1, :depth], harness.topk(depth), MAX_NODES)
+        spec = tree_build_parallel(probs[r : r + 1, :depth], harness.topk(depth), harness.candidates)
         overhead = harness.overhead.seconds
-        gamma, calibration = harness.gamma.clone(), harness.calibration.clone()
+        scores = harness.edges.scores(spec)[0]
         tree = harness.select(rows, spec, depth, sampled=False)
-        sharp = sharpen(spec.scores, gamma)
-        args = (sharp, spec.depth, spec.num_nodes, calibration)
+        args = (scores, spec.depth, spec.num_nodes, torch.zeros(1, 2, dtype=torch.float64))
         pass_time = harness.pass_time + overhead
         budget, next_depth, _ = harness_pass_decide_reference(*args, pass_time, harness.verify_cost, depth)
         assert torch.equal(harness.next_depth, next_depth)
@@ -358,6 +394,18 @@ def test_a_static_batch_whose_slowest_requests_outlast_plain_decoding_decodes_pl
     assert static_batch_call(HarnessPolicy(table, MAX_NODES, timed=False), 1, [1] * 100) == "draft"
 
 
+def test_a_static_batch_stops_drafting_only_below_the_yield_share_of_plain_decoding():
+    """A call's drafting rounds must fall below YIELD_SHARE of plain decoding's tokens per table second to stop the
+    next calls' drafting: a first call still learning its edges yields a little less than plain decoding where
+    drafting pays once it has learnt them."""
+    table = cost_table([10e-3, 10.2e-3, 10.6e-3, 11.4e-3, 13e-3, 16e-3], [1e-3 + 0.2e-3 * k for k in range(DEPTH)], 8)
+    policy = HarnessPolicy(table, MAX_NODES, timed=False)
+    plain_rate = 8 / 10e-3
+    for share, pays in ((1.0, True), (YIELD_SHARE + 0.01, True), (YIELD_SHARE - 0.01, False), (0.5, False)):
+        assert policy.batch_yield_pays(8, 0, CallYield(share * plain_rate * 2.0, 2.0)) == pays, share
+    assert policy.batch_yield_pays(1, 0, CallYield(0.0, 2.0))  # batch 1: no one to wait for
+
+
 def test_a_rate_just_below_break_even_stops_speculation_only_after_many_observations():
     """Near break-even drafting costs little, stopping a drafter that pays a lot: a rate 0.05 below break-even stops
     only once its standard error is small enough (EVIDENCE_Z of them), not after MIN_TRIALS."""
@@ -426,7 +474,7 @@ def test_timed_verdicts_follow_the_paired_gains_and_an_undecided_probe_keeps_a_l
             policy.end_call(1, 0, good)
         return start
 
-    assert [call(-0.5) for _ in range(2)] == ["draft", "control"]  # measured 50% slower: the next calls are plain
+    assert [call(-0.7) for _ in range(2)] == ["draft", "control"]  # measured 70% slower: the next calls are plain
     assert policy.paired_verdict(1, 0) < 0
     assert [call(0.0) for _ in range(6)] == ["plain", "probe", "plain", "plain", "plain", "probe"]  # ... undecided
     starts = [call(1.0) for _ in range(60)]  # probes measured 2x faster clear it once they outweigh the loss; they
@@ -438,10 +486,11 @@ def test_timed_verdicts_follow_the_paired_gains_and_an_undecided_probe_keeps_a_l
     assert policy.start_call(1, 0) == "draft"
 
 
-def test_paired_calls_come_every_2nd_call_while_undecided_and_at_doubling_intervals_once_drafting_is_faster():
-    """Timed, the 2nd call is paired (a control), then every 2nd while the gains have not decided, every 4th, 8th, ..
-    32nd once they say drafting is faster; paired calls decode plainly last and first in turn. A control that
-    finds drafting slower makes the next calls plain (then probes). Without timing, every call drafts."""
+def test_paired_calls_come_every_2nd_call_while_the_gains_lean_to_plain_and_at_doubling_intervals_otherwise():
+    """Timed, the 2nd call is paired (a control), then every 2nd while the gains lean towards plain decoding (or
+    neither way), every 4th, 8th, .. 32nd while they lean towards drafting, decided or not; paired calls decode
+    plainly last and first in turn. A control that finds drafting clearly slower makes the next calls plain (then
+    probes). Without timing, every call drafts."""
     policy = HarnessPolicy(FLAT, MAX_NODES)
     starts, plain_first = [], []
     for _ in range(100):
@@ -458,9 +507,25 @@ def test_paired_calls_come_every_2nd_call_while_undecided_and_at_doubling_interv
         if starts[-1] == "control":
             undecided.end_paired(1, 0, False, *paired_rounds(0.0), ChainAcceptance())  # a tie
     assert starts == ["draft", "control"] * 6
+    leaning = HarnessPolicy(FLAT, MAX_NODES)
+    starts, verdicts = [], []
+    for _ in range(30):
+        starts.append(leaning.start_call(1, 0))
+        if starts[-1] == "control":
+            leaning.end_paired(1, 0, False, *paired_rounds(0.3), ChainAcceptance())  # 30% faster, not yet certain
+            verdicts.append(leaning.paired_verdict(1, 0))
+    assert [i for i, start in enumerate(starts) if start != "draft"] == [1, 5, 13, 29]
+    assert verdicts[:2] == [0.0, 0.0] and verdicts[-1] > 0  # the intervals doubled before the gains decided
+    behind = HarnessPolicy(FLAT, MAX_NODES)
+    starts = []
+    for _ in range(8):
+        starts.append(behind.start_call(1, 0))
+        if starts[-1] == "control":
+            behind.end_paired(1, 0, False, *paired_rounds(-0.2), ChainAcceptance())  # 20% slower, not yet certain
+    assert starts[:4] == ["draft", "control"] * 2 and behind.paired_verdict(1, 0) < 0
     slower = HarnessPolicy(FLAT, MAX_NODES)
     assert [slower.start_call(1, 0) for _ in range(2)] == ["draft", "control"]
-    slower.end_paired(1, 0, False, *paired_rounds(-0.5), ChainAcceptance())  # drafting measured 50% slower
+    slower.end_paired(1, 0, False, *paired_rounds(-0.7), ChainAcceptance())  # drafting measured 70% slower
     assert [slower.start_call(1, 0) for _ in range(2)] == ["plain", "probe"]
     few = HarnessPolicy(FLAT, MAX_NODES)  # a call too short for both phases' rounds counts no gain
     assert [few.start_call(1, 0) for _ in range(2)] == ["draft", "control"]
@@ -472,7 +537,7 @@ def test_paired_calls_come_every_2nd_call_while_undecided_and_at_doubling_interv
 
 @pytest.mark.parametrize("kind", [PassHarness, DepthHarness])
 def test_a_paired_call_times_its_two_phases_and_its_gain_decides_the_next_calls(kind):
-    """A control call drafts until two thirds of its tokens (or plain first, the next one), skips timing the first
+    """A control call drafts until three quarters of its tokens (or plain first, the next one), skips timing the first
     round after the switch, and its gain (drafting rounds' tokens per second over its plain rounds') decides: here
     drafting is 3x slower, so the next call decodes plainly; a drafting call's in-call decision follows the verdict,
     not its acceptance rate."""
@@ -480,11 +545,11 @@ def test_a_paired_call_times_its_two_phases_and_its_gain_decides_the_next_calls(
     kind(policy, 1, DEPTH, 0, VOCAB, "cpu").finish()  # the 1st call drafts
     harness = kind(policy, 1, DEPTH, 0, VOCAB, "cpu")
     assert harness.call_start == "control" and harness.paired and harness.drafting_phase and harness.speculate
-    assert not harness.switch(1.0 - PAIRED_PLAIN_SHARE - 0.01)
+    assert not harness.switch(1.0 - PAIRED_MINORITY_SHARE - 0.01)
     for _ in range(20):
         harness.round_kind = "chain"
         harness.timed(4e-3, 1)  # 250 tokens a second
-    assert harness.switch(1.0 - PAIRED_PLAIN_SHARE) and not harness.drafting_phase and harness.round_kind == "plain"
+    assert harness.switch(1.0 - PAIRED_MINORITY_SHARE) and not harness.drafting_phase and harness.round_kind == "plain"
     assert not harness.switch(1.0)  # once
     harness.timed(9.0, 1)  # the round after the switch (the drafter catching up, cold caches): not timed
     for _ in range(20):
@@ -495,6 +560,9 @@ def test_a_paired_call_times_its_two_phases_and_its_gain_decides_the_next_calls(
     assert not kind(policy, 1, DEPTH, 0, VOCAB, "cpu").speculate  # the next call: no drafting at all
     probe = kind(policy, 1, DEPTH, 0, VOCAB, "cpu")
     assert probe.call_start == "probe" and not probe.drafting_phase and probe.round_kind == "plain"  # plain first
+    # A probe decodes plainly (the verdict's faster kind) for three quarters of its tokens, then drafts the rest.
+    assert not probe.switch(1.0 - PAIRED_MINORITY_SHARE - 0.01) and probe.switch(1.0 - PAIRED_MINORITY_SHARE)
+    assert probe.drafting_phase
     # Faster, decided: a drafting call keeps drafting where its acceptance alone would stop it.
     faster = HarnessPolicy(FLAT, MAX_NODES)
     faster.paired_gains[faster.table_key(1, 0)] = gains_of([0.5] * 4)
@@ -632,7 +700,8 @@ def test_pass_harness_lays_out_a_chain_as_select_budget_does(generator):
         assert torch.equal(getattr(trees[0], field), getattr(trees[1], field)), field
     assert trees[1].tokens.shape[1] == int(trees[1].num_nodes.max())
     assert torch.equal(harness[0].next_depth, harness[1].next_depth)
-    assert torch.equal(harness[0].predicted, harness[1].predicted)
+    for ours, theirs in zip(harness[0].verified, harness[1].verified, strict=True):
+        assert torch.equal(ours, theirs)
 
 
 @pytest.mark.parametrize("batch", [1, 5])
@@ -691,7 +760,7 @@ def test_sampled_rounds_draft_chains_of_the_observed_acceptance_rate(generator):
     depths = []
     for sharpness in (0.1, 10.0):
         harness, rows, seen, trials, run = PassHarness(policy, 2, DEPTH, 0, VOCAB, "cpu"), torch.arange(2), 0, 0, []
-        calibration, gamma = harness.calibration.clone(), harness.gamma.clone()
+        edges = harness.edges.to("cpu")
         for r in range(len(accepted)):
             depth = harness.depth(rows)
             run.append(depth)
@@ -706,7 +775,7 @@ def test_sampled_rounds_draft_chains_of_the_observed_acceptance_rate(generator):
             trials += int(got.sum()) + int((got < depth).sum())
             rate = (seen + 1.4) / (trials + 2.0)
             assert harness.depth(rows) == min(max(1, policy.chain_length(2, 0, rate, sampled=True)), DEPTH)
-        assert torch.equal(harness.calibration, calibration) and torch.equal(harness.gamma, gamma)
+        assert harness.edges == edges
         depths.append(run)
     assert depths[0] == depths[1] and len(set(depths[0])) > 1, depths
 
@@ -762,18 +831,21 @@ def test_a_new_call_starts_from_what_earlier_calls_learnt():
     probs, truth = recorded_trace(4, rounds=40)
     policy = HarnessPolicy(FLAT, MAX_NODES)
     fresh = PassHarness(policy, 2, DEPTH, 0, VOCAB, "cpu")
-    assert fresh.gamma.tolist() == [1.0, 1.0] and fresh.calibration.tolist() == [[0.0, 0.0]] * 2
+    assert fresh.edges == EdgeCalibration.start()
     rows = torch.tensor([0])
     first = PassHarness(policy, 1, DEPTH, 0, VOCAB, "cpu")
     for r in range(len(truth)):
         depth = first.depth(rows)
-        tree = first.select(rows, tree_build_parallel(probs[r : r + 1, :depth], first.topk(depth), MAX_NODES), depth,
-                            sampled=False)  # fmt: skip
-        first.observe(rows, accepted_drafts(tree, truth[r : r + 1]))
+        spec = tree_build_parallel(probs[r : r + 1, :depth], first.topk(depth), first.candidates)
+        tree = first.select(rows, spec, depth, sampled=False)
+        path = accepted_path(tree, truth[r : r + 1])
+        first.observe(rows, accepted_drafts(tree, truth[r : r + 1]), tree.num_nodes, tree.parent, path)
     first.finish()
+    assert first.edges != EdgeCalibration.start()
     later = PassHarness(policy, 3, DEPTH, 0, VOCAB, "cpu")
-    assert later.gamma.tolist() == [float(first.gamma[0])] * 3
-    assert torch.equal(later.calibration, first.calibration.expand(3, 2))
+    assert later.edges == first.edges
+    later.edges.table += 1.0  # a copy: the policy keeps what the call handed over until the call ends
+    assert policy.learnt_edges == first.edges
 
 
 def test_tree_plan_drafts_chains_while_trees_gain_too_little_for_their_verify_time():
@@ -899,11 +971,11 @@ def test_a_fast_moment_or_a_hard_prompt_does_not_stop_a_drafter_that_pays(genera
 
 def test_paired_gains_variance_of_the_mean_gain_over_calls(generator):
     """The variance PairedGains gives its mean (its mean over repeats), against the spread of the mean over many
-    independent repeats of calls whose gains vary by 15%; before any call shows its spread, the prior PAIR_CV."""
+    independent repeats of calls whose gains vary by PAIR_CV; before any call shows its spread, the prior PAIR_CV."""
     repeats = []
     for _ in range(400):
         gains = PairedGains()
-        for call in paired_calls(generator, 10, 0.1, prompt_spread=0.15, rounds=20):
+        for call in paired_calls(generator, 10, 0.1, prompt_spread=PAIR_CV, rounds=20):
             gains.add(*paired_gain(*call))
         repeats.append(gains)
     means = torch.tensor([gains.mean for gains in repeats], dtype=torch.float64)
@@ -938,6 +1010,10 @@ def test_tree_rounds_count_their_gain_over_a_chain_and_their_extra_verify_time(g
     verify = FLAT.verify_row(1, 0, MAX_NODES)
     width = tree.tokens.shape[1]
     assert width > 4 and harness.siblings == [0.0, pytest.approx(float(verify[width] - verify[4]))]
+    # Trees other than the ones select chose cannot teach the edge calibration: an error names them.
+    with pytest.raises(ValueError, match="parent must be that of the trees select returned"):
+        harness.observe(rows, torch.tensor([0]), None, torch.tensor([[-1, 0]]), torch.tensor([[0, -1]]))
+    harness = PassHarness(HarnessPolicy(FLAT, MAX_NODES), 1, DEPTH, 0, VOCAB, "cpu")  # a tree round, nothing selected
     # Root 0 with children 1 and 2 (1 first), 3 under 1, 4 under 2, 5 under 4; one padding slot.
     parent = torch.tensor([[-1, 0, 0, 1, 2, 4, -1]])
     harness.observe(rows, torch.tensor([3]), None, parent, torch.tensor([[0, 2, 4, 5, -1, -1, -1]]))

@@ -71,6 +71,8 @@ class DraftTree(NamedTuple):
 class PassPlanner(Protocol):
     """What P-EAGLE drafting asks a harness (:class:`peagle.decode.harness.PassHarness` implements it)."""
 
+    candidates: int  # the candidate tree's nodes, root included (select keeps at most the verify limit of them)
+
     def depth(self, rows: Tensor) -> int: ...
 
     def topk(self, depth: int, sampled: bool) -> list[int]: ...
@@ -389,7 +391,7 @@ class PEagleDrafting(_CachedDrafter):
             spec = tree_build_parallel(probs, topk, self.max_nodes)
         else:
             topk = harness.topk(depths, sampling.gumbel)
-            spec = harness.select(rows, tree_build_parallel(probs, topk, self.max_nodes), depths, sampling.gumbel)
+            spec = harness.select(rows, tree_build_parallel(probs, topk, harness.candidates), depths, sampling.gumbel)
         if not sampling.gumbel:
             return self._from_spec(roots, spec)
         # Shape from the unperturbed distributions; node of sibling rank r at depth d = the r-th draw of depth d.

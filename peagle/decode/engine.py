@@ -97,7 +97,8 @@ class GenerateMetrics:
     depth_chain: str = ""
     # Batched rounds that drafted: all of them, except under mode "harness" once the observed acceptance or speed said
     # that speculation loses (plain decoding from there on), or none when the cost table or earlier calls said so, or
-    # the plain phase of a paired call (a third of its tokens, timed to weigh drafting against).
+    # the plain phase of a paired call (a quarter of a control's tokens, three quarters of a probe's, timed to weigh
+    # drafting against).
     drafted_rounds: int = 0
     # How mode "harness" started the call (HarnessPolicy.start_call): "draft", "plain", or a paired call: "probe"
     # (after calls that found speculation did not pay) or "control" (while it pays); "" in the other modes.
@@ -143,7 +144,7 @@ class SpeculativeDecoder:
         cost_table: mode "harness" only: a :class:`~peagle.decode.harness.CostTable` or the JSON file ``peagle
             profile`` wrote for this target and drafter. ``num_nodes`` then caps the verified nodes (default 32).
         harness_timing: mode "harness" only: also weigh drafting against plain decoding, and trees against chains, by
-            the rounds' measured wall time (now and then a generate call drafts for two thirds of its tokens and
+            the rounds' measured wall time (now and then a generate call drafts for part of its tokens and
             decodes the rest plainly, a paired call, to compare the two on the same prompt at the same moment), which
             counts what the cost table leaves out (bookkeeping, commits); False: the table and the observed
             acceptance alone decide, so the decisions, and a sampled request's tokens for a seed, repeat from run to

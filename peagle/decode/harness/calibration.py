@@ -16,17 +16,24 @@ its depth) or a later one, and the bin of log10 q (:data:`EDGE_BINS`). Each kind
 over the edges verified with their parent accepted, c = (accepted + w q_bin^e) / (sum of q + w q_bin), a prior of
 w = :data:`EDGE_PRIOR_WEIGHT` edges accepted q^e of the time (:data:`EDGE_PRIOR_EXPONENT`), decaying by
 :data:`EDGE_DECAY` a round. A first child's prior, q^0.5, is optimistic about a flat drafter, so that its chains get
-verified and learnt; a later child's is its marginal q (on the demo drafter both 0.5 and 1 did as well there, and q
-keeps an honest drafter's trees from widening on siblings nobody has verified yet). A node's score is the
+verified and learnt; a later child's is its marginal q (on the demo drafter an exponent of 0.5 did within 1% of it,
+and q keeps an honest drafter's trees from widening on siblings nobody has verified yet). A node's score is the
 product of its path's a (the chain rule, each a being conditional on the parent's acceptance), which never grows along
 a path, so the best n nodes by it are parent-closed. The table is a property of the drafter and target, shared by a
 call's requests and carried from call to call. Within a bin, a is proportional to q: where path scores are the true
 acceptance probabilities (the simulation of ``python_tests/test_harness_policy.py``), every c goes to 1 and a to q.
 
-Replaying the default demo's recorded candidate trees (8 held-out prompts, each round's accepted path in the full
-4-2-2-2-2 tree, its budget chosen as the harness chooses it, cost-table seconds plus 0.6 ms a round), budgets by these
-scores emitted 1.045 tokens a millisecond, against 0.954 for the best fixed pruned tree (16 nodes), 0.912 for chain 5
-and 0.948 for the per-request path calibration (starting cold; 0.3 and 1.0 ms a round gave the same ranking).
+On top of the table, each request keeps the harness op's path scale (decayed sums of its accepted and predicted drafts,
+:data:`~peagle.decode.harness.policy.PATH_SCALE_DECAY`): how hard its text is right now, which the shared table learns
+too slowly.
+
+Replaying the default demo's recorded rounds (the 8 held-out prompts of the benchmark, each round's whole 4-2-2-2-2
+candidate tree of 124 nodes and its accepted path; a budget chosen as the harness chooses it, the table learnt online
+from a cold start; cost-table seconds plus 0.6 ms a round): budgets by these scores emitted 1.061 tokens a millisecond,
+against 0.998 for the best fixed configuration (the best 24 nodes by path score of the 2-2-2-2-2 tree, the engine's
+`tree 24 pruned`), 0.938 for chain 5 and 0.922 for the per-request path calibration (20 nodes a round); from the best
+32 candidates by path score (the verify limit) 1.025. With verification twice as steep per node as the table says,
+0.944 against 0.866 (chain 5) and 0.771. The constants were chosen on such replays.
 
 The math is ops (7) and (8) of ``csrc/include/peagle/harness.h`` (:func:`~peagle.ops.harness_edge_scores`,
 :func:`~peagle.ops.harness_edge_observe`): one call each a round, device work without a host read, so a CUDA graph can

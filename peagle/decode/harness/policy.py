@@ -5,14 +5,20 @@ With E the expected accepted drafts of the verified tree, T_draft the drafting t
 for n nodes (root included, from the cost table row of the batch-size bucket and context interval), a round emits
 (1 + E) tokens in T_draft + V[n] seconds. Every decision maximises that ratio:
 
-* **Expected acceptance.** E = sum over the verified drafted nodes of min(1, c * p), p the path score (product of the
-  draft probabilities along the path), c a per-request calibration scale fitted online: ``calibration[b] =
+* **Expected acceptance.** E = sum over the verified drafted nodes of min(1, c * p). For autoregressive drafters p
+  is the path score (product of the draft probabilities along the path), c a per-request calibration scale fitted
+  online: ``calibration[b] =
   (observed, predicted)`` are decayed sums of the accepted drafts and of the predicted E of the verified trees, and
   c = clamp((observed + 2) / (predicted + 2), 1/8, 4) (:func:`recalibrate`). Before that, path scores are
   raised to a per-request exponent gamma (:func:`sharpen`), which recalibrates every edge probability of a path at
   once (p^gamma of a product is the product of the edges' p^gamma); gamma follows the same sums, slowly
   (:func:`recalibrate`), so a drafter whose probabilities are far too flat (right 90% of the time at p = 0.01)
-  or too sharp still gets depths and budgets that match its real acceptance; c then corrects what remains.
+  or too sharp still gets depths and budgets that match its real acceptance; c then corrects what remains. A
+  P-EAGLE pass's per-depth distributions are marginals, so its p multiplies edges of another kind: there p is the
+  product of the path's edges, each calibrated by its kind (first or later child, bin of its draft probability) in a
+  table every call of the drafter learns (:mod:`peagle.decode.harness.calibration`), and c follows how hard the
+  request's text is right now (sums decaying by :data:`PATH_SCALE_DECAY`); its candidate trees hold
+  :data:`CANDIDATES_PER_VERIFIED` times the nodes a round may verify, so that deep chain nodes are candidates.
 * **Depth by depth (autoregressive drafters).** At each depth the candidates are the children of the frontier; the
   ``harness_decide`` op adds the best w of them for the w of the cost table's widths that maximises the ratio after
   paying that depth's drafter forward t_d(w) and the larger verify, and stops a request when no w raises its ratio;
@@ -46,13 +52,14 @@ for n nodes (root included, from the cost table row of the batch-size bucket and
   plain decoding's tokens per table second (:class:`CallYield`): a static batch pays for rounds until its slowest
   request is done, which the per-request rate does not see. The wall clock decides in **paired calls**, which count what
   the table leaves out (bookkeeping, commits): now and then a generate call drafts for part of its tokens and decodes
-  plainly for the rest (a third; plain first or drafting first, in turn), and its gain, its drafting rounds' tokens per
-  second over its plain rounds' minus 1, compares the two on the same prompt at the same moment (:class:`PairedGains`
-  pools the gains of the calls so far). Comparing rounds of different calls instead mixes the machine's drift between
-  calls (+-20% here) and the prompts' difficulty into the comparison. While speculating pays, the 2nd call is paired,
-  then every 2nd while the gains have not decided, intervals that double up to 32 calls once they say drafting is faster
-  (a "control"). Once they say plain decoding is faster, or, where they have not decided, the acceptance of the calls so
-  far does (the earlier ones weighing less, :data:`CALL_DECAY`), the next calls at that batch size decode plainly,
+  plainly for the rest (a quarter of them the kind the verdict so far says is slower; plain first or drafting first,
+  in turn), and its gain, its drafting rounds' tokens per second over its plain rounds' minus 1, compares the two on
+  the same prompt at the same moment (:class:`PairedGains` pools the gains of the calls so far). Comparing rounds of
+  different calls instead mixes the machine's drift between calls (+-20% here) and the prompts' difficulty into the
+  comparison. While speculating pays, the 2nd call is paired, then every 2nd while the gains lean towards plain
+  decoding, intervals that double up to 32 calls while they lean towards drafting (a "control"). Once they say plain
+  decoding is faster, or, where they have not decided, the acceptance of the calls so far does (the earlier ones
+  weighing less, :data:`CALL_DECAY`), the next calls at that batch size decode plainly,
   except paired calls (a "probe"): the 2nd call after, then intervals that double up to 32 calls while they find the
   same; only gains that say drafting is faster clear the verdict (:meth:`HarnessPolicy.start_call`).
 * **Temperature > 0.** Sampled rounds (drafts drawn) draft chains, P-EAGLE's as EAGLE-3's, whose length is fixed
@@ -72,6 +79,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from peagle.decode.harness.calibration import EdgeCalibration
 from peagle.decode.harness.cost import CostTable
 from peagle.decode.harness.graphs import DepthGraphChain, device_launch_available, padded_batch_size
 from peagle.ops import (
@@ -129,33 +137,48 @@ EVIDENCE_Z = 2.0
 # A round's seconds are taken to vary by at least this share (this shared machine's noise, which rounds of equal
 # length would hide from the spread of a few of them).
 ROUND_TIME_CV = 0.2
-# Paired calls (:class:`PairedGains`): the share of a paired call's tokens decoded plainly; the rounds of each kind a
-# call times before its gain counts (the first round after the switch is not timed: the drafter catches up on the
-# plain rounds' tokens there, and the target's caches on its own work); the gains of the last PAIRED_MEMORY calls or
-# so count. A call's gain varies from prompt to prompt (how often drafts are accepted) and with the machine's noise:
-# by PAIR_CV before calls show their spread, a prior worth CALL_PRIOR calls. (Comparing rounds of different calls, a
-# control call timed in a fast moment put plain decoding 20% above what it ran at in the calls around it, and one
-# drafting call on a hard prompt right after it stopped a drafter that ran 1.17x.)
-PAIRED_PLAIN_SHARE = 1.0 / 3.0
+# Paired calls (:class:`PairedGains`): the share of a paired call's tokens decoded the way that the verdict so far
+# says is slower (plainly in a control, drafting in a probe: the cost of a paired call is that share at the slower
+# speed; at a third, controls on the demo's easy prompts ran at 0.6x of chain 5 and probes at batch 16 at 0.6x-0.85x
+# of the target alone); the rounds of each kind a call times before its gain counts (the first round after the
+# switch is not timed: the drafter catches up on the plain rounds' tokens there, and the target's caches on its own
+# work); the gains of the last PAIRED_MEMORY calls or so count. A call's gain varies from prompt to prompt (how often
+# drafts are accepted) and with the machine's noise: by PAIR_CV before calls show their spread, a prior worth
+# CALL_PRIOR calls (chain 5's gain over the target alone on the demo's 8 held-out prompts ran from -0.03 to +0.9: at
+# 0.15, one control on its hardest prompt stopped drafting for the calls after it). (Comparing rounds of different
+# calls, a control call timed in a fast moment put plain decoding 20% above what it ran at in the calls around it, and
+# one drafting call on a hard prompt right after it stopped a drafter that ran 1.17x.)
+PAIRED_MINORITY_SHARE = 0.25
 MIN_PAIRED_ROUNDS = 8
 PAIRED_MEMORY = 64
-PAIR_CV = 0.15
+PAIR_CV = 0.3
 CALL_PRIOR = 2.0
+# A static batch's drafting calls stop the next calls' drafting below this share of plain decoding's tokens per table
+# second (:meth:`HarnessPolicy.batch_yield_pays`): a first call still learning its edges (wide trees) yielded 0.94x
+# at batch 4 on the demo, where the best fixed tree ran 1.28x the target alone; stragglers cost 0.6x-0.7x at batch 16.
+YIELD_SHARE = 0.85
 # Weight of the earlier calls' acceptance counts in the verdict of :meth:`HarnessPolicy.end_call` (halved per call):
 # how often a drafter is accepted varies from prompt to prompt, and one hard prompt must not make the next plain.
 CALL_DECAY = 0.5
 # A call that finds speculation does not pay makes the next calls at its batch size decode plainly; the 2nd call after
 # it is paired (a probe), an interval that doubles (up to 32 calls) while probes find the same. While speculation
-# pays, the 2nd call is paired too (a control), then every 2nd while the gains are undecided, intervals that double
-# (up to 32 calls) once they say drafting is faster. A paired call's plain rounds run one after another: plain rounds
-# between drafting rounds ran 1.2x-1.4x as long as a plain call's at batch 8 on this machine (the drafter's work
-# evicts the target's from the CPU's caches), consecutive ones after a drafting phase as long as a plain call's.
+# pays, the 2nd call is paired too (a control), then every 2nd while the gains lean towards plain decoding,
+# intervals that double (up to 32 calls) while they lean towards drafting (decided or not: the acceptance already
+# says drafting pays, and each control costs its plain share). A paired call's plain rounds run one after another:
+# plain rounds between drafting rounds ran 1.2x-1.4x as long as a plain call's at batch 8 on this machine (the
+# drafter's work evicts the target's from the CPU's caches), consecutive ones after a drafting phase as long as a plain
+# call's.
 FIRST_PROBE_EVERY = 2
 MAX_PROBE_EVERY = 32
 ROUND_KINDS = ("tree", "chain", "plain")
 EXPLORE_EVERY = 8  # ... except every 8th round, an interval that doubles (up to 64) while exploring finds nothing
 MAX_EXPLORE_EVERY = 64
 CALIBRATION_DECAY = 0.9  # weight of the past in the observed / predicted sums (about the last 10 rounds)
+# ... of the P-EAGLE harness's per-request scale of its edge-calibrated path scores (about the last 2 rounds: the
+# shared edge table knows the drafter, the scale follows how hard the request's text is right now; on the demo's
+# recorded trees 0.3-0.5 did best, 0.9 lost 1%, and in the simulation 0.9 lost up to 4% to 0.5).
+PATH_SCALE_DECAY = 0.5
+CANDIDATES_PER_VERIFIED = 2  # a P-EAGLE candidate tree's nodes per node a round may verify
 SHARPNESS_RANGE = (0.02, 1.5)  # bounds of the exponent gamma of the path scores
 OVERHEAD_DECAY = 0.95  # weight of the past in :class:`RoundOverhead` (about the last 20 rounds)
 
@@ -579,6 +602,8 @@ class HarnessPolicy:
         # What earlier generate calls learnt about the drafter (mean exponent and calibration sums): a new call's
         # requests start from it instead of from scratch.
         self.learnt_gamma, self.learnt_calibration = 1.0, (0.0, 0.0)
+        # What P-EAGLE calls learnt about the acceptance of each kind of tree edge (shared by every batch size).
+        self.learnt_edges = EdgeCalibration.start()
         # What the tree decisions of earlier calls learnt, and {kind of round: its timed rounds}, by (bucket, interval,
         # sampled): a round's tokens, seconds and the verify time its trees cost grow with the batch.
         self.learnt_trees: dict[tuple[int, int, bool], TreeLearning] = {}
@@ -648,15 +673,17 @@ class HarnessPolicy:
         return acceptance.trials < MIN_TRIALS or acceptance.upper_rate > self.break_even_rate(batch, context, sampled)
 
     def batch_yield_pays(self, batch: int, context: int, call_yield: CallYield, sampled: bool = False) -> bool:
-        """Whether drafting rounds at ``batch`` > 1 emitted at least plain decoding's tokens per table second
-        (``batch`` tokens per V[1]); True at batch 1 (each round is its request's own) and before a drafting round.
-        In a static batch the rounds go on until the slowest request is done: at batch 16 on the demo, chain 5 ran
-        115 batched rounds where a request needed 71 on average (its prompts accepted 1.6 to 3.4 tokens a round), and
-        the target alone ran 1.57x as fast, while the per-request acceptance rate (0.6) was above break-even (0.54).
-        The table's seconds, not the measured ones: the same every run, so one call decides as the acceptance does."""
+        """Whether drafting rounds at ``batch`` > 1 emitted at least YIELD_SHARE of plain decoding's tokens per table
+        second (``batch`` tokens per V[1]); True at batch 1 (each round is its request's own) and before a drafting
+        round. In a static batch the rounds go on until the slowest request is done: at batch 16 on the demo, chain 5
+        ran 115 batched rounds where a request needed 71 on average (its prompts accepted 1.6 to 3.4 tokens a round),
+        and the target alone ran 1.57x as fast, while the per-request acceptance rate (0.6) was above break-even
+        (0.54). The table's seconds, not the measured ones: the same every run, so one call decides as the acceptance
+        does."""
         if batch <= 1 or call_yield.seconds <= 0:
             return True
-        return call_yield.tokens / call_yield.seconds >= batch / self._chain_costs(batch, context, sampled)[0]
+        plain = batch / self._chain_costs(batch, context, sampled)[0]
+        return call_yield.tokens / call_yield.seconds >= YIELD_SHARE * plain
 
     def start_call(
         self, batch: int, context: int, sampled: bool = False
@@ -740,10 +767,11 @@ class HarnessPolicy:
         acceptance: ChainAcceptance,
     ) -> None:
         """Records what a paired call found: its gain (``plain`` and ``drafting``: its timed rounds of each kind)
-        joins the gains so far, which then decide. Drafting faster: speculating pays, and the interval to the next
-        control doubles (up to MAX_PROBE_EVERY). Plain decoding faster: the next calls decode plainly. Undecided: a
-        verdict either way stands; controls stay FIRST_PROBE_EVERY calls apart, and so do probes while they find
-        drafting faster (their interval doubles when one finds it no faster, as when they decide it is slower).
+        joins the gains so far, which then decide. Drafting faster: speculating pays. Plain decoding faster: the next
+        calls decode plainly. Undecided: a verdict either way stands. While speculating pays, the interval to the next
+        control doubles (up to MAX_PROBE_EVERY) when the gains' mean is above 0, and controls stay FIRST_PROBE_EVERY
+        calls apart otherwise; probes stay FIRST_PROBE_EVERY calls apart while they find drafting faster (their
+        interval doubles when one finds it no faster, as when they decide it is slower).
         ``acceptance``: its drafting rounds', pooled with the calls' so far."""
         key = self.table_key(batch, context, sampled)
         self._pool(key, acceptance)
@@ -753,7 +781,7 @@ class HarnessPolicy:
             gains.add(*gain)
         record = self._records.setdefault(key, SpeculationRecord())
         verdict = gains.verdict()
-        if verdict > 0 and record.pays:
+        if record.pays and verdict >= 0 and gains.mean > 0:
             record.control_every = min(2 * record.control_every, MAX_PROBE_EVERY)
         elif verdict or (not record.pays and (gain is None or gain[0] <= 0)):
             _record_verdict(record, verdict > 0)
@@ -800,8 +828,9 @@ class CallHarness:
     observes, and whether it drafts at all (the plan; what earlier calls found, :meth:`HarnessPolicy.start_call`;
     then what this call observes, :meth:`HarnessPolicy.speculation_pays`). ``sampled``: the call's drafts are drawn.
 
-    A paired call (a probe or a control) drafts in one phase and decodes plainly in the other, PAIRED_PLAIN_SHARE of
-    its tokens: :attr:`drafting_phase` says which phase is under way and :meth:`switch` ends the first."""
+    A paired call (a probe or a control) drafts in one phase and decodes plainly in the other; the phase of the kind
+    the verdict so far says is slower takes PAIRED_MINORITY_SHARE of its tokens: :attr:`drafting_phase` says which
+    phase is under way and :meth:`switch` ends the first."""
 
     def __init__(self, policy: HarnessPolicy, batch: int, context: int, sampled: bool) -> None:
         self.policy, self.batch, self.context, self.sampled = policy, batch, context, sampled
@@ -817,7 +846,8 @@ class CallHarness:
         plain_first = self.paired and policy.plain_first(batch, context, sampled)
         self.drafting_phase = not plain_first
         # The share of the call's tokens after which the first phase ends (None: one phase).
-        self.switch_share = (PAIRED_PLAIN_SHARE if plain_first else 1.0 - PAIRED_PLAIN_SHARE) if self.paired else None
+        plain_share = PAIRED_MINORITY_SHARE if start == "control" else 1.0 - PAIRED_MINORITY_SHARE
+        self.switch_share = (plain_share if plain_first else 1.0 - plain_share) if self.paired else None
         learnt = policy.learnt_timing.get(self.key, {})
         # {kind of round: its timed rounds, earlier calls' included} (tree against chain rounds); this call's alone.
         self.timing = {kind: replace(learnt.get(kind, RoundTimes())) for kind in ROUND_KINDS}
@@ -916,9 +946,19 @@ class PassHarness(CallHarness):
             [table.pass_time(batch, k) for k in range(1, max_depth + 1)], dtype=torch.float64, device=device
         )
         self.verify_cost = self.plan.verify_cost.to(device)
-        self.gamma, self.calibration = policy.start_state(batch, device)
+        # What an edge of a candidate tree is worth (:mod:`peagle.decode.harness.calibration`), learnt by earlier calls,
+        # and per request the op's scale of those path scores (decayed sums of accepted and predicted drafts, from 0:
+        # how hard this request's text is, which the shared edge table learns too slowly).
+        self.edges = policy.learnt_edges.to(device)
+        self.calibration = torch.zeros(batch, 2, dtype=torch.float64, device=device)
+        # (q, kind, path) of the nodes of the trees under verification (EdgeCalibration.scores).
+        self.verified: tuple[Tensor, Tensor, Tensor] | None = None
+        self._index_cache: dict[torch.Size, Tensor] = {}
+        # The candidate tree keeps the best nodes by raw path score before the edge calibration scores them: at the
+        # verify limit itself, a flat drafter's deep chain nodes lose their places to shallow siblings (on the demo's
+        # recorded trees, budgets from 32 candidates emitted 3.5% fewer tokens per second than from 64 or all 124).
+        self.candidates = CANDIDATES_PER_VERIFIED * self.max_nodes
         self.next_depth = torch.full((batch,), max_depth, dtype=torch.long, device=device)
-        self.predicted = torch.zeros(batch, dtype=torch.float64, device=device)
         learnt = policy.learnt_trees.get(self.key, TreeLearning())
         # What tree rounds gained over chains: accepted drafts from where a path left the top-1 chain on, and the
         # verify seconds their trees cost beyond a chain of the pass depth (:meth:`topk`).
@@ -1008,30 +1048,42 @@ class PassHarness(CallHarness):
         return tree
 
     def _select(self, rows: Tensor, spec: TreeSpec, depth: int, sampled: bool) -> TreeSpec:
+        self.verified = None
         if sampled:  # a chain whose length, fixed after the previous round, is the pass depth: verify it whole
             width = tree_width(spec.num_nodes, spec.tokens.shape[1], self.max_nodes)
             return tree_select(spec.tokens, spec.parent, spec.scores, spec.num_nodes, width)
-        calibration = self._of(rows, self.calibration)
-        spec = spec._replace(scores=sharpen(spec.scores, self._of(rows, self.gamma)))
+        scores, q, kind = self.edges.scores(spec)
         overhead = self.overhead.seconds  # paid once per round, whatever its depth: part of every depth's pass time
         pass_time = self.pass_time + overhead if overhead > 0 else self.pass_time
-        budget, next_depth, predicted = pass_budget(spec, calibration, pass_time, depth, self.verify_cost)
-        # At least one draft: a round that verifies none teaches the calibration nothing (it would never recover from
-        # a drafter whose scores start far too low).
+        calibration = self._of(rows, self.calibration)
+        budget, next_depth, _ = harness_pass_decide(
+            scores, spec.depth, spec.num_nodes, calibration, pass_time, self.verify_cost, depth
+        )
+        # At least one draft: a round that verifies none teaches the calibration nothing.
         floored = torch.maximum(budget, torch.clamp(spec.num_nodes, max=2))
         use = widest(floored, spec.num_nodes)  # every request verifies up to the widest budget of its best nodes
+        # Selected with each candidate's index for a token, so that the verified nodes' own tokens, q and kinds follow.
+        numbered = spec._replace(tokens=self._candidate_index(spec.tokens), scores=scores)
         if self.chain_round:  # a chain's best n nodes are its first n: tree_select lays them out as they are
             width = tree_width(use, spec.tokens.shape[1], self.max_nodes)
-            tree = tree_select(spec.tokens, spec.parent, spec.scores, use, width)
+            tree = tree_select(numbered.tokens, spec.parent, scores, use, width)
         else:
-            tree = select_widest(spec, use, self.max_nodes)
+            tree = select_widest(numbered, use, self.max_nodes)
             # The target verifies every slot: what this tree costs beyond a chain of the pass depth.
             self.siblings[1] += max(0.0, self.verify_seconds(tree.tokens.shape[1]) - self.verify_seconds(depth + 1))
-        if not torch.equal(use, budget):  # the op's prediction is that of its own budget
-            predicted = predicted_acceptance(tree, calibration)
+        source = tree.tokens.clamp(min=0)
+        drafted = tree.tokens > 0  # the root is candidate 0, padding -1
+        self.verified = (q.gather(1, source), torch.where(drafted, kind.gather(1, source), -1), tree.scores)
         self._set(rows, "next_depth", next_depth)
-        self._set(rows, "predicted", predicted)
-        return tree
+        return tree._replace(tokens=torch.where(drafted, spec.tokens.gather(1, source), -1))
+
+    def _candidate_index(self, tokens: Tensor) -> Tensor:
+        """[B, N] each candidate's index (kept per shape: the rounds of a call repeat few shapes)."""
+        index = self._index_cache.get(tokens.shape)
+        if index is None:
+            index = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens).contiguous()
+            self._index_cache[tokens.shape] = index
+        return index
 
     def observe(
         self,
@@ -1042,12 +1094,12 @@ class PassHarness(CallHarness):
         accepted_path: Tensor | None = None,
         host: tuple[list[int], list[int]] | None = None,
     ) -> None:
-        """Folds the verified acceptance of ``rows`` into their calibration; after a tree round, with the verified
-        trees' ``parent`` and the ``accepted_path``, counts what the tree gained over a chain (the accepted drafts from
-        the first one that was not its parent's first child on). After a sampled round: only the chain acceptance
-        rate, and the next chain length from it. Every round with ``num_nodes`` or the trees also counts into the
-        acceptance rate that decides whether speculating still pays. ``host``: the requests' accepted drafts and
-        verified node counts as the engine read them back (chain rounds then count on the host)."""
+        """Folds the verified acceptance of ``rows`` into the edge calibration (given the verified trees' ``parent``
+        and the ``accepted_path``); after a tree round, also counts what the tree gained over a chain (the accepted
+        drafts from the first one that was not its parent's first child on). After a sampled round: only the chain
+        acceptance rate, and the next chain length from it. Every round with ``num_nodes`` or the trees also counts
+        into the acceptance rate that decides whether speculating still pays. ``host``: the requests' accepted drafts
+        and verified node counts as the engine read them back (chain rounds then count on the host)."""
         tree_known = parent is not None and accepted_path is not None
         gained = 0
         if host is not None and self.chain_round:
@@ -1071,12 +1123,20 @@ class PassHarness(CallHarness):
             if self.exploring:
                 found = gained > 0
                 self.explore_every = EXPLORE_EVERY if found else min(2 * self.explore_every, MAX_EXPLORE_EVERY)
-        recalibrate(self.calibration, self.gamma, self.predicted, rows, num_accepted)
+        if self.verified is not None and tree_known:
+            if parent.shape != self.verified[1].shape:
+                raise ValueError(
+                    f"PassHarness.observe: parent must be that of the trees select returned, [B, N] = "
+                    f"{list(self.verified[1].shape)}, got {list(parent.shape)}"
+                )
+            self.edges.observe(
+                self.calibration, self.verified, parent, accepted_path, num_accepted, rows, PATH_SCALE_DECAY
+            )
 
     def finish(self) -> None:
         """Hands what this call learnt to the policy (the next call starts from it)."""
         super().finish()
-        self.policy.learn(self.gamma, self.calibration)
+        self.policy.learnt_edges = self.edges.to("cpu")
         self.policy.learnt_trees[self.key] = TreeLearning(tuple(self.siblings), tuple(self.emitted), self.explore_every)
 
 
