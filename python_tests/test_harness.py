@@ -455,6 +455,7 @@ def test_edge_ops_opcheck(generator):
 def test_edge_scores_argument_errors(generator):
     case = random_edge_case(generator, 3)
     base = dict(zip(("scores", "parent", "num_nodes", "table", "prior", "thresholds"), case[:6], strict=True))
+    base["num_nodes"] = torch.full((3,), 2)  # node 1 (a child of the root) is real in every tree
     bad_parent = case.parent.clone()
     bad_parent[0, 1] = 1
     bad_scores = case.scores.clone()
