@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -29,7 +28,7 @@ import torch
 from peagle.decode import SpeculativeDecoder
 from peagle.decode.harness import CostTable
 from peagle.decode.harness.profile import profile_costs
-from peagle.demo.bench_decode import load_prompts, tree_topk
+from peagle.demo.bench_decode import Call, every_call_speed, fastest_calls, interleaved_calls, load_prompts, tree_topk
 from peagle.model import from_pretrained
 
 
@@ -41,78 +40,20 @@ class PassResult(NamedTuple):
     phase_ms: tuple[float, float, float]  # per batched round: drafting, verification, the rest (GenerateMetrics)
 
 
-class Call(NamedTuple):
-    """One generate call of one batch of prompts."""
-
-    seconds: float
-    cpu_seconds: float
-    tokens: int
-    emitted: int
-    rounds: int
-    accepted: list[list[int]]  # the requests' accepted drafts per round
-    batched_rounds: int
-    phases: tuple[float, float, float]  # seconds drafting, verifying and the rest
-    harness_call: str = ""  # how mode "harness" started the call (draft, probe, plain, control)
-
-
-def one_call(
-    decoder: SpeculativeDecoder, batch: list[list[int]], new_tokens: int, seed: int, temperature: float
-) -> Call:
-    begin, begin_cpu = time.perf_counter(), time.process_time()
-    out = decoder.generate(batch, new_tokens, temperature=temperature, seed=seed)
-    seconds, cpu = time.perf_counter() - begin, time.process_time() - begin_cpu
-    emitted = sum(r.emitted for r in out.requests)
-    accepted = [r.accepted for r in out.requests]
-    m = out.metrics
-    phases = (m.draft_s, m.verify_s, m.other_s)
-    return Call(seconds, cpu, m.new_tokens, emitted, m.request_rounds, accepted, m.rounds, phases, m.harness_call)
-
-
-def run(
-    decoders: dict[str, SpeculativeDecoder],
-    prompts: list[list[int]],
-    batch: int,
-    new_tokens: int,
-    passes: int,
-    temperature: float,
-) -> dict[tuple[str, int, int], Call]:
-    """Decodes the prompts ``batch`` at a time with every configuration, ``passes`` times: {(configuration, first
-    prompt of the batch, pass): call}. The configurations take turns call by call, in an order that rotates: this
-    shared machine's speed drifts by +-10% over seconds, which touches configurations that alternate every ~0.1 s
-    alike. Sampled rounds draw the same seeds in every pass."""
-    for decoder in decoders.values():
-        decoder.generate(prompts[:batch], 8, temperature=temperature)  # warm-up
-    names = list(decoders)
-    calls = {}
-    for turn in range(passes):
-        for i, start in enumerate(range(0, len(prompts), batch)):
-            shift = (turn + i) % len(names)
-            for name in names[shift:] + names[:shift]:
-                batch_prompts = prompts[start : start + batch]
-                calls[name, start, turn] = one_call(decoders[name], batch_prompts, new_tokens, start, temperature)
-    return calls
-
-
 def summarize(calls: dict[tuple[str, int, int], Call], passes: Sequence[int]) -> dict[str, PassResult]:
-    """Every configuration's figures over the given ``passes``: each call's fastest of them counts (wall clock and CPU
-    time each at its best; the phases of the fastest call)."""
-    names = list(dict.fromkeys(name for name, _, _ in calls))
-    starts = sorted({start for _, start, _ in calls})
+    """Every configuration's figures over the given ``passes``: each call's fastest of them counts
+    (:func:`fastest_calls`; the phases of the fastest call)."""
     results = {}
-    for name in names:
-        fastest = []
-        for start in starts:
-            tries = [calls[name, start, turn] for turn in passes]
-            best = min(tries, key=lambda c: c.seconds)
-            fastest.append(best._replace(cpu_seconds=min(c.cpu_seconds for c in tries)))
-        tokens = sum(c.tokens for c in fastest)
+    for name in dict.fromkeys(name for name, _, _ in calls):
+        fastest = fastest_calls(calls, name, passes)
+        tokens = sum(c.new_tokens for c in fastest)
         results[name] = PassResult(
             tokens / sum(c.seconds for c in fastest),
             tokens / sum(c.cpu_seconds for c in fastest),
-            sum(c.emitted for c in fastest) / max(sum(c.rounds for c in fastest), 1),
+            sum(c.emitted for c in fastest) / max(sum(c.request_rounds for c in fastest), 1),
             [c.accepted for c in fastest],
             tuple(
-                1e3 * sum(c.phases[i] for c in fastest) / max(sum(c.batched_rounds for c in fastest), 1)
+                1e3 * sum(c.phases[i] for c in fastest) / max(sum(c.metrics.rounds for c in fastest), 1)
                 for i in range(3)
             ),
         )
@@ -143,16 +84,11 @@ def held_out_ratio(calls: dict[tuple[str, int, int], Call], passes: int, kind: s
 
 
 def every_call_ratio(calls: dict[tuple[str, int, int], Call], kind: str) -> tuple[float, str]:
-    """The harness over the best fixed ``kind`` configuration with every call of every pass counted (tokens over
-    seconds, summed): the harness keeps state across calls (calibration, whether speculating pays, with probe calls
-    that draft again), and a probe call that runs slower than its other passes would not count in :func:`summarize`,
-    where each call's fastest pass does. Returns the ratio and the fixed configuration."""
-    totals: dict[str, list[float]] = {}
-    for (name, _, _), c in calls.items():
-        total = totals.setdefault(name, [0.0, 0.0])
-        total[0] += c.tokens
-        total[1] += c.seconds
-    speed = {name: tokens / seconds for name, (tokens, seconds) in totals.items()}
+    """The harness over the best fixed ``kind`` configuration with every call of every pass counted
+    (:func:`every_call_speed`): the harness keeps state across calls (calibration, whether speculating pays, with
+    probe calls that draft again), and a probe call that runs slower than its other passes would not count in
+    :func:`summarize`, where each call's fastest pass does. Returns the ratio and the fixed configuration."""
+    speed = every_call_speed(calls)
     best = max((n for n in speed if n.startswith(kind)), key=speed.__getitem__)
     return speed["harness"] / speed[best], best
 
@@ -166,10 +102,10 @@ def call_trace(calls: dict[tuple[str, int, int], Call], fixed: str) -> list[str]
         if name != "harness":
             continue
         theirs = calls[fixed, start, turn]
-        speed, their_speed = ours.tokens / ours.seconds, theirs.tokens / theirs.seconds
-        acceptance = ours.emitted / max(ours.rounds, 1)
+        speed, their_speed = ours.new_tokens / ours.seconds, theirs.new_tokens / theirs.seconds
+        acceptance = ours.emitted / max(ours.request_rounds, 1)
         lines.append(
-            f"pass {turn} prompt {start:>3} {ours.harness_call:<8} AL {acceptance:4.2f} {speed:8.1f} tokens/s, "
+            f"pass {turn} prompt {start:>3} {ours.metrics.harness_call:<8} AL {acceptance:4.2f} {speed:8.1f} tokens/s, "
             f"{fixed} {their_speed:8.1f} ({speed / their_speed:.2f}x)"
         )
     return lines
@@ -256,7 +192,7 @@ def main() -> None:
     context = max(len(p) for p in prompts)
     print(f"{'batch':>5} {'config':<14} {'tok/s':>8} {'cpu tok/s':>10} {'AL':>6}  ms a round: draft / verify / other")
     for batch in batches:
-        calls = run(decoders, prompts, batch, args.new_tokens, args.passes, args.temperature)
+        calls = interleaved_calls(decoders, prompts, batch, args.new_tokens, args.passes, args.temperature)
         results = summarize(calls, range(args.passes))
         for name, r in results.items():
             phases = " / ".join(f"{ms:.3f}" for ms in r.phase_ms)

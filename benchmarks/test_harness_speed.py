@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from peagle.decode import GenerateMetrics, RequestStats
+
 _spec = importlib.util.spec_from_file_location("harness_speed", Path(__file__).with_name("harness_speed.py"))
 harness_speed = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = harness_speed  # NamedTuples look their module up there
@@ -20,8 +22,16 @@ _spec.loader.exec_module(harness_speed)
 Call = harness_speed.Call
 
 
-def call(seconds: float, tokens: int = 100) -> Call:
-    return Call(seconds, seconds, tokens, tokens, tokens // 2, [[1]], tokens // 2, (seconds / 3,) * 3)
+def call(seconds: float, tokens: int = 100, harness_call: str = "") -> Call:
+    """A call of one request that accepted one draft a round (two tokens a round)."""
+    rounds = tokens // 2
+    request = RequestStats(4, tokens, "length", [1] * rounds, 3)
+    third = seconds / 3
+    metrics = GenerateMetrics(
+        tokens, rounds, rounds, 2.0, [1.0, 0.0, 0.0], 0.0, third, third, third, seconds, tokens / seconds,
+        harness_call=harness_call,
+    )  # fmt: skip
+    return Call(seconds, seconds, [[0] * tokens], [request], metrics)
 
 
 def test_each_call_counts_its_fastest_pass():
@@ -87,9 +97,9 @@ def test_the_script_runs_on_the_random_models(tmp_path):
 def test_the_trace_lists_every_harness_call_against_the_fixed_configuration():
     calls = {
         ("chain 1", 0, 0): call(1.0),
-        ("harness", 0, 0): call(2.0)._replace(harness_call="draft"),
+        ("harness", 0, 0): call(2.0, harness_call="draft"),
         ("chain 1", 8, 0): call(1.0),
-        ("harness", 8, 0): call(0.5)._replace(harness_call="control"),
+        ("harness", 8, 0): call(0.5, harness_call="control"),
     }
     lines = harness_speed.call_trace(calls, "chain 1")
     assert [line.split()[4] for line in lines] == ["draft", "control"]

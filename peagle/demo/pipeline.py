@@ -56,7 +56,7 @@ class DemoSpec:
     # server verifies.
     max_tokens: int = 184
     concurrency: int = 1  # requests vLLM decodes at once (max_num_seqs): 1 = the latency setting speculation is for
-    repeats: int = 2  # timed passes over the prompts per configuration; tokens/s of the fastest
+    repeats: int = 2  # timed passes over the prompts per configuration (served and engine); each call's fastest
     engine_prompts: int = 8  # held-out prompts the decoding engine decodes (max_tokens each) per configuration
     engine_budgets: tuple[int, ...] = (8, 16, 32)  # P-EAGLE tree node budgets of the engine rows
     target: TargetSpec = field(default_factory=TargetSpec)
@@ -466,7 +466,8 @@ def stage_engine(run: DemoRun, heldout_records: list[dict[str, Any]]) -> dict[st
     spec = run.spec
     prompts = [r["prompt_ids"] for r in heldout_records[: spec.engine_prompts]]
     budgets = "-".join(map(str, spec.engine_budgets))
-    out = run.drafter_root / f"engine-k{spec.depths}-p{len(prompts)}-g{spec.max_tokens}-n{budgets}"
+    # r: passes, the configurations interleaved call by call (before, one after another: no "-r" in the name).
+    out = run.drafter_root / f"engine-k{spec.depths}-p{len(prompts)}-g{spec.max_tokens}-n{budgets}-r{spec.repeats}"
     final = {name: directory / "final" for name, (directory, _) in run.drafters.items()}
     run.stages.run(
         f"decoding engine ({len(prompts)} prompts x {spec.max_tokens} tokens per configuration)",
@@ -481,6 +482,7 @@ def stage_engine(run: DemoRun, heldout_records: list[dict[str, Any]]) -> dict[st
             budgets=spec.engine_budgets,
             out=out,
             vllm=False,
+            repeats=spec.repeats,
             progress=run.progress,
         ),
     )
