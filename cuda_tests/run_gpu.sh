@@ -117,6 +117,12 @@ print(f"{m}.{n}" + ("a" if m == 9 else ""))')}
 if ! stage "build (archs $TORCH_CUDA_ARCH_LIST)" 300 build.log "$PY" setup.py build_ext --inplace; then exit; fi
 stage "check_cuda_build.py" 60 check_build.log "$PY" scripts/check_cuda_build.py "$ROOT" &&
   record "  kernels" "$(grep -oE "^[0-9]+ (ops with CUDA kernels|host fallbacks)" "$OUT/check_build.log" | paste -sd,)"
+# Device graph launch must be on: where it is not, every graph-chain test skips and the run would still pass.
+stage "device graph launch available" 60 device_launch.log "$PY" -c 'import sys, torch, peagle
+from peagle.decode.harness.graphs import device_launch_available
+ok = torch.ops.peagle.graph_chain_available() and device_launch_available("cuda")
+print("graph_chain_available and device_launch_available:", ok, "| allocator", torch.cuda.get_allocator_backend())
+sys.exit(0 if ok else 1)'
 
 if command -v cmake >/dev/null && [ -f /usr/include/gtest/gtest.h ]; then
   stage "ctest (C++ and C++ CUDA)" 150 ctest.log bash -c "cmake -S . -B build/gpu-cmake -DCMAKE_BUILD_TYPE=Release \
@@ -133,11 +139,15 @@ stage "cuda_tests" 200 cuda_tests.log "$PY" -m pytest cuda_tests -q -p no:cachep
 
 SANITIZER=$(command -v compute-sanitizer || echo "$CUDA_HOME/bin/compute-sanitizer")
 if [ -x "$SANITIZER" ]; then
-  # No caching allocator: memcheck then sees each tensor's own allocation bounds.
+  # No caching allocator: memcheck then sees each tensor's own allocation bounds. The graph chain cannot run that way
+  # (uncached cudaMalloc / cudaFree are illegal inside a CUDA graph capture), so it runs on its own, under memcheck
+  # with the caching allocator (racecheck of device-launched graphs is not documented as supported).
   for tool in memcheck racecheck; do
     stage "compute-sanitizer $tool" 90 "sanitizer_$tool.log" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
-      "$SANITIZER" --tool "$tool" --error-exitcode 3 "$PY" cuda_tests/sanitizer_cases.py cuda
+      "$SANITIZER" --tool "$tool" --error-exitcode 3 "$PY" cuda_tests/sanitizer_cases.py cuda --without-graph-chain
   done
+  stage "compute-sanitizer graph chain" 60 sanitizer_graph_chain.log \
+    "$SANITIZER" --tool memcheck --error-exitcode 3 "$PY" cuda_tests/sanitizer_cases.py cuda --graph-chain-only
 else
   record "compute-sanitizer" "not run (no compute-sanitizer here)"
 fi

@@ -1,6 +1,8 @@
-"""`python cuda_tests/sanitizer_cases.py [cuda|cpu]`: one small case of every peagle op with a kernel for the device,
-meant to run under compute-sanitizer (memcheck, racecheck) from cuda_tests/run_gpu.sh. Small shapes keep the
-sanitizers fast; each case still reaches every kernel of its op (several tree shapes, dtypes, windows, padding).
+"""`python cuda_tests/sanitizer_cases.py [cuda|cpu] [--without-graph-chain | --graph-chain-only]`: one small case of
+every peagle op with a kernel for the device, meant to run under compute-sanitizer (memcheck, racecheck) from
+cuda_tests/run_gpu.sh. Small shapes keep the sanitizers fast; each case still reaches every kernel of its op (several
+tree shapes, dtypes, windows, padding). The graph chain's case captures CUDA graphs, which fails without torch's
+caching allocator (PYTORCH_NO_CUDA_MEMORY_CACHING=1, under which the other cases run): the flags split it off.
 
 Exits non-zero when an op with a kernel for the device has no case here, so a new kernel cannot skip the sanitizers.
 The CPU test suite runs it on the CPU (python_tests/test_gpu_script.py): the cases stay valid inputs, and coverage
@@ -28,6 +30,9 @@ from testkit.depth_chain import ToyDrafter
 
 OPS = torch.ops.peagle
 DEVICE = torch.device(sys.argv[1] if len(sys.argv) > 1 else "cuda")
+PART = sys.argv[2] if len(sys.argv) > 2 else "all"
+if PART not in ("all", "--without-graph-chain", "--graph-chain-only"):
+    sys.exit(f"the second argument must be --without-graph-chain or --graph-chain-only, got {PART!r}")
 CASES: dict[str, Callable[[torch.Generator], None]] = {}
 
 
@@ -260,9 +265,16 @@ def device_ops() -> list[str]:
 
 
 def main() -> int:
+    if PART == "--graph-chain-only":
+        graph_chain(torch.Generator().manual_seed(0))
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        print(f"ran graph_chain on {DEVICE.type}")
+        return 0
     missing = [name for name in device_ops() if name not in CASES]
     generator = torch.Generator().manual_seed(0)
-    for fn in [*dict.fromkeys(CASES.values()), graph_chain, deferred]:
+    cases = [*dict.fromkeys(CASES.values()), deferred] + ([graph_chain] if PART == "all" else [])
+    for fn in cases:
         fn(generator)
         if DEVICE.type == "cuda":
             torch.cuda.synchronize()

@@ -145,3 +145,31 @@ def test_host_graphs_mode_equals_the_reference_without_device_launch():
     for round_args in [([3, 4, 5, 6], 1, 4, -1), ([9, 8, 7, 6], 2, 0, -1), ([1, 1, 1, 1], 3, 9, -1)]:
         assert run_round(drafter, chain, round_args) == expected_round(*round_args[:3], 6)
     assert drafter.calls.count("finalize") == 2  # warm-up and capture: the replays call no Python
+
+
+@needs_device_launch
+def test_a_chain_closed_during_another_capture_is_destroyed_after_it():
+    """Destroying a chain synchronises the device, which would invalidate a capture under way (a chain garbage
+    collected inside a later capture): it is deferred to the next chain built, and both the capture and the later
+    chain work."""
+    from peagle.decode.harness import graphs
+
+    _drafter, chain = make("device", max_depth=3)
+    other = torch.cuda.CUDAGraph()
+    x = torch.zeros(4, device="cuda")
+    with torch.cuda.graph(other):
+        x.add_(1)
+        chain.close()
+    assert graphs._pending_destroy == [chain._chain]
+    other.replay()
+    torch.cuda.synchronize()
+    assert x.tolist() == [1.0] * 4
+    drafter2, chain2 = make("device", max_depth=3)
+    assert graphs._pending_destroy == []
+    with pytest.raises(RuntimeError, match="graph_chain_destroy"):  # already destroyed
+        torch.ops.peagle.graph_chain_destroy(chain._chain)
+    drafter2.start_round([1, 2, 3, 4], 5, stop_after=2)
+    chain2.run()
+    chain2.check()
+    assert chain2.transitions() == 2 and int(drafter2.finalized) == 1  # depths 0 and 1, then finalize
+    chain2.close()

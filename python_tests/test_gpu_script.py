@@ -168,3 +168,37 @@ def test_mutation_check_is_opt_in_and_needs_a_device(tmp_path):
     assert run.returncode == 2, run.stderr
     assert "NOT RUN (no CUDA device" in (tmp_path / "mutation" / "result.txt").read_text()
     assert "MUTATION" not in (ROOT / "csrc" / "cuda" / "tree_verify_kernels.cu").read_text()
+
+
+def test_graph_chain_is_sanitized_apart_and_device_launch_is_a_stage(tmp_path):
+    """The cases under PYTORCH_NO_CUDA_MEMORY_CACHING leave the graph chain out (capturing a graph needs the caching
+    allocator), which runs under memcheck in its own stage; a stage fails the run where device graph launch is off."""
+    env, calls = passing_tools(tmp_path)
+    sanitized = tmp_path / "sanitized.txt"
+    sanitizer = Path(env["PATH"].split(":")[0]) / "compute-sanitizer"
+    sanitizer.write_text(f'#!/bin/bash\necho "$* | caching_off=${{PYTORCH_NO_CUDA_MEMORY_CACHING:-}}" >> {sanitized}\n')
+    run_script(tmp_path, env)
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    runs = sanitized.read_text().splitlines()
+    assert len(runs) == 3, runs
+    for tool, line in zip(["memcheck", "racecheck"], runs[:2], strict=True):
+        assert f"--tool {tool} " in line and line.endswith(
+            "sanitizer_cases.py cuda --without-graph-chain | caching_off=1"
+        )
+    assert "--tool memcheck " in runs[2] and runs[2].endswith(
+        "sanitizer_cases.py cuda --graph-chain-only | caching_off="
+    )
+    assert "compute-sanitizer graph chain" in summary, summary
+    launch = [line for line in calls.read_text().splitlines() if "import device_launch_available" in line]
+    assert len(launch) == 1 and "device graph launch available" in summary, summary
+
+
+def test_a_build_without_device_graph_launch_fails_the_run(tmp_path):
+    env, _ = passing_tools(tmp_path)
+    python = Path(env["PYTHON"])
+    script = python.read_text().replace('case "$*" in\n', 'case "$*" in\n  *device_launch_available*) exit 1;;\n')
+    python.write_text(script)
+    run = run_script(tmp_path, env)
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    line = next(line for line in summary.splitlines() if line.startswith("device graph launch available"))
+    assert "FAILED" in line and run.returncode != 0 and "result: FAILED" in summary, summary

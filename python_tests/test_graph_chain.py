@@ -103,3 +103,21 @@ def test_bad_arguments_raise_clear_errors():
         DepthGraphChain(steps, fin, drafter.go, mode="device")
     with pytest.raises(ValueError, match="mode='host_graphs' needs go on a CUDA device"):
         DepthGraphChain(steps, fin, drafter.go, mode="host_graphs")
+
+
+def test_a_chain_destroyed_during_a_capture_waits_for_the_next_chain(monkeypatch):
+    """The deferral of graph_chain_destroy while a stream captures (the op itself needs CUDA: faked here; the real one
+    runs in cuda_tests/test_graph_chain_cuda.py)."""
+    from peagle.decode.harness import graphs
+
+    destroyed: list[int] = []
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(torch.ops.peagle, "graph_chain_destroy", destroyed.append, raising=False)
+    monkeypatch.setattr(graphs, "_pending_destroy", [])
+    graphs._destroy_chain(7)
+    graphs._destroy_chain(8)
+    assert destroyed == [] and graphs._pending_destroy == [7, 8]
+    capturing[0] = False
+    graphs._destroy_chain(9)
+    assert sorted(destroyed) == [7, 8, 9] and graphs._pending_destroy == []

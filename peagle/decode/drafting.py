@@ -627,9 +627,10 @@ class _HarnessRound:
             fallback = self.stepper.fallback
             self.harness.chain_report = self.stepper.mode + (f" ({fallback})" if fallback else "")
         self.stepper.run()
-        tree = self.round.tree(*self.kept)  # on CUDA, tree_select copies to the host: the round waits here anyway
+        # A failed tail launch leaves ``kept`` stale: its error first, before tree() trips over the stale buffers (both
+        # wait for the chain: the round needs its tree's width on the host anyway).
         self.stepper.check()
-        return tree
+        return self.round.tree(*self.kept)
 
     def close(self) -> None:
         if self.stepper is not None:

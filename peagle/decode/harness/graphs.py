@@ -58,11 +58,15 @@ _NO_HANDLE = -1
 
 def device_launch_available(device: torch.device | str) -> bool:
     """Whether graphs on ``device`` can be chained by device graph launch: a CUDA device, a CUDA build of peagle with
-    relocatable device code (not ``PEAGLE_NO_DLINK=1``), and a torch whose CUDAGraph keeps its captured graph."""
+    relocatable device code (not ``PEAGLE_NO_DLINK=1``), a torch whose CUDAGraph keeps its captured graph, and torch's
+    native caching allocator (under ``backend:cudaMallocAsync`` captures hold memory allocation nodes, which a graph
+    instantiated for device launch may not)."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
     if not hasattr(torch.ops.peagle, "graph_chain_available"):  # a CPU build of peagle
+        return False
+    if torch.cuda.get_allocator_backend() != "native":
         return False
     try:
         torch.cuda.CUDAGraph(keep_graph=True)
@@ -111,11 +115,32 @@ def _warm_up(steps: Sequence[Step], device: torch.device) -> None:
     torch.cuda.current_stream(device).wait_stream(side)
 
 
-def _capture(step: Step, pool: tuple, keep_graph: bool) -> torch.cuda.CUDAGraph:
-    graph = torch.cuda.CUDAGraph(keep_graph=keep_graph)
-    with torch.cuda.graph(graph, pool=pool):
-        step()
+def _capture(step: Step, pool: tuple, keep_graph: bool, device: torch.device) -> torch.cuda.CUDAGraph:
+    # On the chain's device: torch.cuda.graph captures on the current device's stream.
+    with torch.cuda.device(device):
+        graph = torch.cuda.CUDAGraph(keep_graph=keep_graph)
+        with torch.cuda.graph(graph, pool=pool):
+            step()
     return graph
+
+
+# Chains garbage-collected while a stream captured a graph: destroying one synchronises the device, which would break
+# that capture, so they wait here for the next chain built or closed.
+_pending_destroy: list[int] = []
+
+
+def _destroy_pending() -> None:
+    """Destroys the executable graphs of the deferred chains, unless a capture is under way."""
+    if torch.cuda.is_current_stream_capturing():
+        return
+    while _pending_destroy:
+        torch.ops.peagle.graph_chain_destroy(_pending_destroy.pop())
+
+
+def _destroy_chain(chain: int) -> None:
+    """Destroys the executable graphs of ``chain`` (and of chains deferred earlier), or defers it during a capture."""
+    _pending_destroy.append(chain)
+    _destroy_pending()
 
 
 class DepthGraphChain:
@@ -156,6 +181,7 @@ class DepthGraphChain:
             torch.ops.peagle.graph_chain_tail(go, self._execs, scratch, 0)
 
         _warm_up([*self._steps, self._finalize, warm_tail], device)
+        _destroy_pending()
         pool = torch.cuda.graph_pool_handle()
         for depth, step in enumerate(self._steps):
 
@@ -163,17 +189,21 @@ class DepthGraphChain:
                 step()
                 torch.ops.peagle.graph_chain_tail(go, self._execs, self._status, depth)
 
-            self._graphs.append(_capture(step_then_tail, pool, keep_graph=True))
-        self._graphs.append(_capture(self._finalize, pool, keep_graph=True))
+            self._graphs.append(_capture(step_then_tail, pool, keep_graph=True, device=device))
+        self._graphs.append(_capture(self._finalize, pool, keep_graph=True, device=device))
         with torch.cuda.device(device):
             self._chain = torch.ops.peagle.graph_chain_create([g.raw_cuda_graph() for g in self._graphs], self._execs)
-        # Destroys the executable graphs before the torch graphs (and their memory pool) go.
-        self._closer = weakref.finalize(self, torch.ops.peagle.graph_chain_destroy, self._chain)
+        # Destroys the executable graphs before the torch graphs (and their memory pool) go; during a capture, at the
+        # next chain built or closed (_destroy_chain).
+        self._closer = weakref.finalize(self, _destroy_chain, self._chain)
 
     def _build_host_graphs(self) -> None:
         _warm_up([*self._steps, self._finalize], self.go.device)
         pool = torch.cuda.graph_pool_handle()
-        self._graphs = [_capture(step, pool, keep_graph=False) for step in [*self._steps, self._finalize]]
+        device = self.go.device
+        self._graphs = [
+            _capture(step, pool, keep_graph=False, device=device) for step in [*self._steps, self._finalize]
+        ]
 
     def run(self) -> None:
         """Runs one round. On ``"device"`` it only launches depth 0 and returns (no synchronisation); the host modes
