@@ -49,13 +49,19 @@ def _sources(pattern: str) -> list[str]:
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
 
 
+# Where scripts/stage_cutlass.py copies the headers for a machine without the pip package (the GPU machine).
+STAGED_CUTLASS = os.path.join(ROOT, "build", "cutlass", "include")
+
+
 def _cutlass_include() -> str | None:
+    """The CUTLASS / CuTe headers: $PEAGLE_CUTLASS_INCLUDE, else the nvidia-cutlass package's, else the staged copy."""
     path = os.environ.get("PEAGLE_CUTLASS_INCLUDE")
     if not path:
         spec = importlib.util.find_spec("cutlass_library")
-        if spec is None or not spec.submodule_search_locations:
-            return None
-        path = os.path.join(next(iter(spec.submodule_search_locations)), "source", "include")
+        if spec is not None and spec.submodule_search_locations:
+            path = os.path.join(next(iter(spec.submodule_search_locations)), "source", "include")
+        else:
+            path = STAGED_CUTLASS
     return path if os.path.isfile(os.path.join(path, "cutlass", "gemm", "device", "gemm.h")) else None
 
 
@@ -77,6 +83,8 @@ def _extension():
     dlink = not _flag("PEAGLE_NO_DLINK")
     nvcc_flags = ["-O3", "-lineinfo", "--expt-relaxed-constexpr", "-DPEAGLE_WITH_CUDA"]
     cutlass = _cutlass_include()
+    # cuda_tests/run_gpu.sh reads this line: without the headers the tensor-core paths are not built.
+    print(f"peagle: CUTLASS headers: {cutlass or 'none (tensor-core paths not built)'}", flush=True)
     if cutlass:
         include_dirs.append(cutlass)
         nvcc_flags.append("-DPEAGLE_WITH_CUTLASS")

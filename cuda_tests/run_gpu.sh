@@ -115,6 +115,16 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$("$PY" -c 'import torch; m,
 print(f"{m}.{n}" + ("a" if m == 9 else ""))')}
 
 if ! stage "build (archs $TORCH_CUDA_ARCH_LIST)" 300 build.log "$PY" setup.py build_ext --inplace; then exit; fi
+# Without the CUTLASS / CuTe headers the tensor-core paths are not built and their tests would skip: carry
+# build/cutlass (scripts/stage_cutlass.py) or set PEAGLE_CUTLASS_INCLUDE.
+CUTLASS_LINE=$(grep -m1 "^peagle: CUTLASS headers: " "$OUT/build.log")
+if [ -n "$CUTLASS_LINE" ] && [[ "$CUTLASS_LINE" != *"none ("* ]]; then
+  export PEAGLE_EXPECT_CUTLASS=1
+  record "  CUTLASS" "${CUTLASS_LINE#peagle: CUTLASS headers: }"
+else
+  record "  CUTLASS" "FAILED: no headers, tensor-core paths not built (carry build/cutlass: scripts/stage_cutlass.py)"
+  FAILED=1
+fi
 stage "check_cuda_build.py" 60 check_build.log "$PY" scripts/check_cuda_build.py "$ROOT" &&
   record "  kernels" "$(grep -oE "^[0-9]+ (ops with CUDA kernels|host fallbacks)" "$OUT/check_build.log" | paste -sd,)"
 # Device graph launch must be on: where it is not, every graph-chain test skips and the run would still pass.

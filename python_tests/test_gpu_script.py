@@ -90,6 +90,7 @@ def passing_tools(tmp_path: Path) -> tuple[dict[str, str], Path]:
         f'echo "$* | summary=${{PEAGLE_PEERS_SUMMARY:-}}" >> {calls}\n'
         'case "$*" in\n'
         "  *get_device_capability*) echo 9.0a;;\n"
+        "  *setup.py*) echo 'peagle: CUTLASS headers: /staged/include';;\n"
         '  *"-m pytest"*) echo "1 passed in 0.01s";;\n'
         "esac\n"
         "exit 0\n"
@@ -202,3 +203,26 @@ def test_a_build_without_device_graph_launch_fails_the_run(tmp_path):
     summary = (tmp_path / "out" / "summary.txt").read_text()
     line = next(line for line in summary.splitlines() if line.startswith("device graph launch available"))
     assert "FAILED" in line and run.returncode != 0 and "result: FAILED" in summary, summary
+
+
+@pytest.mark.parametrize("headers", [True, False])
+def test_a_build_without_cutlass_fails_the_run(tmp_path, headers):
+    """The tensor-core paths need the CUTLASS headers (carried to the GPU machine as build/cutlass): a build without
+    them fails the run instead of letting their tests skip; with them the tests are told to expect the mma path."""
+    env, calls = passing_tools(tmp_path)
+    python = Path(env["PYTHON"])
+    if not headers:
+        python.write_text(python.read_text().replace("/staged/include", "none (tensor-core paths not built)"))
+    python.write_text(
+        python.read_text().replace("exit 0\n", 'echo "expect=${PEAGLE_EXPECT_CUTLASS:-}" >> ' + f"{calls}\nexit 0\n")
+    )
+    run = run_script(tmp_path, env)
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    line = next(line for line in summary.splitlines() if line.strip().startswith("CUTLASS"))
+    tests = [n for n, line in enumerate(calls.read_text().splitlines()) if "-m pytest cuda_tests" in line]
+    expect = calls.read_text().splitlines()[tests[0] + 1]
+    if headers:
+        assert line.endswith("/staged/include") and expect == "expect=1", (line, expect)
+    else:
+        assert "FAILED: no headers" in line and "stage_cutlass.py" in line and expect == "expect=", (line, expect)
+        assert run.returncode != 0 and "result: FAILED" in summary
