@@ -250,3 +250,25 @@ def test_mask_deferred_results_equal_immediate():
             strict=True,
         ):
             assert torch.equal(a, e), name
+
+
+@pytest.mark.parametrize("which", ["greedy", "sampling"])
+def test_immediate_checks_refuse_a_capture_with_a_clear_error(which):
+    """Immediate checks read the device's error table on the host, which a capture forbids: the op says to capture
+    under deferred checks (instead of the capture's own error), and the same call captures under them."""
+    a = good_inputs()
+    a[5] = torch.full((2, 4), 0.5)
+    call = calls(a)[which]
+    call()  # warm-up outside the capture (allocations, module loading)
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match=r"capture it under peagle\.ops\.deferred_checks\(\)"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            call()
+    graph = torch.cuda.CUDAGraph()
+    with deferred_checks():
+        with torch.cuda.graph(graph):
+            captured = call()
+        graph.replay()
+        torch.cuda.synchronize()
+        check_errors()
+    assert all(torch.equal(x, y) for x, y in zip(captured, call(), strict=True))

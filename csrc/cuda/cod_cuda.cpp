@@ -78,6 +78,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cod_gather_cuda(
                                      deferred_record(hidden.get_device(), stream), stream),
                "cod_gather");
   } else {
+    check_not_capturing("cod_gather", stream);
     check_elements_in_range("cod_gather", bad_element.item<int32_t>() == 0, length);
   }
   return {feats, ids, position_ids, label_index};
@@ -101,6 +102,7 @@ std::tuple<at::Tensor, at::Tensor> cod_gather_backward_cuda(const at::Tensor& gr
                                      deferred_record(grad_feats.get_device(), stream), stream),
                "cod_gather_backward");
   } else {
+    check_not_capturing("cod_gather_backward", stream);
     check_elements_in_range("cod_gather_backward", in_range.item<bool>(), num_positions);
   }
 

@@ -93,6 +93,14 @@ int64_t* deferred_record_if_available(int device, cudaStream_t stream) {
   return capturing(stream) ? nullptr : allocate_locked(device);
 }
 
+void check_not_capturing(const char* op, cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(stream, &status), op);
+  TORCH_CHECK(status == cudaStreamCaptureStatusNone, "peagle.", op,
+              ": its immediate argument checks read device values on the host, which a CUDA graph capture forbids: "
+              "capture it under peagle.ops.deferred_checks() (errors then raise at peagle.ops.check_errors())");
+}
+
 int64_t* deferred_record(int device, cudaStream_t stream) {
   const std::lock_guard<std::mutex> lock(g_mutex);
   if (static_cast<size_t>(device) < g_records.size() && g_records[device] != nullptr) return g_records[device];

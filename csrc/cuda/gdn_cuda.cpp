@@ -29,11 +29,14 @@ cuda::GdnType gdn_type(at::ScalarType t) {
 }
 
 // Deferred checks: the value checks of validate=True run on the device (no host synchronisation). Returns true when
-// they did; false means the caller runs the immediate (host) checks.
-bool validate_on_device(int64_t op, const at::Tensor& parent, const at::Tensor& last_accepted, const at::Tensor& slots,
-                        int64_t pool) {
-  if (!deferred_checks_enabled()) return false;
+// they did; false means the caller `name` runs the immediate (host) checks (not while a graph is captured).
+bool validate_on_device(const char* name, int64_t op, const at::Tensor& parent, const at::Tensor& last_accepted,
+                        const at::Tensor& slots, int64_t pool) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (!deferred_checks_enabled()) {
+    check_not_capturing(name, stream);
+    return false;
+  }
   const at::Tensor p = parent.to(at::kLong).contiguous();
   const at::Tensor a = last_accepted.defined() ? last_accepted.to(at::kLong).contiguous() : at::Tensor();
   const at::Tensor s = slots.defined() ? slots.to(at::kLong).contiguous() : at::Tensor();
@@ -56,7 +59,7 @@ std::tuple<at::Tensor, at::Tensor> gdn_tree_verify_cuda(const at::Tensor& q, con
   const char* op = "gdn_tree_verify";
   const GdnDims d = check_gdn_tree_verify_args(q, k, v, g, beta, parent, state_pool, slots);
   const c10::cuda::CUDAGuard guard(q.device());
-  if (validate && !validate_on_device(deferred::kGdnTreeVerify, parent, at::Tensor(), slots, d.pool)) {
+  if (validate && !validate_on_device(op, deferred::kGdnTreeVerify, parent, at::Tensor(), slots, d.pool)) {
     check_parent_values(op, parent);
     check_index_values(op, "slots", slots, 0, d.pool);
   }
@@ -83,7 +86,8 @@ void gdn_commit_cuda(const at::Tensor& k, const at::Tensor& g, const at::Tensor&
   const char* op = "gdn_commit";
   const GdnDims d = check_gdn_commit_args(k, g, u, parent, last_accepted, state_pool, slots);
   const c10::cuda::CUDAGuard guard(k.device());
-  const bool host_checked = validate && !validate_on_device(deferred::kGdnCommit, parent, last_accepted, slots, d.pool);
+  const bool host_checked =
+      validate && !validate_on_device(op, deferred::kGdnCommit, parent, last_accepted, slots, d.pool);
   if (host_checked) {
     check_parent_values(op, parent);
     check_index_values(op, "last_accepted", last_accepted, -1, d.nodes);
@@ -118,7 +122,7 @@ at::Tensor causal_conv1d_tree_cuda(const at::Tensor& x, const at::Tensor& parent
   const ConvDims d = check_causal_conv1d_tree_args(x, parent, conv_state, weight, bias);
   const int act = check_activation(op, activation);
   const c10::cuda::CUDAGuard guard(x.device());
-  if (validate && !validate_on_device(deferred::kCausalConv1dTree, parent, at::Tensor(), at::Tensor(), 0)) {
+  if (validate && !validate_on_device(op, deferred::kCausalConv1dTree, parent, at::Tensor(), at::Tensor(), 0)) {
     check_parent_values(op, parent);
   }
   const at::Tensor xc = x.contiguous(), stc = conv_state.contiguous();
@@ -139,7 +143,7 @@ void causal_conv1d_commit_cuda(const at::Tensor& x, const at::Tensor& parent, co
   const char* op = "causal_conv1d_commit";
   const ConvDims d = check_causal_conv1d_commit_args(x, parent, last_accepted, conv_state);
   const c10::cuda::CUDAGuard guard(x.device());
-  if (validate && !validate_on_device(deferred::kCausalConv1dCommit, parent, last_accepted, at::Tensor(), 0)) {
+  if (validate && !validate_on_device(op, deferred::kCausalConv1dCommit, parent, last_accepted, at::Tensor(), 0)) {
     check_parent_values(op, parent);
     check_index_values(op, "last_accepted", last_accepted, -1, d.nodes);
   }

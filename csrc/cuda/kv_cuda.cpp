@@ -74,6 +74,7 @@ void kv_compact_cuda(at::TensorList k_caches, at::TensorList v_caches, const at:
     check_cuda(cuda::kv_publish_error(args, deferred_record(block_table.get_device(), stream), stream), "kv_compact");
     return;
   }
+  check_not_capturing("kv_compact", stream);
   raise_device_errors(errors, d);
 }
 

@@ -94,6 +94,7 @@ void record_value_errors(int64_t op, const Elements& e, const at::Tensor& docume
 // Host value checks in the order of check_mask_slice_args (the CPU's).
 void check_values_on_host(const char* op, const at::Tensor& anchors, const at::Tensor& depths,
                           const at::Tensor& document_ids, const at::Tensor* table) {
+  check_not_capturing(op, c10::cuda::getCurrentCUDAStream());
   check_mask_element_values(op, anchors, depths, document_ids);
   if (table == nullptr) return;
   check_mask_slice_table(op, *table, anchors);

@@ -52,6 +52,7 @@ void finish(const char* op, int64_t deferred_op, const at::Tensor& errors, cudaS
                op);
     return;
   }
+  check_not_capturing(op, stream);
   raise_build_error(op, errors.cpu());
 }
 

@@ -88,6 +88,7 @@ Outputs run(const char* op, bool sampling, const at::Tensor& parent, const at::T
     return {path, num_accepted, emitted, last};
   }
   // Bad values are found by the kernels: one device-to-host copy of the error table (a synchronisation).
+  check_not_capturing(op, stream);
   raise_tree_error(op, errors.cpu(), parent, tokens, num_nodes, target_probs, draft_probs, uniforms);
   return {path, num_accepted, emitted, last};
 }

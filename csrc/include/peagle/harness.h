@@ -94,12 +94,14 @@ PEAGLE_HD Decision decide(const double* scores, int64_t count, double scale, con
                           const double* draft_cost, int64_t num_widths, const double* verify_cost, int64_t max_nodes,
                           Running state) {
   Decision out{0, state};
-  if (state.nodes > max_nodes) return out;
+  // Out-of-contract values (the CUDA op leaves them unchecked) stop instead of indexing outside verify_cost.
+  if (state.nodes < 1 || state.nodes > max_nodes) return out;
   double best = add_rn(1.0, state.expected) / add_rn(state.draft_time, verify_cost[state.nodes]);
   double sum = 0.0, prev_score = 0.0;
   int64_t taken = 0, prev_index = -1;
   for (int64_t j = 0; j < num_widths; ++j) {
     const int64_t w = widths[j];
+    if (w < 1) continue;
     if (state.nodes + w > max_nodes) break;
     while (taken < w) {
       const int64_t i = next_best(scores, count, prev_score, prev_index);
