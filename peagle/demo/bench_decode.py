@@ -178,7 +178,7 @@ class Call(NamedTuple):
         return self.metrics.draft_s, self.metrics.verify_s, self.metrics.other_s
 
 
-def one_call(
+def _one_call(
     decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: int, seed: int, temperature: float
 ) -> Call:
     begin, begin_cpu = time.perf_counter(), time.process_time()
@@ -209,7 +209,7 @@ def interleaved_calls(
             shift = (turn + i) % len(names)
             for name in names[shift:] + names[:shift]:
                 batch = prompts[start : start + batch_size]
-                calls[name, start, turn] = one_call(decoders[name], batch, max_new_tokens, start, temperature)
+                calls[name, start, turn] = _one_call(decoders[name], batch, max_new_tokens, start, temperature)
                 if tick is not None:
                     tick()
     return calls
