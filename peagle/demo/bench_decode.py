@@ -472,10 +472,15 @@ def bench_decode(
         bar.set_postfix_str(", ".join(c.name.split(" (")[0] for c in configs)[:40])
         decoders = {c.name: SpeculativeDecoder(model, drafters.get(c.drafter), c.mode, **c.options) for c in configs}
         calls = interleaved_calls(decoders, prompts, batch_size, max_new_tokens, repeats, tick=bar.update)
+        every_call = every_call_speed(calls)
         for c in configs:
-            every_call = every_call_speed(calls)[c.name]
             row = _engine_row(calls, c.name, repeats)
-            results[c.name] = {**row, "every_call_tokens_per_second": every_call, "mode": c.mode, "options": c.options}
+            results[c.name] = {
+                **row,
+                "every_call_tokens_per_second": every_call[c.name],
+                "mode": c.mode,
+                "options": c.options,
+            }
 
     run(configs)
     if eagle3 is not None:  # the EAGLE-3 dynamic tree at the budget of the fastest P-EAGLE tree
