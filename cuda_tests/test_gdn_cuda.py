@@ -331,6 +331,44 @@ def test_commit_slot_error_names_the_request(generator):
             check_errors()
 
 
+@pytest.mark.parametrize("error", ["parent", "last_accepted", "slots", "shared_slot", "none"])
+def test_deferred_validation_names_the_immediate_error_in_a_large_batch(generator, error):
+    """Deferred validation (one block, several requests per thread) names the error the immediate checks raise: two
+    errors of a kind are planted, the later one where an earlier thread meets it first."""
+    batch, nodes = 3000, 5
+    x = random_gdn_inputs(generator, batch, nodes, 1, 1, 8, 8, kind="chain", pool_extra=3000)
+    _, u = gdn_tree_verify(*x)
+    parent, last = x.parent.clone(), torch.full((batch,), nodes - 1)
+    slots = torch.randperm(batch, generator=generator) + 1000  # distinct, in [1000, 4000); the pool holds 6000
+    if error == "parent":
+        parent[2047, 1], parent[1500, 4] = 3, -2
+    elif error == "last_accepted":
+        last[2999], last[1025] = nodes, -5
+    elif error == "slots":
+        last[3] = -1
+        slots[3], slots[2100], slots[1030] = -1, 6000, -4  # request 3 does not commit: its slot is not checked
+    elif error == "shared_slot":
+        slots[5], slots[2999] = 900, 900
+        slots[1024], slots[2048] = 17, 17
+    args = (x.k, x.g, u, parent, last, x.state_pool.clone(), slots)
+    expected = None
+    try:
+        gdn_commit(*args)
+    except RuntimeError as e:
+        expected = str(e).splitlines()[0]
+    assert (expected is None) == (error == "none")
+    cuda_args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+    check_errors()
+    with deferred_checks():
+        gdn_commit(*cuda_args)
+        if expected is None:
+            check_errors()
+        else:
+            with pytest.raises(RuntimeError) as raised:
+                check_errors()
+            assert str(raised.value).splitlines()[0] == expected
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("nodes", [1, 16, 33, 64])
 def test_tensor_core_projections_close_to_the_exact_path(generator, dtype, nodes):

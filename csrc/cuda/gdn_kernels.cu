@@ -550,48 +550,72 @@ cudaError_t causal_conv1d_commit(GdnType type, const void* x, const int64_t* par
 
 namespace {
 
-// Sequential on purpose: the first error in the host checks' order (parents row-major, then last_accepted, then the
-// active slots, then the smallest shared slot). Small inputs: B * n parents and B^2 slot pairs.
-__global__ void gdn_validate_kernel(const int64_t* parent, const int64_t* last_accepted, const int64_t* slots,
-                                    int64_t batch, int64_t nodes, int64_t pool, int64_t op, int64_t* record) {
-  for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t i = 0; i < nodes; ++i) {
-      const int64_t p = parent[b * nodes + i];
-      if (p < -1 || p >= i) return record_gdn_error(record, op, deferred::kGdnParent, b, i, p, -1, i);
+constexpr int kValidateThreads = 1024;
+constexpr unsigned long long kNoError = ~0ULL;
+
+// One block. Each check keeps its first failure in the host checks' order by an atomicMin (parents row-major, then
+// last_accepted, then the active slots, then the smallest shared slot), so the record names the error the immediate
+// checks raise; thread 0 records the first check that failed. Shared slots are counted per slot in slot_counts ([pool]
+// int32 zeros, null without last_accepted or slots): O(B n + B) work instead of B^2 slot pairs.
+__global__ void __launch_bounds__(kValidateThreads)
+    gdn_validate_kernel(const int64_t* parent, const int64_t* last_accepted, const int64_t* slots, int64_t batch,
+                        int64_t nodes, int64_t pool, int64_t op, int32_t* slot_counts, int64_t* record) {
+  __shared__ unsigned long long first_parent, first_last, first_slot, smallest_shared;
+  if (threadIdx.x == 0) first_parent = first_last = first_slot = smallest_shared = kNoError;
+  __syncthreads();
+  for (int64_t e = threadIdx.x; e < batch * nodes; e += blockDim.x) {
+    const int64_t p = parent[e];
+    if (p < -1 || p >= e % nodes) atomicMin(&first_parent, static_cast<unsigned long long>(e));
+  }
+  // A request commits (its slot is checked) when last_accepted >= 0, or always without last_accepted.
+  auto committing = [=](int64_t b) { return last_accepted == nullptr || last_accepted[b] >= 0; };
+  auto slot_ok = [=](int64_t b) { return slots[b] >= 0 && slots[b] < pool; };
+  for (int64_t b = threadIdx.x; b < batch; b += blockDim.x) {
+    if (last_accepted != nullptr && (last_accepted[b] < -1 || last_accepted[b] >= nodes)) {
+      atomicMin(&first_last, static_cast<unsigned long long>(b));
+    }
+    if (slots == nullptr || !committing(b)) continue;
+    if (!slot_ok(b)) {
+      atomicMin(&first_slot, static_cast<unsigned long long>(b));
+    } else if (slot_counts != nullptr) {
+      atomicAdd(&slot_counts[slots[b]], 1);
     }
   }
-  if (last_accepted != nullptr) {
-    for (int64_t b = 0; b < batch; ++b) {
-      const int64_t a = last_accepted[b];
-      if (a < -1 || a >= nodes) return record_gdn_error(record, op, deferred::kGdnLastAccepted, b, 0, a, -1, nodes);
-    }
-  }
-  if (slots == nullptr) return;
-  for (int64_t b = 0; b < batch; ++b) {
-    if (last_accepted != nullptr && last_accepted[b] < 0) continue;
-    const int64_t s = slots[b];
-    if (s < 0 || s >= pool) return record_gdn_error(record, op, deferred::kGdnSlots, b, 0, s, 0, pool);
-  }
-  if (last_accepted == nullptr) return;
-  int64_t shared = -1;
-  for (int64_t b = 0; b < batch; ++b) {
-    if (last_accepted[b] < 0 || (shared >= 0 && slots[b] >= shared)) continue;
-    for (int64_t c = b + 1; c < batch; ++c) {
-      if (last_accepted[c] >= 0 && slots[c] == slots[b]) {
-        shared = slots[b];
-        break;
+  __syncthreads();
+  if (slot_counts != nullptr) {
+    for (int64_t b = threadIdx.x; b < batch; b += blockDim.x) {
+      if (committing(b) && slot_ok(b) && slot_counts[slots[b]] > 1) {
+        atomicMin(&smallest_shared, static_cast<unsigned long long>(slots[b]));
       }
     }
   }
-  if (shared >= 0) record_gdn_error(record, op, deferred::kGdnSharedSlot, 0, 0, shared, 0, pool);
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  if (first_parent != kNoError) {
+    const int64_t e = static_cast<int64_t>(first_parent), i = e % nodes;
+    return record_gdn_error(record, op, deferred::kGdnParent, e / nodes, i, parent[e], -1, i);
+  }
+  if (first_last != kNoError) {
+    const auto b = static_cast<int64_t>(first_last);
+    return record_gdn_error(record, op, deferred::kGdnLastAccepted, b, 0, last_accepted[b], -1, nodes);
+  }
+  if (first_slot != kNoError) {
+    const auto b = static_cast<int64_t>(first_slot);
+    return record_gdn_error(record, op, deferred::kGdnSlots, b, 0, slots[b], 0, pool);
+  }
+  if (smallest_shared != kNoError) {
+    record_gdn_error(record, op, deferred::kGdnSharedSlot, 0, 0, static_cast<int64_t>(smallest_shared), 0, pool);
+  }
 }
 
 }  // namespace
 
 cudaError_t gdn_validate(const int64_t* parent, const int64_t* last_accepted, const int64_t* slots, int64_t batch,
-                         int64_t nodes, int64_t pool, int64_t op, int64_t* record, cudaStream_t stream) {
+                         int64_t nodes, int64_t pool, int64_t op, int32_t* slot_counts, int64_t* record,
+                         cudaStream_t stream) {
   if (batch == 0) return cudaSuccess;
-  gdn_validate_kernel<<<1, 1, 0, stream>>>(parent, last_accepted, slots, batch, nodes, pool, op, record);
+  gdn_validate_kernel<<<1, kValidateThreads, 0, stream>>>(parent, last_accepted, slots, batch, nodes, pool, op,
+                                                          slot_counts, record);
   return cudaGetLastError();
 }
 
