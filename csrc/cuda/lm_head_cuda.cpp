@@ -70,7 +70,12 @@ std::tuple<at::Tensor, at::Tensor> efficient_lm_head_cuda(const at::Tensor& hidd
   a.sort_temp = slots[6];
   a.ids = ids.data_ptr<int64_t>();
   a.logits = logits.data_ptr<float>();
-  check_cuda(cuda::efficient_lm_head(a, c10::cuda::getCurrentCUDAStream()), "efficient_lm_head");
+  const char* gemm_failure = nullptr;
+  const cudaError_t err = cuda::efficient_lm_head(a, c10::cuda::getCurrentCUDAStream(), &gemm_failure);
+  TORCH_CHECK(
+      gemm_failure == nullptr,
+      "peagle.efficient_lm_head: the CUTLASS GEMM accepted the operands and then failed to run: ", gemm_failure);
+  check_cuda(err, "efficient_lm_head");
   return {ids, logits};
 }
 

@@ -93,14 +93,21 @@ using GemmTensorOp =
                                 cutlass::epilogue::thread::LinearCombination<float, 4, float, float>,
                                 cutlass::gemm::threadblock::GemmIdentityThreadblockSwizzle<>, 3>;
 
+// kCannotTake: CUTLASS rejected the operands before launching anything (the caller falls back). A GEMM that accepted
+// them and then failed to run is an error, not a silent fallback: it means a kernel configuration this GPU cannot run.
+enum class GemmOutcome { kRan, kCannotTake, kFailed };
+
 template <typename Gemm, typename E>
-bool cutlass_scores(const E* z, const E* up, float* scores, int64_t rows, int64_t width, int64_t rank,
-                    cudaStream_t stream) {
+GemmOutcome cutlass_scores(const E* z, const E* up, float* scores, int64_t rows, int64_t width, int64_t rank,
+                           cudaStream_t stream, const char** gemm_failure) {
   const cutlass::gemm::GemmCoord size(static_cast<int>(rows), static_cast<int>(width), static_cast<int>(rank));
   typename Gemm::Arguments arguments(size, {z, rank}, {up, rank}, {scores, width}, {scores, width}, {1.f, 0.f});
   Gemm gemm;
-  if (gemm.can_implement(arguments) != cutlass::Status::kSuccess) return false;
-  return gemm(arguments, nullptr, stream) == cutlass::Status::kSuccess;
+  if (gemm.can_implement(arguments) != cutlass::Status::kSuccess) return GemmOutcome::kCannotTake;
+  const cutlass::Status status = gemm(arguments, nullptr, stream);
+  if (status == cutlass::Status::kSuccess) return GemmOutcome::kRan;
+  *gemm_failure = cutlass::cutlassGetStatusString(status);
+  return GemmOutcome::kFailed;
 }
 
 template <typename T>
@@ -116,31 +123,40 @@ struct CutlassType<__half> {
   using type = cutlass::half_t;
 };
 
-// Scores one chunk with CUTLASS; false when its kernels cannot take these operands (the caller falls back).
+// Scores one chunk with CUTLASS when its kernels can take these operands.
 template <typename T>
-bool try_cutlass_scores(const T* z, const T* up, float* scores, int64_t rows, int64_t width, int64_t rank,
-                        cudaStream_t stream) {
-  if (rows > INT32_MAX || width > INT32_MAX || rank > INT32_MAX) return false;
+GemmOutcome try_cutlass_scores(const T* z, const T* up, float* scores, int64_t rows, int64_t width, int64_t rank,
+                               cudaStream_t stream, const char** gemm_failure) {
+  if (rows > INT32_MAX || width > INT32_MAX || rank > INT32_MAX) return GemmOutcome::kCannotTake;
   // can_implement checks the extents' alignment, not the addresses': the tensor-op kernels load 16 bytes at a time.
   const auto address_bits =
       reinterpret_cast<uintptr_t>(z) | reinterpret_cast<uintptr_t>(up) | reinterpret_cast<uintptr_t>(scores);
-  if (!std::is_same_v<T, float> && address_bits % 16 != 0) return false;
+  if (!std::is_same_v<T, float> && address_bits % 16 != 0) return GemmOutcome::kCannotTake;
   using E = typename CutlassType<T>::type;
   const auto* ze = reinterpret_cast<const E*>(z);
   const auto* ue = reinterpret_cast<const E*>(up);
   if constexpr (std::is_same_v<T, float>) {
-    return cutlass_scores<GemmSimt>(ze, ue, scores, rows, width, rank, stream);
+    return cutlass_scores<GemmSimt>(ze, ue, scores, rows, width, rank, stream, gemm_failure);
   } else {
-    return cutlass_scores<GemmTensorOp<E>>(ze, ue, scores, rows, width, rank, stream);
+    return cutlass_scores<GemmTensorOp<E>>(ze, ue, scores, rows, width, rank, stream, gemm_failure);
   }
 }
 #endif
 
 template <typename T>
 cudaError_t chunk_scores(const T* z, const T* up, float* scores, int64_t rows, int64_t width, int64_t rank,
-                         cudaStream_t stream) {
+                         cudaStream_t stream, const char** gemm_failure) {
 #if defined(PEAGLE_WITH_CUTLASS)
-  if (try_cutlass_scores(z, up, scores, rows, width, rank, stream)) return cudaGetLastError();
+  switch (try_cutlass_scores(z, up, scores, rows, width, rank, stream, gemm_failure)) {
+    case GemmOutcome::kRan:
+      return cudaGetLastError();
+    case GemmOutcome::kFailed:
+      return cudaErrorLaunchFailure;  // the launcher reports *gemm_failure
+    case GemmOutcome::kCannotTake:
+      break;
+  }
+#else
+  (void)gemm_failure;
 #endif
   const dim3 grid(static_cast<unsigned>((width + 31) / 32), static_cast<unsigned>((rows + 31) / 32));
   score_tile_kernel<T><<<grid, 256, 0, stream>>>(z, up, scores, rows, width, rank);
@@ -221,7 +237,7 @@ unsigned blocks_for(int64_t threads, int threads_per_block) {
 }
 
 template <typename T>
-cudaError_t run(const LmHeadArgs& a, cudaStream_t stream) {
+cudaError_t run(const LmHeadArgs& a, cudaStream_t stream, const char** gemm_failure) {
   const int block = kWarp * kWarpsPerBlock;
   auto* z = static_cast<T*>(a.z);
   const auto* up = static_cast<const T*>(a.up);
@@ -239,7 +255,7 @@ cudaError_t run(const LmHeadArgs& a, cudaStream_t stream) {
   int current = 0;
   for (int64_t v0 = 0; v0 < a.vocab; v0 += a.chunk) {
     const int64_t width = std::min(a.chunk, a.vocab - v0);
-    err = chunk_scores<T>(z, up + v0 * a.rank, a.scores, a.rows, width, a.rank, stream);
+    err = chunk_scores<T>(z, up + v0 * a.rank, a.scores, a.rows, width, a.rank, stream, gemm_failure);
     if (err != cudaSuccess) return err;
     const int64_t num_running = v0 == 0 ? 0 : a.candidates;
     // Rows beyond the grid limit: one launch per slice of rows.
@@ -281,15 +297,16 @@ size_t lm_head_sort_temp_bytes(int64_t rows, int64_t candidates) {
   return bytes;
 }
 
-cudaError_t efficient_lm_head(const LmHeadArgs& args, cudaStream_t stream) {
+cudaError_t efficient_lm_head(const LmHeadArgs& args, cudaStream_t stream, const char** gemm_failure) {
+  *gemm_failure = nullptr;
   if (args.rows == 0) return cudaSuccess;
   switch (args.dtype) {
     case HeadDtype::kFloat:
-      return run<float>(args, stream);
+      return run<float>(args, stream, gemm_failure);
     case HeadDtype::kBFloat16:
-      return run<__nv_bfloat16>(args, stream);
+      return run<__nv_bfloat16>(args, stream, gemm_failure);
     default:
-      return run<__half>(args, stream);
+      return run<__half>(args, stream, gemm_failure);
   }
 }
 

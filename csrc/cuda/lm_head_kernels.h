@@ -42,7 +42,9 @@ size_t lm_head_sort_temp_bytes(int64_t rows, int64_t candidates);
 // z = round(down @ h); per chunk of the vocabulary: scores = z @ up[chunk]^T (a CUTLASS GEMM when built with CUTLASS
 // and the operands allow it, else a tiled SIMT kernel), then one block per row selects the C best keys among its
 // running C and the chunk's; finally the C keys of each row are sorted and rescored exactly. No host synchronisation.
-cudaError_t efficient_lm_head(const LmHeadArgs& args, cudaStream_t stream);
+// A CUTLASS GEMM that accepted its operands and then failed to run sets *gemm_failure to CUTLASS's status text (it is
+// nullptr otherwise) and returns cudaErrorLaunchFailure: no silent fallback.
+cudaError_t efficient_lm_head(const LmHeadArgs& args, cudaStream_t stream, const char** gemm_failure);
 
 }  // namespace cuda
 }  // namespace peagle
