@@ -10,7 +10,7 @@ namespace peagle {
 // True while deferred checks are on (op set_deferred_checks). CPU kernels ignore it: they raise immediately.
 bool deferred_checks_enabled();
 
-// What a device backend provides: prepare() allocates the records of every device (before any graph capture);
+// What a device backend provides: prepare() allocates the current device's record (before any graph capture);
 // check() synchronises, reads and resets the records and raises the first error.
 struct DeferredBackend {
   void (*prepare)();

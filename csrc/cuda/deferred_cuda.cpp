@@ -1,5 +1,6 @@
-// Deferred checks on CUDA: one int64 error record per device (csrc/include/peagle/deferred.h), allocated once and kept
-// for the process, so that captured CUDA graphs may hold its address. check_errors() synchronises every device that
+// Deferred checks on CUDA: one int64 error record per device (csrc/include/peagle/deferred.h), allocated once (at
+// set_deferred_checks(True) for the current device, at a device's first deferred op for the others) and kept for the
+// process, so that captured CUDA graphs may hold its address. check_errors() synchronises every device that
 // has a record, reads and resets it, and raises the first error with the immediate check's message.
 #include "deferred_cuda.h"
 
@@ -37,14 +38,19 @@ int64_t* allocate_locked(int device) {
   return g_records[device];
 }
 
+// The current device's record only: a record on every visible device would create a CUDA context (hundreds of MB) on
+// each, in every process of a multi-GPU server. Other devices get theirs at their first deferred op outside a capture
+// (a graph's warm-up run).
 void prepare() {
   int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
     cudaGetLastError();  // no usable device: nothing to prepare
     return;
   }
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "set_deferred_checks");
   const std::lock_guard<std::mutex> lock(g_mutex);
-  for (int d = 0; d < count; ++d) allocate_locked(d);
+  allocate_locked(device);
 }
 
 void check() {
@@ -104,9 +110,9 @@ void check_not_capturing(const char* op, cudaStream_t stream) {
 int64_t* deferred_record(int device, cudaStream_t stream) {
   const std::lock_guard<std::mutex> lock(g_mutex);
   if (static_cast<size_t>(device) < g_records.size() && g_records[device] != nullptr) return g_records[device];
-  TORCH_CHECK(!capturing(stream),
-              "peagle: deferred checks need their error record before a CUDA graph capture: call "
-              "peagle.ops.set_deferred_checks(True) (or enter peagle.ops.deferred_checks()) before capturing");
+  TORCH_CHECK(!capturing(stream), "peagle: deferred checks need cuda:", device,
+              "'s error record before a CUDA graph capture on it: call peagle.ops.set_deferred_checks(True) (or enter "
+              "peagle.ops.deferred_checks()) with that device current, or run the captured ops once before capturing");
   return allocate_locked(device);
 }
 

@@ -13,7 +13,7 @@ Ops with a deferred mode on CUDA (:data:`DEFERRED_OPS`):
 * ``kv_compact`` (as in immediate mode, it changes nothing when a request is bad);
 * ``gdn_tree_verify``, ``gdn_commit``, ``causal_conv1d_tree``, ``causal_conv1d_commit`` with ``validate=True`` (their
   kernels guard themselves as with ``validate=False``: bad requests get NaN outputs or are not committed; the check
-  runs on the device by one thread, so keep ``validate=False`` where speed matters and the inputs are trusted;
+  is one more kernel of one block, so keep ``validate=False`` where speed matters and the inputs are trusted;
   ``gdn_commit`` claims its slots on the device whenever the host did not check them, even with ``validate=False``
   and deferred checks off: requests that share a slot leave it unchanged and :func:`check_errors` raises);
 * ``cod_gather``, ``cod_gather_backward`` (with the CUDA message, "some element is out of range");
@@ -27,8 +27,10 @@ Still synchronising in either mode: ``cod_gather``'s range check of ``input_ids`
 Shape, dtype and device checks are always immediate (they need no device data). CPU kernels always raise immediately,
 and :func:`check_errors` is a no-op where no CUDA device ever recorded.
 
-Turning deferred checks on allocates the records of every CUDA device: do it before capturing a graph. The mode is
-process-wide and read when an op is launched, so a captured graph keeps the mode it was captured in.
+Turning deferred checks on allocates the current CUDA device's record; another device gets its record at its first
+deferred op outside a capture. So turn them on with the capturing device current, or run the ops once before capturing
+(as a warm-up does). The mode is process-wide and read when an op is launched, so a captured graph keeps the mode it was
+captured in.
 """
 
 from __future__ import annotations
