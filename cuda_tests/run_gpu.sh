@@ -5,7 +5,9 @@
 # exit whatever happens (a stage timing out, a failed build, Ctrl-C), and the logs stay in $OUT.
 #   bash cuda_tests/run_gpu.sh                       (about 5 minutes on an H200; OUT=dir, default build/gpu-run)
 #   PEAGLE_GPU_TIMINGS=1 bash cuda_tests/run_gpu.sh  (also the long timing cases and the side-by-side comparisons with
-#                                                     the public peers installed here: benchmarks/bench_peers_cuda.py)
+#                                                     the public peers installed here: benchmarks/bench_peers_cuda.py;
+#                                                     pure-Python peers staged by scripts/stage_peers.py in
+#                                                     build/peers/site join them)
 #   PEAGLE_GPU_MUTATION=1 PEAGLE_GPU_BUDGET=1200 bash cuda_tests/run_gpu.sh
 #       (also the mutation check, outside the default budget: cuda_tests/mutation_check.sh applies a deliberate
 #       off-by-one to the verification walk in a scratch copy, builds it and expects test_tree_verify_cuda.py to
@@ -169,12 +171,19 @@ stage "GPU benchmarks" 120 bench.log "$PY" -m pytest benchmarks -q -p no:cachepr
 # Side by side with the public kernels installed here (flashinfer, vLLM, FLA, speculators; torch's create_block_mask is
 # always there): opt-in with the other timing cases (flashinfer JIT-compiles its kernels and each N compiles
 # create_block_mask once, hence the longer limit). A peer that is not installed is a skip, named in the log and in
-# bench_peers.md.
+# bench_peers.md. Pure-Python peers staged by scripts/stage_peers.py (carry build/peers) go on this stage's PYTHONPATH.
+PEERS_SITE=${PEAGLE_PEERS_SITE:-$ROOT/build/peers/site}
 case "${PEAGLE_GPU_TIMINGS:-0}" in
   "" | 0) record "GPU peer benchmarks" "not run (opt-in: PEAGLE_GPU_TIMINGS=1)" ;;
   *)
+    PEERS_PATH=$PYTHONPATH STAGED="none (scripts/stage_peers.py, carry build/peers)"
+    if [ -f "$PEERS_SITE/STAGED.txt" ]; then
+      PEERS_PATH=$PEERS_SITE:$PYTHONPATH STAGED=$(tr '\n' ' ' <"$PEERS_SITE/STAGED.txt")
+    fi
     stage "GPU peer benchmarks" 420 bench_peers.log env PEAGLE_PEERS_SUMMARY="$OUT/bench_peers.md" \
+      PYTHONPATH="$PEERS_PATH" \
       "$PY" -m pytest benchmarks/bench_peers_cuda.py -q -rs -p no:cacheprovider --benchmark-json "$OUT/bench_peers.json"
+    record "  staged peers" "$STAGED"
     [ -f "$OUT/bench_peers.log" ] && record "  peer benchmark counts" "$(pytest_counts "$OUT/bench_peers.log")"
     ;;
 esac

@@ -9,6 +9,7 @@ import os
 import runpy
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -226,3 +227,62 @@ def test_a_build_without_cutlass_fails_the_run(tmp_path, headers):
     else:
         assert "FAILED: no headers" in line and "stage_cutlass.py" in line and expect == "expect=", (line, expect)
         assert run.returncode != 0 and "result: FAILED" in summary
+
+
+@pytest.mark.parametrize("staged", [True, False])
+def test_staged_peers_go_on_the_peer_benchmarks_path(tmp_path, staged):
+    """Peers staged by scripts/stage_peers.py (carried as build/peers) lead the peer benchmarks' PYTHONPATH, and the
+    summary names them; without them the stage runs on the machine's own packages and the summary says how to stage."""
+    env, calls = passing_tools(tmp_path)
+    python = Path(env["PYTHON"])
+    python.write_text(python.read_text().replace(" | summary=", " | pythonpath=${PYTHONPATH:-} | summary="))
+    site = tmp_path / "peers-site"
+    if staged:
+        site.mkdir()
+        (site / "STAGED.txt").write_text("einops-0.8.2-py3-none-any.whl\nfla_core-0.6.0-py3-none-any.whl\n")
+    run_script(tmp_path, {**env, "PEAGLE_GPU_TIMINGS": "1", "PEAGLE_PEERS_SITE": str(site)})
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    logged = calls.read_text().splitlines()
+    peers = next(line for line in logged if "-m pytest benchmarks/bench_peers_cuda.py" in line)
+    others = [line for line in logged if "pythonpath=" in line and "bench_peers_cuda" not in line]
+    line = next(line for line in summary.splitlines() if line.strip().startswith("staged peers"))
+    assert others and all(str(site) not in other for other in others), others  # only the peer stage sees them
+    if staged:
+        assert f"pythonpath={site}:{ROOT}" in peers, peers
+        assert "einops-0.8.2-py3-none-any.whl fla_core-0.6.0-py3-none-any.whl" in line, summary
+    else:
+        assert str(site) not in peers and f"pythonpath={ROOT}" in peers, peers
+        assert "none (scripts/stage_peers.py, carry build/peers)" in line, summary
+
+
+def make_wheel(folder: Path, name: str, module: str, body: str) -> Path:
+    wheel = folder / name
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(f"{module}/__init__.py", body)
+        archive.writestr(f"{module}-1.0.dist-info/METADATA", f"Name: {module}\nVersion: 1.0\n")
+    return wheel
+
+
+def test_stage_peers_unpacks_pure_python_wheels_importably(tmp_path):
+    unpack_wheels = runpy.run_path(str(ROOT / "scripts" / "stage_peers.py"))["unpack_wheels"]
+    wheels = [
+        make_wheel(tmp_path, "peer_b-1.0-py3-none-any.whl", "peer_b", "VALUE = 'b'\n"),
+        make_wheel(tmp_path, "peer_a-1.0-py3-none-any.whl", "peer_a", "from peer_b import VALUE\n"),
+    ]
+    site = tmp_path / "site"
+    (site / "stale").mkdir(parents=True)  # an earlier staging is replaced, not merged
+    names = unpack_wheels(wheels, site)
+    assert names == ["peer_a-1.0-py3-none-any.whl", "peer_b-1.0-py3-none-any.whl"]
+    assert (site / "STAGED.txt").read_text() == "".join(f"{name}\n" for name in names)
+    assert not (site / "stale").exists()
+    run = subprocess.run(
+        [sys.executable, "-c", "import peer_a; print(peer_a.VALUE)"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(site)},
+        timeout=60,
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "b", run.stderr
+    compiled = make_wheel(tmp_path, "peer_c-1.0-cp311-cp311-linux_x86_64.whl", "peer_c", "")
+    with pytest.raises(ValueError, match=r"peer_c-1.0-cp311-cp311-linux_x86_64.whl is not a pure-Python wheel"):
+        unpack_wheels([compiled], tmp_path / "other")
