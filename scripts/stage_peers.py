@@ -1,7 +1,8 @@
 """Stages the pure-Python public peers that the GPU peer benchmarks compare with (benchmarks/bench_peers_cuda.py) in
 build/peers/site: the GPU machine has no package registry, so a session carries build/peers there (about 6 MB) and
 cuda_tests/run_gpu.sh puts it on the peer benchmarks' PYTHONPATH. Today that is FLA's kernels (fla-core, Triton, which
-the GPU machine has) and their one dependency, einops. flashinfer (a 100 MB wheel) and vLLM do not fit the carry.
+the GPU machine has) with their one dependency, einops, and speculators (the benchmarks load only its COD file, which
+needs torch alone). flashinfer (a 100 MB wheel) and vLLM do not fit the carry.
 
     .venv-cpu/bin/python scripts/stage_peers.py [DEST]
 
@@ -19,7 +20,7 @@ import zipfile
 from pathlib import Path
 
 DEFAULT_DEST = Path(__file__).resolve().parents[1] / "build" / "peers" / "site"
-PINNED = ("fla-core==0.6.0", "einops==0.8.2")
+PINNED = ("fla-core==0.6.0", "einops==0.8.2", "speculators==0.9.0")
 MANIFEST = "STAGED.txt"
 
 
