@@ -55,3 +55,11 @@ if not cuda_kernels or no_cuda or no_cpu or unknown:
         f"listed host fallbacks that are no registered CUDA kernel op: {short(unknown)}"
     )
 print("every kernel op has a CPU kernel, and a CUDA kernel or a listed host fallback")
+
+# A CUDA build serves CPU tensors too, also on machines without a driver (such as the one running this check): the
+# deferred-check calls the engine makes every call must then not touch CUDA.
+if not torch.cuda.is_available():
+    previous = torch.ops.peagle.set_deferred_checks(True)
+    torch.ops.peagle.check_errors()
+    torch.ops.peagle.set_deferred_checks(previous)
+    print("without a CUDA device: set_deferred_checks and check_errors make no CUDA call")
