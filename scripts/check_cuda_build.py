@@ -1,6 +1,7 @@
 """`python scripts/check_cuda_build.py BUILD_LIB_DIR`: the peagle._C built into BUILD_LIB_DIR is newer than every
 extension source under csrc/ (csrc/tests are ctest's), imports against torch's CUDA build, and every peagle op with a
-CPU kernel also has a CUDA registration.
+CPU kernel also has a CUDA registration. On a machine without a CUDA device, the deferred-check ops also run (they must
+make no CUDA call there).
 
 A CUDA registration that copies the inputs to the host and runs the CPU kernel (csrc/cuda/host_fallback.h; the build
 lists them in torch.ops.peagle.cuda_host_fallbacks()) is reported as a host fallback, apart from the CUDA kernels and
