@@ -40,11 +40,8 @@ bool validate_on_device(const char* name, int64_t op, const at::Tensor& parent, 
   const at::Tensor p = parent.to(at::kLong).contiguous();
   const at::Tensor a = last_accepted.defined() ? last_accepted.to(at::kLong).contiguous() : at::Tensor();
   const at::Tensor s = slots.defined() ? slots.to(at::kLong).contiguous() : at::Tensor();
-  const bool count_slots = a.defined() && s.defined() && pool > 0;
-  const at::Tensor slot_counts = count_slots ? at::zeros({pool}, p.options().dtype(at::kInt)) : at::Tensor();
   check_cuda(cuda::gdn_validate(p.data_ptr<int64_t>(), a.defined() ? a.data_ptr<int64_t>() : nullptr,
                                 s.defined() ? s.data_ptr<int64_t>() : nullptr, p.size(0), p.size(1), pool, op,
-                                count_slots ? slot_counts.data_ptr<int32_t>() : nullptr,
                                 deferred_record(parent.get_device(), stream), stream),
              "check_errors");
   return true;

@@ -554,39 +554,27 @@ constexpr int kValidateThreads = 1024;
 constexpr unsigned long long kNoError = ~0ULL;
 
 // One block. Each check keeps its first failure in the host checks' order by an atomicMin (parents row-major, then
-// last_accepted, then the active slots, then the smallest shared slot), so the record names the error the immediate
-// checks raise; thread 0 records the first check that failed. Shared slots are counted per slot in slot_counts ([pool]
-// int32 zeros, null without last_accepted or slots): O(B n + B) work instead of B^2 slot pairs.
+// last_accepted, then the active slots), so the record names the error the immediate checks raise; thread 0 records
+// the first check that failed. Shared slots are not checked here: gdn_commit's slot claims (gdn_claim_slots_kernel)
+// find the smallest one and record it after this kernel on the same stream, so an earlier error here still wins.
 __global__ void __launch_bounds__(kValidateThreads)
     gdn_validate_kernel(const int64_t* parent, const int64_t* last_accepted, const int64_t* slots, int64_t batch,
-                        int64_t nodes, int64_t pool, int64_t op, int32_t* slot_counts, int64_t* record) {
-  __shared__ unsigned long long first_parent, first_last, first_slot, smallest_shared;
-  if (threadIdx.x == 0) first_parent = first_last = first_slot = smallest_shared = kNoError;
+                        int64_t nodes, int64_t pool, int64_t op, int64_t* record) {
+  __shared__ unsigned long long first_parent, first_last, first_slot;
+  if (threadIdx.x == 0) first_parent = first_last = first_slot = kNoError;
   __syncthreads();
   for (int64_t e = threadIdx.x; e < batch * nodes; e += blockDim.x) {
     const int64_t p = parent[e];
     if (p < -1 || p >= e % nodes) atomicMin(&first_parent, static_cast<unsigned long long>(e));
   }
-  // A request commits (its slot is checked) when last_accepted >= 0, or always without last_accepted.
-  auto committing = [=](int64_t b) { return last_accepted == nullptr || last_accepted[b] >= 0; };
-  auto slot_ok = [=](int64_t b) { return slots[b] >= 0 && slots[b] < pool; };
   for (int64_t b = threadIdx.x; b < batch; b += blockDim.x) {
     if (last_accepted != nullptr && (last_accepted[b] < -1 || last_accepted[b] >= nodes)) {
       atomicMin(&first_last, static_cast<unsigned long long>(b));
     }
-    if (slots == nullptr || !committing(b)) continue;
-    if (!slot_ok(b)) {
+    // A request commits (its slot is checked) when last_accepted >= 0, or always without last_accepted.
+    const bool committing = last_accepted == nullptr || last_accepted[b] >= 0;
+    if (slots != nullptr && committing && (slots[b] < 0 || slots[b] >= pool)) {
       atomicMin(&first_slot, static_cast<unsigned long long>(b));
-    } else if (slot_counts != nullptr) {
-      atomicAdd(&slot_counts[slots[b]], 1);
-    }
-  }
-  __syncthreads();
-  if (slot_counts != nullptr) {
-    for (int64_t b = threadIdx.x; b < batch; b += blockDim.x) {
-      if (committing(b) && slot_ok(b) && slot_counts[slots[b]] > 1) {
-        atomicMin(&smallest_shared, static_cast<unsigned long long>(slots[b]));
-      }
     }
   }
   __syncthreads();
@@ -601,21 +589,16 @@ __global__ void __launch_bounds__(kValidateThreads)
   }
   if (first_slot != kNoError) {
     const auto b = static_cast<int64_t>(first_slot);
-    return record_gdn_error(record, op, deferred::kGdnSlots, b, 0, slots[b], 0, pool);
-  }
-  if (smallest_shared != kNoError) {
-    record_gdn_error(record, op, deferred::kGdnSharedSlot, 0, 0, static_cast<int64_t>(smallest_shared), 0, pool);
+    record_gdn_error(record, op, deferred::kGdnSlots, b, 0, slots[b], 0, pool);
   }
 }
 
 }  // namespace
 
 cudaError_t gdn_validate(const int64_t* parent, const int64_t* last_accepted, const int64_t* slots, int64_t batch,
-                         int64_t nodes, int64_t pool, int64_t op, int32_t* slot_counts, int64_t* record,
-                         cudaStream_t stream) {
+                         int64_t nodes, int64_t pool, int64_t op, int64_t* record, cudaStream_t stream) {
   if (batch == 0) return cudaSuccess;
-  gdn_validate_kernel<<<1, kValidateThreads, 0, stream>>>(parent, last_accepted, slots, batch, nodes, pool, op,
-                                                          slot_counts, record);
+  gdn_validate_kernel<<<1, kValidateThreads, 0, stream>>>(parent, last_accepted, slots, batch, nodes, pool, op, record);
   return cudaGetLastError();
 }
 

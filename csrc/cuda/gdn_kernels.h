@@ -66,11 +66,10 @@ cudaError_t causal_conv1d_commit(GdnType type, const void* x, const int64_t* par
 // Deferred checks: the value checks of the launcher's validation (checks/gdn.h, same order, same first error) run on
 // the device by one block and record the first error as op `op` in the error record (peagle/deferred.h).
 // last_accepted and slots may be null (not checked); slots are checked only for requests with last_accepted >= 0
-// when last_accepted is given, and then must also be distinct: slot_counts is then [pool] int32 zeros (scratch),
-// else null.
+// when last_accepted is given. That those slots are distinct is gdn_commit's slot claims' check (they run after this,
+// so its errors come first, as on the host).
 cudaError_t gdn_validate(const int64_t* parent, const int64_t* last_accepted, const int64_t* slots, int64_t batch,
-                         int64_t nodes, int64_t pool, int64_t op, int32_t* slot_counts, int64_t* record,
-                         cudaStream_t stream);
+                         int64_t nodes, int64_t pool, int64_t op, int64_t* record, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace peagle
