@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -38,6 +39,21 @@ class PassResult(NamedTuple):
     acceptance_length: float
     accepted: list[list[list[int]]]  # per batch, the requests' accepted drafts per round
     phase_ms: tuple[float, float, float]  # per batched round: drafting, verification, the rest (GenerateMetrics)
+
+
+def unprofiled_warning(table: CostTable, batches: Sequence[int], source: str) -> str | None:
+    """A warning naming the batch sizes a loaded cost table was not profiled at, or None. The harness then plans
+    with the costs of the next profiled batch size up (:meth:`CostTable.bucket`), and its row compares rounds the
+    table does not describe: a batch-4 table made the harness decode plainly at batch 1, where it drafts with one of
+    batch 1."""
+    unprofiled = [b for b in batches if b not in table.batch_sizes]
+    if not unprofiled:
+        return None
+    used = [table.batch_sizes[table.bucket(b)] for b in unprofiled]
+    return (
+        f"warning: --costs {source} was profiled at batch sizes {table.batch_sizes}; batch sizes {unprofiled} "
+        f"plan with the costs of batch sizes {used} (drop --costs to profile them)"
+    )
 
 
 def summarize(calls: dict[tuple[str, int, int], Call], passes: Sequence[int]) -> dict[str, PassResult]:
@@ -166,6 +182,9 @@ def main() -> None:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     if args.costs:
         table = CostTable.load(args.costs)
+        warning = unprofiled_warning(table, batches, args.costs)
+        if warning:
+            print(warning, file=sys.stderr)
     else:
         nodes = [1, 2, 4, 8, 16, 32]
         table = profile_costs(target, drafter, batch_sizes=batches, contexts=[args.prompt_len], verify_nodes=nodes)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from peagle.decode import GenerateMetrics, RequestStats
+from peagle.decode.harness import CostTable
 
 _spec = importlib.util.spec_from_file_location("harness_speed", Path(__file__).with_name("harness_speed.py"))
 harness_speed = importlib.util.module_from_spec(_spec)
@@ -104,3 +105,11 @@ def test_the_trace_lists_every_harness_call_against_the_fixed_configuration():
     lines = harness_speed.call_trace(calls, "chain 1")
     assert [line.split()[4] for line in lines] == ["draft", "control"]
     assert lines[0].endswith("(0.50x)") and lines[1].endswith("(2.00x)") and " prompt   8 " in lines[1]
+
+
+def test_a_loaded_cost_table_names_the_batch_sizes_it_was_not_profiled_at():
+    table = CostTable([4, 16], [0], [1], [[[1.0]], [[2.0]]], [1], [[[1.0]], [[2.0]]])
+    assert harness_speed.unprofiled_warning(table, [4, 16], "costs.json") is None
+    warning = harness_speed.unprofiled_warning(table, [1, 4, 32], "costs.json")
+    assert "profiled at batch sizes [4, 16]" in warning
+    assert "batch sizes [1, 32] plan with the costs of batch sizes [4, 16]" in warning
