@@ -81,16 +81,24 @@ def greedy_brute_force(parent, tokens, num_nodes, target):
     ],
 )
 def test_greedy_matches_brute_force_and_reference(generator, batch, n_max, vocab, chain):
-    tree = random_tree_batch(generator, batch, n_max, max(vocab, n_max - 1), chain=chain)
     vocab = max(vocab, n_max - 1)
-    target = steered_probs(generator, tree, vocab)
-    out = tree_verify_greedy(tree.parent, tree.tokens, tree.num_nodes, target)
-    brute = greedy_brute_force(tree.parent, tree.tokens, tree.num_nodes, target)
-    for name, a, e in zip(out._fields, out, brute, strict=True):
-        assert torch.equal(a, e), f"{name}:\n{a}\n{e}"
-    assert_outputs_equal(out, tree_verify_greedy_reference(tree.parent, tree.tokens, tree.num_nodes, target))
-    if n_max > 4 and batch > 4:
-        assert int(out.num_accepted.max()) >= 2, "steered trees should accept deep paths"
+    wants_deep = n_max > 4 and batch > 4
+    deepest = 0
+    # Fresh inputs until one accepts a deep path, so that deep paths are checked too: one steered batch in about 1000
+    # of 16 trees of 8 nodes accepts none.
+    for _ in range(3):
+        tree = random_tree_batch(generator, batch, n_max, vocab, chain=chain)
+        target = steered_probs(generator, tree, vocab)
+        out = tree_verify_greedy(tree.parent, tree.tokens, tree.num_nodes, target)
+        brute = greedy_brute_force(tree.parent, tree.tokens, tree.num_nodes, target)
+        for name, a, e in zip(out._fields, out, brute, strict=True):
+            assert torch.equal(a, e), f"{name}:\n{a}\n{e}"
+        assert_outputs_equal(out, tree_verify_greedy_reference(tree.parent, tree.tokens, tree.num_nodes, target))
+        deepest = max(deepest, int(out.num_accepted.max()))
+        if not wants_deep or deepest >= 2:
+            break
+    if wants_deep:
+        assert deepest >= 2, "steered trees should accept deep paths"
 
 
 def test_greedy_ties_int32_logits_and_broadcast_batch(generator):
