@@ -84,8 +84,8 @@ def test_greedy_matches_brute_force_and_reference(generator, batch, n_max, vocab
     vocab = max(vocab, n_max - 1)
     wants_deep = n_max > 4 and batch > 4
     deepest = 0
-    # Fresh inputs until one accepts a deep path, so that deep paths are checked too: one steered batch in about 1000
-    # of 16 trees of 8 nodes accepts none.
+    # Fresh inputs until one accepts a deep path, so that deep paths are checked too: about 1 steered batch of 16 trees
+    # of 8 nodes in 1000 accepts no path 2 drafts deep.
     for _ in range(3):
         tree = random_tree_batch(generator, batch, n_max, vocab, chain=chain)
         target = steered_probs(generator, tree, vocab)
