@@ -65,6 +65,20 @@ def _cutlass_include() -> str | None:
     return path if os.path.isfile(os.path.join(path, "cutlass", "gemm", "device", "gemm.h")) else None
 
 
+def _runtime_libstdcxx() -> list[str]:
+    """The shared libstdc++ this process (Python with torch) runs with, as a link input ahead of the compiler's own
+    -lstdc++ (empty where /proc/self/maps is missing). Some toolchains' g++ link libstdc++ statically by default (the
+    GPU machine's /opt/gcc did): the extension then held a copy of its functions while sharing the process's locale
+    data, and every error message with a number in it crashed (std::ostream reached a facet of the other copy)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            fields = [line.split(maxsplit=5) for line in maps]
+    except OSError:
+        return []
+    paths = sorted({f[5].strip() for f in fields if len(f) == 6 and "/libstdc++.so" in f[5]})
+    return paths[:1]
+
+
 def _extension():
     include_dirs = [os.path.join(ROOT, "csrc"), os.path.join(ROOT, "csrc", "include")]
     # No fused multiply-adds on the host either (GCC contracts a * b + c where the target has FMA, e.g. aarch64): the
@@ -72,7 +86,13 @@ def _extension():
     cxx_flags = ["-O3", "-fvisibility=hidden", "-ffp-contract=off"]
     sources = _sources("csrc/ops.cpp") + _sources("csrc/cpu/*.cpp")
     if not _with_cuda():
-        return CppExtension("peagle._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx_flags})
+        return CppExtension(
+            "peagle._C",
+            sources,
+            include_dirs=include_dirs,
+            extra_compile_args={"cxx": cxx_flags},
+            extra_link_args=_runtime_libstdcxx(),
+        )
 
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)
     # Toolkits with only nvcc + cudart lack the cuBLAS/cuSPARSE headers some torch CUDA headers include; torch's pip
@@ -95,6 +115,7 @@ def _extension():
         sources + _sources("csrc/cuda/*.cpp") + _sources("csrc/cuda/*.cu"),
         include_dirs=include_dirs,
         extra_compile_args={"cxx": [*cxx_flags, "-DPEAGLE_WITH_CUDA"], "nvcc": nvcc_flags},
+        extra_link_args=_runtime_libstdcxx(),
         # Device graph tail launch (later kernels) needs relocatable device code and a device-link step with cudadevrt.
         dlink=dlink,
         dlink_libraries=["cudadevrt"] if dlink else [],
@@ -106,8 +127,12 @@ def _extension():
     return ext
 
 
-if _with_cuda() and not _flag("PEAGLE_NO_DLINK") and not is_ninja_available():
-    raise SystemExit(
-        "peagle: the CUDA build's device-link step needs ninja on PATH (pip install ninja), or set PEAGLE_NO_DLINK=1"
-    )
-setup(ext_modules=[_extension()], cmdclass={"build_ext": BuildExtension})
+# Guarded so that python_tests/test_extension_binary.py can load _runtime_libstdcxx (pip's setuptools backend runs this
+# file as __main__ too).
+if __name__ == "__main__":
+    if _with_cuda() and not _flag("PEAGLE_NO_DLINK") and not is_ninja_available():
+        raise SystemExit(
+            "peagle: the CUDA build's device-link step needs ninja on PATH (pip install ninja), "
+            "or set PEAGLE_NO_DLINK=1"
+        )
+    setup(ext_modules=[_extension()], cmdclass={"build_ext": BuildExtension})

@@ -7,7 +7,8 @@ A CUDA registration that copies the inputs to the host and runs the CPU kernel (
 lists them in torch.ops.peagle.cuda_host_fallbacks()) is reported as a host fallback, apart from the CUDA kernels and
 never counted among them; it does not fail the check. Device-independent helpers such as release_cpu_buffers are
 composite, and so are the CUDA-only graph chain ops (graph_chain_*, csrc/cuda/graph_chain_cuda.cpp: one catch-all
-kernel each, defined by the CUDA build only)."""
+kernel each, defined by the CUDA build only). The build must also use the process's shared libstdc++, not a static copy
+of its own (testkit/binary.py)."""
 
 import os
 import sys
@@ -27,6 +28,16 @@ sources = [p for p in (ROOT / "csrc").rglob("*") if p.is_file() and "tests" not 
 newer = [str(p.relative_to(ROOT)) for p in sources if p.stat().st_mtime > built]
 if newer:
     sys.exit(f"{peagle._C.__file__} is older than {', '.join(sorted(newer))}: a stale build, rebuild it")
+sys.path.insert(1, str(ROOT))
+from testkit.binary import bundled_libstdcxx  # noqa: E402  (the repository root is on sys.path only now)
+
+bundled = bundled_libstdcxx(peagle._C.__file__)
+if bundled:
+    sys.exit(
+        f"{peagle._C.__file__} defines libstdc++'s own {', '.join(bundled)}: it bundles a static libstdc++ beside the "
+        "process's shared one (op errors then crash); setup.py's _runtime_libstdcxx link input should have prevented it"
+    )
+print("links the shared libstdc++ (bundles no copy)")
 
 
 def has(name: str, key: str) -> bool:

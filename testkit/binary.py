@@ -1,0 +1,32 @@
+"""Checks of a built shared object: whether it carries its own copy of libstdc++.
+
+An extension that links libstdc++ statically while the process (Python, torch) runs the shared one holds two copies of
+the library: its own functions, but the process's locale data. On the GPU machine (whose g++ linked libstdc++
+statically) every op error with a number in its message then crashed the process: std::ostream formatting reached a
+facet of the other copy. setup.py links the process's shared libstdc++ first; this check proves the build did.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+# Defined by libstdc++ itself, never by code that only includes its headers: std::locale::classic() and
+# std::ios_base::Init::Init(), the locale and stream set-up a bundled copy brings with it.
+LIBSTDCXX_CORE_SYMBOLS = ("_ZNSt6locale7classicEv", "_ZNSt8ios_base4InitC1Ev")
+
+
+def bundled_libstdcxx(path: str) -> list[str]:
+    """The libstdc++ core symbols (LIBSTDCXX_CORE_SYMBOLS) that the shared object at ``path`` defines itself, from
+    both its static and dynamic symbol tables; empty when it uses a shared libstdc++. Needs binutils' ``nm``."""
+    nm = shutil.which("nm")
+    if nm is None:
+        raise RuntimeError("bundled_libstdcxx needs binutils' nm on PATH")
+    defined: set[str] = set()
+    for table in ([], ["--dynamic"]):
+        result = subprocess.run([nm, "--defined-only", *table, path], capture_output=True, text=True, check=False)
+        # A stripped object has no static table ("no symbols"); its dynamic table still answers.
+        if result.returncode != 0 and "no symbols" not in result.stderr:
+            raise RuntimeError(f"nm {' '.join(table)} {path} failed: {result.stderr.strip()}")
+        defined.update(line.split()[-1].split("@")[0] for line in result.stdout.splitlines() if line.strip())
+    return [name for name in LIBSTDCXX_CORE_SYMBOLS if name in defined]
