@@ -134,8 +134,14 @@ def test_tail_op_checks_its_arguments():
         tail(go, execs, status[:1], 0)
     with pytest.raises(RuntimeError, match=r"expected depth in \[0, 2\)"):
         tail(go, execs, status, 2)
-    # Outside a chain (handles never written) the kernel records the missing handle instead of launching.
-    tail(go, execs, status, 0)
+    # CUDA launches the tail kernel only from a graph, so the op refuses an eager call.
+    with pytest.raises(RuntimeError, match="expected a call under a CUDA graph capture"):
+        tail(go, execs, status, 0)
+    # Captured outside a chain (handles never written), the kernel records the missing handle instead of launching.
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tail(go, execs, status, 0)
+    graph.replay()
     assert status.tolist() == [0, -1]
 
 

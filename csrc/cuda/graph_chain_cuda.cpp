@@ -160,8 +160,16 @@ void graph_chain_tail(const at::Tensor& go, const at::Tensor& execs, const at::T
   TORCH_CHECK(depth >= 0 && depth < execs.numel() - 1, "peagle.", op, ": expected depth in [0, ", execs.numel() - 1,
               ") (a depth graph of the chain), got ", depth);
   const c10::cuda::CUDAGuard guard(go.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  // The tail kernel calls the device runtime's graph launch, so CUDA refuses to launch it outside a graph ("operation
+  // not supported", seen on an H200): only a capture may record it.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(stream, &capture), op);
+  TORCH_CHECK(capture == cudaStreamCaptureStatusActive, "peagle.", op,
+              ": expected a call under a CUDA graph capture (its kernel launches graphs from the device, which only a "
+              "graph may run), got a call on a stream that is not capturing");
   check_cuda(cuda::launch_chain_tail(go.data_ptr<int32_t>(), execs.data_ptr<int64_t>(), execs.numel(), depth,
-                                     status.data_ptr<int32_t>(), c10::cuda::getCurrentCUDAStream()),
+                                     status.data_ptr<int32_t>(), stream),
              op);
 }
 
@@ -190,7 +198,8 @@ TORCH_LIBRARY_FRAGMENT(peagle, m) {
   m.def("graph_chain_launch(int chain) -> ()", &peagle::graph_chain_launch);
   // Waits for the device, then destroys the chain's executable graphs.
   m.def("graph_chain_destroy(int chain) -> ()", &peagle::graph_chain_destroy);
-  // Captured last in depth graph `depth`: reads go [1] int32 and tail-launches execs[depth + 1] (go != 0 and another
-  // depth exists) or the finalize graph execs[G - 1]; counts launches and records the first failure in status [2].
+  // Captured last in depth graph `depth` (raises outside a capture): reads go [1] int32 and tail-launches execs[depth +
+  // 1] (go != 0 and another depth exists) or the finalize graph execs[G - 1]; counts launches and records the first
+  // failure in status [2].
   m.def("graph_chain_tail(Tensor go, Tensor execs, Tensor(a!) status, int depth) -> ()", &peagle::graph_chain_tail);
 }

@@ -177,10 +177,17 @@ class DepthGraphChain:
         self._status = torch.zeros(2, dtype=torch.int32, device=device)  # tail launches, first error
         scratch = torch.zeros_like(self._status)
 
-        def warm_tail() -> None:  # no handle is written yet: it only records that into a scratch status
-            torch.ops.peagle.graph_chain_tail(go, self._execs, scratch, 0)
+        def warm_tail() -> None:
+            # CUDA launches the tail kernel only from a graph (graph_chain_tail refuses an eager call): it warms up in
+            # a throwaway graph, where no handle is written yet, so it only records that into a scratch status.
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                torch.ops.peagle.graph_chain_tail(go, self._execs, scratch, 0)
+            graph.replay()
 
-        _warm_up([*self._steps, self._finalize, warm_tail], device)
+        _warm_up([*self._steps, self._finalize], device)
+        with torch.cuda.device(device):
+            warm_tail()
         _destroy_pending()
         pool = torch.cuda.graph_pool_handle()
         for depth, step in enumerate(self._steps):
