@@ -80,7 +80,8 @@ void record_value_errors(int64_t op, const Elements& e, const at::Tensor& docume
     stats[deferred::kDepthMin] = e.depths.min();
     stats[deferred::kDepthMax] = e.depths.max();
     stats[deferred::kFirstOutside] = at::where(outside.any(), first, at::full({}, -1, opts));
-    stats[deferred::kFirstOutsideDepth] = e.depths.index_select(0, first.view({1})).view({});
+    // squeeze, not view({}): view({}) picks view(ScalarType{}), a byte view of shape [8].
+    stats[deferred::kFirstOutsideDepth] = e.depths.index_select(0, first.view({1})).squeeze(0);
   }
   if (length > 0) stats[deferred::kDocumentMin] = document_ids.to(at::kLong).min();
   const at::Tensor packed = at::stack(stats).contiguous();
