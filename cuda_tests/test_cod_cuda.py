@@ -95,7 +95,8 @@ def test_cod_gather_cuda_unaligned_rows_and_views(generator):
 
 
 def test_cod_gather_cuda_gradcheck(generator):
-    hidden = torch.randn(30, 6, generator=generator, dtype=torch.float64, device="cuda", requires_grad=True)
+    # The generator is a CPU one: draw on the host, then move.
+    hidden = torch.randn(30, 6, generator=generator, dtype=torch.float64).cuda().requires_grad_()
     mask_hidden = torch.randn(6, generator=generator, dtype=torch.float64).cuda().requires_grad_()
     anchors = torch.randint(0, 25, (60,), generator=generator).cuda()
     depths = torch.randint(0, 5, (60,), generator=generator).cuda()

@@ -105,10 +105,10 @@ def cuda_args(args):
 def test_harness_observe_on_cuda_equals_cpu(generator, batch, rows, dtype):
     for _ in range(10):
         calibration, gamma, *inputs = random_observe_case(generator, batch, rows, dtype)
-        state = (calibration.cuda(), gamma.cuda())
-        torch.cuda.set_sync_debug_mode("error")
+        state, device_inputs = (calibration.cuda(), gamma.cuda()), cuda_args(inputs)
+        torch.cuda.set_sync_debug_mode("error")  # around the op alone: the host-to-device copies synchronise
         try:
-            harness_observe(*state, *cuda_args(inputs), CALIBRATION_DECAY, SHARPNESS_RANGE)
+            harness_observe(*state, *device_inputs, CALIBRATION_DECAY, SHARPNESS_RANGE)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         harness_observe(calibration, gamma, *inputs, CALIBRATION_DECAY, SHARPNESS_RANGE)

@@ -127,8 +127,12 @@ def test_flex_forward_backward_equals_sdpa(generator, case):
         (out * grad_out).sum().backward()
         return out.detach(), q.grad, kk.grad, v.grad
 
+    # flex attention's default tiles (64 or more) must divide the block size: smaller blocks get tiles of their size
+    # (forward and both backward passes).
+    tiles = ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")
+    options = {tile: block for tile in tiles} if block < 64 else None
     compiled = torch.compile(flex_attention)
-    got = run(lambda q, kk, v: compiled(q, kk, v, block_mask=block_mask))
+    got = run(lambda q, kk, v: compiled(q, kk, v, block_mask=block_mask, kernel_options=options))
     with sdpa_kernel(SDPBackend.MATH):
         want = run(lambda q, kk, v: torch.nn.functional.scaled_dot_product_attention(q, kk, v, attn_mask=ref_mask))
     torch.testing.assert_close(got[0][..., seen, :], want[0][..., seen, :], atol=1e-5, rtol=0)

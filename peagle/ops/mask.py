@@ -193,6 +193,10 @@ class BlockMaskBuilder:
     the same fixed-shape tensors (a compiled flex attention is not re-traced per sample, and reads past N see padding,
     which nothing may attend from or to). The per-sample work is the block summaries and their pairwise classification.
     Not thread-safe: a ``BlockMask`` is valid until the next :meth:`build` on the same builder.
+
+    Compiled flex attention on a GPU tiles queries and keys by its own ``BLOCK_M`` / ``BLOCK_N`` (64 or more by
+    default), which must divide the mask's block size: a smaller ``block_size`` needs flex attention's
+    ``kernel_options`` with tiles that divide it (torch 2.11 on an H200 refused 16 and 32 with the defaults).
     """
 
     def __init__(self, block_size: int = 128, max_elements: int = 0, device: torch.device | str | None = None) -> None:
