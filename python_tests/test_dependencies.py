@@ -2,8 +2,8 @@
 
 Every third-party import of a module under ``peagle/`` (module level and inside functions) must come from a
 distribution that pyproject.toml declares in the core or in an extra that covers that module (``EXTRAS_FOR``). Between
-peagle's own packages, imports run one way (``LAYERS``): a package imports only packages below it, and ``peagle/io.py``
-sits at the bottom, usable by all.
+peagle's own packages, imports run one way (``LAYERS``): a package imports only packages of the tiers below its own;
+packages of one tier are siblings that never import each other, and ``peagle/io.py`` sits at the bottom, usable by all.
 """
 
 from __future__ import annotations
@@ -24,13 +24,16 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Bottom to top. vllm sits above train: the vLLM extraction backend registers itself into train's backend registry.
-# The root package (peagle/__init__.py) and the compiled peagle._C belong to the ops layer.
-LAYERS = ("io", "ops", "model", "decode", "train", "vllm", "demo", "cli")
+# Tiers, bottom to top. Serving (decode) and training (train) are siblings over model, which loads the target both use.
+# vllm sits above them: it plugs peagle's verification into vLLM and registers the vLLM extraction backend into
+# train's backend registry. The root package (peagle/__init__.py) and the compiled peagle._C belong to the ops layer.
+LAYERS = (("io",), ("ops",), ("model",), ("decode", "train"), ("vllm",), ("demo",), ("cli",))
+ORDER = " < ".join("{" + ", ".join(tier) + "}" if len(tier) > 1 else tier[0] for tier in LAYERS)
 
 # Extras a module may import from besides the core, by module prefix (the longest matching prefix wins).
 EXTRAS_FOR = {
     "peagle": (),
+    "peagle.model.target": ("train",),  # loading a target is loading a transformers model
     "peagle.decode": ("train",),  # hybrid targets are transformers models
     "peagle.train": ("train",),
     "peagle.vllm": ("vllm", "train"),
@@ -122,6 +125,10 @@ def layer_of(module: str) -> str:
     return parts[1]
 
 
+def tier_of(layer: str) -> int:
+    return next(i for i, tier in enumerate(LAYERS) if layer in tier)
+
+
 def extras_for(module: str) -> tuple[str, ...]:
     prefix = max((p for p in EXTRAS_FOR if module == p or module.startswith(p + ".")), key=len)
     return EXTRAS_FOR[prefix]
@@ -146,14 +153,14 @@ def violations(module: str, source: str, path: str, is_package: bool = False) ->
         if top in sys.stdlib_module_names or top == "__future__":
             continue
         if top == "peagle":
-            mine = LAYERS.index(layer_of(module))
+            mine = layer_of(module)
             for target in import_targets(imp):
-                theirs = LAYERS.index(layer_of(target))
-                if theirs > mine:
+                theirs = layer_of(target)
+                if theirs != mine and tier_of(theirs) >= tier_of(mine):
+                    below = [layer for tier in LAYERS[: tier_of(mine)] for layer in tier]
                     found.append(
-                        f"{where}: peagle.{LAYERS[mine]} may import only the layers below it "
-                        f"({' < '.join(LAYERS[:mine]) or 'none'}), not peagle.{LAYERS[theirs]} "
-                        f"(imports run {' < '.join(LAYERS)})"
+                        f"{where}: peagle.{mine} may import only the layers below it "
+                        f"({', '.join(below) or 'none'}), not peagle.{theirs} (imports run {ORDER})"
                     )
             continue
         covering = () if imp.module_level and module in CORE_AT_MODULE_LEVEL else extras_for(module)
@@ -212,6 +219,11 @@ def test_the_check_flags_forbidden_imports():
     assert violations("peagle.ops.tree", "from ..model import config\n", "peagle/ops/tree.py")
     assert not violations("peagle.model.drafter", "from ..ops import cod_sample\n", "peagle/model/drafter.py")
     assert not violations("peagle", "from peagle import _C, ops\n", "peagle/__init__.py", is_package=True)
+    # Serving and training are siblings: neither imports the other; both import model.
+    sibling = violations("peagle.train.extract", "from peagle.decode.target import TargetRunner\n", "x.py")
+    assert len(sibling) == 1 and "peagle.train may import only" in sibling[0] and "not peagle.decode" in sibling[0]
+    assert violations("peagle.decode.engine", "from peagle.train import trainer\n", "x.py")
+    assert not violations("peagle.decode.target", "from peagle.model.target import load_target\n", "x.py")
 
 
 def test_extras_are_declared_as_the_rules_expect():

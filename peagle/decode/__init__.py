@@ -7,10 +7,9 @@ from peagle.decode.engine import GenerateMetrics, GenerateOutput, RequestStats, 
 from peagle.decode.hybrid import GdnStates
 from peagle.decode.kv_cache import PagedKVCache
 from peagle.decode.sampling import target_probs
-from peagle.decode.target import SUPPORTED_MODEL_TYPES, TargetRunner, load_target_model
+from peagle.decode.target import TargetRunner
 
 __all__ = [
-    "SUPPORTED_MODEL_TYPES",
     "DraftTree",
     "GdnStates",
     "GenerateMetrics",
@@ -20,6 +19,5 @@ __all__ = [
     "SpeculativeDecoder",
     "TargetRunner",
     "eagle2_dynamic_tree",
-    "load_target_model",
     "target_probs",
 ]

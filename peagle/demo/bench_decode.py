@@ -28,9 +28,9 @@ from typing import Any, NamedTuple
 import torch
 
 from peagle.decode import GenerateMetrics, RequestStats, SpeculativeDecoder
-from peagle.decode.target import load_target
 from peagle.io import atomic_write_bytes, atomic_write_json
 from peagle.model import from_pretrained
+from peagle.model.target import load_target
 
 __all__ = [
     "Call",

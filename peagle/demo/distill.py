@@ -93,7 +93,7 @@ def generate_hf(
     transformers model: a KV cache, prompts of equal length batched together."""
     from tqdm import tqdm
 
-    from peagle.decode.target import load_target
+    from peagle.model.target import load_target
 
     model = load_target(target, device=device)
     eos = model.config.eos_token_id

@@ -26,7 +26,6 @@ from typing import Any, Protocol
 import torch
 from safetensors.torch import load_file
 
-from peagle.decode.target import load_target
 from peagle.io import (
     atomic_save_tensors,
     atomic_write_json,
@@ -36,6 +35,7 @@ from peagle.io import (
     remove_temporaries,
 )
 from peagle.model.config import default_aux_layer_ids
+from peagle.model.target import load_target
 from peagle.train.data import MANIFEST, iter_prepared_rows, manifest_fingerprint, read_manifest
 
 __all__ = [

@@ -1,0 +1,54 @@
+"""Loading a target: a transformers causal LM of a supported family, from a directory or as a module.
+
+Shared by the serving side (:class:`peagle.decode.TargetRunner` runs it) and the training side (hidden-state
+extraction reads it), which are siblings over this package.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "load_target", "load_target_model"]
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_next")
+
+
+def load_target(
+    path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> nn.Module:
+    """A transformers causal LM from a directory, with weights owned in memory, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    if not Path(path).exists():
+        raise FileNotFoundError(f"target model directory {path} does not exist")
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    with torch.no_grad():
+        # Own the weights instead of reading a memory-mapped file on every use (much faster on the CPU).
+        for param in model.parameters():
+            param.data = param.data.clone()
+    return model.to(device).eval()
+
+
+def load_target_model(
+    target: str | os.PathLike | nn.Module, dtype: torch.dtype | None = None, device: str | torch.device | None = None
+) -> nn.Module:
+    """The target module (from a directory, or as given) after checking that its family is supported."""
+    if isinstance(target, (str, os.PathLike)):
+        model = load_target(target, dtype=dtype or torch.float32, device=device or "cpu")
+    elif isinstance(target, nn.Module):
+        model = target
+        if dtype is not None or device is not None:
+            model = model.to(device=device, dtype=dtype)
+    else:
+        raise TypeError(f"target must be a model directory or a transformers module, got {type(target).__name__}")
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"target model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return model.eval()
