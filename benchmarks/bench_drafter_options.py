@@ -67,7 +67,7 @@ def one_pass(drafting: PEagleDrafting, context: int) -> None:
     cache.seq_len.fill_(context)
     cache.host_len[0] = context
     drafting.set_pending(rows, [0], torch.ones(1, 1, dtype=torch.long), torch.ones(1, 1, 3 * HIDDEN), [1])
-    drafting._pass(rows, [0], DEPTHS - 1, DEPTHS)
+    drafting.run_pending(rows, [0], DEPTHS - 1, DEPTHS)
 
 
 @pytest.mark.parametrize("context", CONTEXTS)

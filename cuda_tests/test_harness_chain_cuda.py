@@ -1,5 +1,5 @@
 """The engine's EAGLE-3 harness on a GPU drafts each round through CUDA graphs chained by device tail launch
-(peagle.decode.drafting._HarnessRound over DepthStepper / GraphChainCache): the same tokens and per-round acceptance
+(peagle.decode.drafting.DepthDraftRound over DepthStepper / GraphChainCache): the same tokens and per-round acceptance
 as the host loop on CUDA, the same greedy tokens as the CPU engine, over many rounds, padded batch sizes and rounds
 that stop at different depths, with no host synchronisation inside a replayed round; a step that cannot be captured
 falls back to the host loop with the reason in the metrics."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from peagle.decode import SpeculativeDecoder
+from peagle.decode.harness.depth_harness import DepthStepper
 from peagle.decode.harness.graphs import device_launch_available
-from peagle.decode.harness.policy import DepthStepper
 from python_tests.test_harness_stepper import COST_TABLE, PROMPTS
 from testkit import self_distilled_rows, tiny_target, train_tiny_drafter
 from testkit.depth_chain import ToyDrafter

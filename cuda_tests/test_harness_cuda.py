@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import peagle  # noqa: F401
-from peagle.decode.harness.policy import CALIBRATION_DECAY, SHARPNESS_RANGE
+from peagle.decode.harness.budget import CALIBRATION_DECAY, SHARPNESS_RANGE
 from peagle.ops import (
     HarnessState,
     harness_decide,

@@ -16,7 +16,8 @@ from peagle.decode import SpeculativeDecoder, TargetRunner
 from peagle.decode.drafting import Eagle3Drafting, PEagleDrafting, Sampling
 from peagle.decode.engine import _Generation
 from peagle.decode.harness import CostTable, HarnessPolicy
-from peagle.decode.harness.policy import MIN_TRIALS, PAIRED_MEMORY, PAIRED_MINORITY_SHARE, PairedGains
+from peagle.decode.harness.evidence import PAIRED_MEMORY, PairedGains
+from peagle.decode.harness.policy import MIN_TRIALS, PAIRED_MINORITY_SHARE
 from peagle.model import DrafterConfig, PEagleDrafter
 from peagle.ops.gdn import tree_path
 from peagle.train.evaluate import chain_drafts
@@ -201,7 +202,7 @@ def test_timed_harness_pairs_drafting_and_plain_phases_in_control_calls_lossless
     round_ = _Generation._round
 
     def recorded(self, *args):
-        drafts = self.drafting is not None and (self.harness is None or self.harness.drafting_phase)
+        drafts = self.rounds.drafts
         before = sum(map(len, self.tokens))
         active = round_(self, *args)
         phase_of_round.append(drafts)
@@ -427,7 +428,7 @@ def assert_cached_pass_equals_forward_inference(changes: dict) -> None:
     seen = [0] * batch
     for lengths in ([290, 3, 270], [2, 5, 1], [4, 1, 3]):
         feed(drafting, tokens, hidden, seen, lengths)
-        logits, _ = drafting._pass(torch.arange(batch), list(range(batch)), 3, 4)
+        logits, _ = drafting.run_pending(torch.arange(batch), list(range(batch)), 3, 4)
         for b in range(batch):
             seen[b] += lengths[b]
             expected = model.forward_inference(tokens[b, : seen[b]], hidden[b, : seen[b]], 3)[seen[b] - 1 :]
@@ -455,7 +456,7 @@ def test_appended_pending_elements_catch_up_in_the_next_pass():
         drafting.set_pending(rows, rows.tolist(), tokens.gather(1, index), element, [1] * batch, append=True)
         seen = [n + 1 for n in seen]
     assert drafting.host_pending == seen
-    logits, _ = drafting._pass(rows, rows.tolist(), 3, 4)
+    logits, _ = drafting.run_pending(rows, rows.tolist(), 3, 4)
     for b in range(batch):
         expected = model.forward_inference(tokens[b, : seen[b]], hidden[b, : seen[b]], 3)[seen[b] - 1 :]
         torch.testing.assert_close(logits[b], expected, rtol=1e-9, atol=1e-9)

@@ -112,9 +112,9 @@ def test_sliding_window_reads_the_same_entries_at_any_context_length():
         seen = 0
         for length in (16, 240, 256):
             feed(drafting, tokens, hidden, [seen], [length])
-            drafting._pass(torch.arange(1), [0], 3, 4)
+            drafting.run_pending(torch.arange(1), [0], 3, 4)
             seen += length
-            context, committed, positions = drafting._context(torch.arange(1), [0])
+            context, committed, positions = drafting.context(torch.arange(1), [0])
             read[window, seen] = context[0][0].shape[1]
             held = set(positions[committed].tolist())
             assert held == set(range(seen)) if window is None else set(range(seen - 5, seen)) <= held

@@ -14,8 +14,9 @@ import math
 import pytest
 import torch
 
+from peagle.decode.harness.budget import CALIBRATION_DECAY, SHARPNESS_RANGE
 from peagle.decode.harness.calibration import EDGE_DECAY
-from peagle.decode.harness.policy import CALIBRATION_DECAY, PATH_SCALE_DECAY, SHARPNESS_RANGE
+from peagle.decode.harness.pass_harness import PATH_SCALE_DECAY
 from peagle.ops import (
     HarnessState,
     calibration_scale,

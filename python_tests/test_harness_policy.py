@@ -20,26 +20,20 @@ from peagle.decode.harness import (
     harness_budget,
     select_budget,
 )
+from peagle.decode.harness.budget import recalibrate, select_widest, sharpen, verified_tree_counts, widest
 from peagle.decode.harness.calibration import EdgeCalibration
-from peagle.decode.harness.policy import (
+from peagle.decode.harness.evidence import (
     MIN_PAIRED_ROUNDS,
-    MIN_TRIALS,
     OVERHEAD_DECAY,
     PAIR_CV,
-    PAIRED_MINORITY_SHARE,
-    YIELD_SHARE,
     CallYield,
     ChainAcceptance,
     PairedGains,
     RoundOverhead,
     RoundTimes,
     paired_gain,
-    recalibrate,
-    select_widest,
-    sharpen,
-    verified_tree_counts,
-    widest,
 )
+from peagle.decode.harness.policy import MIN_TRIALS, PAIRED_MINORITY_SHARE, YIELD_SHARE
 from peagle.ops import calibration_scale, harness_pass_decide_reference, tree_build_parallel
 
 DEPTH, VOCAB, MAX_NODES = 6, 8, 32

@@ -1,12 +1,11 @@
-"""The EAGLE-3 harness round in preallocated buffers (peagle.decode.drafting._HarnessRound, run by DepthStepper through
-the graph chain's host loop on the CPU) builds, round after round, exactly the tree of an independent reference loop
-written the way the harness drafted before: state allocated per round, the frontier cut to the widest request's width
-(a host read per depth), only the depths that ran concatenated. Checked over many rounds of several generate calls,
-batch sizes whose rounds have padding rows (requests finishing at different rounds), rounds stopping at different
-depths, greedy and sampled-top-k drafts, and the shapes a GPU uses; the emitted tokens are the target's own greedy
-ones. Equal trees (tokens, parents) verify to equal tokens, so the engine emits what it emitted before; path scores
-agree up to float rounding. cuda_tests/test_harness_chain_cuda.py runs the same rounds as CUDA graphs chained on the
-device."""
+"""The EAGLE-3 harness round in preallocated buffers (peagle.decode.drafting.DepthDraftRound, run by DepthStepper
+through the graph chain's host loop on the CPU) builds, round after round, exactly the tree of an independent reference
+loop written the way the harness drafted before: state allocated per round, the frontier cut to the widest request's
+width (a host read per depth), only the depths that ran concatenated. Checked over many rounds of several generate
+calls, batch sizes whose rounds have padding rows (requests finishing at different rounds), rounds stopping at different
+depths, greedy and sampled-top-k drafts, and the shapes a GPU uses; the emitted tokens are the target's own greedy ones.
+Equal trees (tokens, parents) verify to equal tokens, so the engine emits what it emitted before; path scores agree up
+to float rounding. cuda_tests/test_harness_chain_cuda.py runs the same rounds as CUDA graphs chained on the device."""
 
 from __future__ import annotations
 
@@ -15,11 +14,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from peagle.decode import SpeculativeDecoder, drafting
-from peagle.decode.drafting import _HarnessRound, _Steps
+from peagle.decode import SpeculativeDecoder
+from peagle.decode.drafting import DepthDraftRound, NodeSteps, depth_round
 from peagle.decode.harness import CostTable
+from peagle.decode.harness.budget import harness_budget, predicted_acceptance, select_candidates, sharpen
 from peagle.decode.harness.graphs import padded_batch_size
-from peagle.decode.harness.policy import harness_budget, predicted_acceptance, select_candidates, sharpen
 from peagle.decode.sampling import draft_distribution
 from peagle.ops import HarnessState, TreeSpec, harness_decide, tree_expand_topk, tree_expand_topk_reference
 from testkit import greedy_reference, self_distilled_rows, tiny_target, train_tiny_drafter
@@ -59,12 +58,12 @@ def setup():
 
 @torch.no_grad()
 def reference_tree(
-    round_: _HarnessRound, rows, host_rows, root_probs, root_hidden
+    round_: DepthDraftRound, rows, host_rows, root_probs, root_hidden
 ) -> tuple[TreeSpec, torch.Tensor, int]:
     """The round's tree, predicted acceptance and depths run, drafted as the harness did with per-round allocations."""
     harness, owner = round_.harness, round_.owner
     batch, device = rows.numel(), rows.device
-    steps = _Steps(owner, rows, host_rows, root_hidden)
+    steps = NodeSteps(owner, rows, host_rows, root_hidden)
     gamma, calibration = harness.gamma[rows], harness.calibration[rows].contiguous()
     state = HarnessState.start(batch, device, harness.root_cost)
     cap = min(harness.max_width, root_probs.shape[1])
@@ -124,16 +123,16 @@ def test_preallocated_rounds_build_the_reference_trees(setup, monkeypatch, tempe
     """``gpu_shapes``: the steps as a GPU runs them (the whole cache capacity as context in every round, the
     reference of tree_expand_topk), on the CPU."""
     seen = []  # (requests, padded batch size, depths run) of every round
-    draft = _HarnessRound.draft
+    draft = DepthDraftRound.draft
     if gpu_shapes:
-        init = _HarnessRound.__init__
+        init = DepthDraftRound.__init__
 
         def static_init(self, *args) -> None:
             init(self, *args)
             self.static = True
 
-        monkeypatch.setattr(_HarnessRound, "__init__", static_init)
-        monkeypatch.setattr(drafting, "_expand_topk", tree_expand_topk_reference)
+        monkeypatch.setattr(DepthDraftRound, "__init__", static_init)
+        monkeypatch.setattr(depth_round, "_expand_topk", tree_expand_topk_reference)
 
     def checked(self, rows, host_rows, root_probs, root_hidden):
         want, want_predicted, depths = reference_tree(self, rows, host_rows, root_probs, root_hidden)
@@ -148,7 +147,7 @@ def test_preallocated_rounds_build_the_reference_trees(setup, monkeypatch, tempe
         seen.append((rows.numel(), self.padded, depths))
         return got
 
-    monkeypatch.setattr(_HarnessRound, "draft", checked)
+    monkeypatch.setattr(DepthDraftRound, "draft", checked)
     decoder = SpeculativeDecoder(
         setup.model,
         setup.drafter,

@@ -586,7 +586,7 @@ def random_edge_case(generator: torch.Generator, batch: int, rows: str = "all") 
     bins, and per tree an accepted path that walks from the root to a random child, depth by depth, and stops at random.
     ``rows``: "all" (None, a tree per request), "subset" (as many trees as a random subset of requests, in random
     order) or "none" (no trees)."""
-    from peagle.decode.harness.calibration import EDGE_BINS, EDGE_KINDS, _constants
+    from peagle.decode.harness.calibration import EDGE_BINS, EDGE_KINDS, edge_constants
     from peagle.ops import tree_build_parallel
 
     count = batch if rows == "all" else int(torch.randint(1, batch + 1, (1,), generator=generator))
@@ -600,7 +600,7 @@ def random_edge_case(generator: torch.Generator, batch: int, rows: str = "all") 
     num_nodes = torch.minimum(spec.num_nodes, torch.randint(1, spec.scores.shape[1] + 1, (trees,), generator=generator))
     table = torch.rand(2, EDGE_KINDS, generator=generator, dtype=torch.float64) * 20
     table[:, torch.rand(EDGE_KINDS, generator=generator) < 0.3] = 0.0
-    prior, thresholds = _constants(torch.device("cpu"))
+    prior, thresholds = edge_constants(torch.device("cpu"))
     assert len(EDGE_BINS) == thresholds.shape[0]
     path = torch.full(spec.parent.shape, -1, dtype=torch.long)
     accepted = torch.zeros(trees, dtype=torch.long)

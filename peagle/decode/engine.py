@@ -14,10 +14,14 @@ still running:
 4. commit: ``kv_compact`` moves the accepted path's KV entries behind the committed prefix (``seq_len +=
    num_accepted + 1``), hybrid targets commit their GDN/conv states at the last accepted node, and the accepted
    nodes' target states paired with the next tokens become the drafter's next elements;
-5. emit: the host reads the emitted tokens once per round; a request stops at EOS or ``max_new_tokens`` (also inside an
-   accepted run: the rest is dropped).
+5. observe: the call's :class:`~peagle.decode.rounds.RoundPolicy` is told what was verified and accepted;
+6. emit: the host reads the emitted tokens once per round; a request stops at EOS or ``max_new_tokens`` (also inside an
+   accepted run: the rest is dropped); the policy is told the round's wall time.
 
-Everything a round needs stays on the tensors' device; only the emitted tokens and counts are read back.
+Before each round the policy says whether it drafts (a round that does not verifies the root alone) and whether the
+drafter takes in its tokens, and gives drafting its planner: fixed configurations draft every round alike, the harness
+(:mod:`peagle.decode.harness.rounds`) decides per round. Everything a round needs stays on the tensors' device; only
+the emitted tokens and counts are read back.
 """
 
 from __future__ import annotations
@@ -34,7 +38,10 @@ import torch
 from torch import Tensor, nn
 
 from peagle.decode.drafting import DraftTree, Eagle3Drafting, PEagleDrafting, Sampling, root_tree
-from peagle.decode.harness import CostTable, DepthHarness, HarnessPolicy, PassHarness
+from peagle.decode.harness.cost import CostTable
+from peagle.decode.harness.policy import HarnessPolicy
+from peagle.decode.harness.rounds import HarnessCalls
+from peagle.decode.rounds import CallReport, FixedCalls, RoundPolicies, RoundPolicy
 from peagle.decode.sampling import DRAFT_STREAM, STREAMS, VERIFY_STREAM, target_probs, uniforms
 from peagle.decode.target import TargetRunner
 from peagle.model import PEagleDrafter, from_pretrained
@@ -151,6 +158,10 @@ class SpeculativeDecoder:
             run.
         num_threads: torch's intra-op CPU threads while ``generate`` runs (restored afterwards); None leaves torch's
             setting. A small target on the CPU is bound by per-op overhead, where 1 thread is usually fastest.
+
+    Attributes:
+        round_policies: where each generate call gets its :class:`~peagle.decode.rounds.RoundPolicy` (from ``mode``;
+            assign another :class:`~peagle.decode.rounds.RoundPolicies` to try a policy of your own).
     """
 
     def __init__(
@@ -174,7 +185,16 @@ class SpeculativeDecoder:
     ) -> None:
         if mode not in ("chain", "tree", "harness"):
             raise ValueError(f"mode must be 'chain', 'tree' or 'harness', got {mode!r}")
-        self.policy = _harness_policy(mode, cost_table, drafter, num_nodes, harness_timing)
+        # How each call's rounds draft: the engine's only door to a policy (peagle.decode.rounds).
+        self.round_policies: RoundPolicies
+        if mode == "harness":
+            if drafter is None:
+                raise ValueError("mode 'harness' needs a drafter")
+            self.round_policies = HarnessCalls.from_options(cost_table, num_nodes, harness_timing)
+        elif cost_table is not None:
+            raise ValueError(f"cost_table is for mode 'harness', got mode {mode!r}")
+        else:
+            self.round_policies = FixedCalls()
         if draft_sampling not in ("gumbel", "topk"):
             raise ValueError(f"draft_sampling must be 'gumbel' or 'topk', got {draft_sampling!r}")
         if num_threads is not None and (
@@ -188,8 +208,6 @@ class SpeculativeDecoder:
             target, aux, block_size=block_size, prefill_chunk=prefill_chunk, dtype=dtype, device=device
         )
         self.mode, self.draft_sampling, self.block_size = mode, draft_sampling, block_size
-        # Debug: the DepthStepper mode of EAGLE-3 harness rounds ("auto"; "host" forces the host loop on a GPU).
-        self.depth_chain_mode = "auto"
         self.drafting: PEagleDrafting | Eagle3Drafting | None = None
         if drafter is not None:
             if mode == "harness":
@@ -208,6 +226,21 @@ class SpeculativeDecoder:
     @property
     def max_depth(self) -> int:
         return self.drafting.depth if self.drafting is not None else 0
+
+    @property
+    def policy(self) -> HarnessPolicy | None:
+        """Mode "harness": the policy that carries what its generate calls learnt; None in the other modes."""
+        return self.round_policies.policy if isinstance(self.round_policies, HarnessCalls) else None
+
+    @property
+    def depth_chain_mode(self) -> str:
+        """Debug: the DepthStepper mode of EAGLE-3 harness rounds ("auto"; "host" forces the host loop on a GPU)."""
+        return self.round_policies.chain_mode if isinstance(self.round_policies, HarnessCalls) else "auto"
+
+    @depth_chain_mode.setter
+    def depth_chain_mode(self, mode: str) -> None:
+        if isinstance(self.round_policies, HarnessCalls):
+            self.round_policies.chain_mode = mode
 
     def _drafting(self, drafter: PEagleDrafter, mode, method, depth, topk, num_nodes):
         cfg = self.runner.config
@@ -279,25 +312,6 @@ class SpeculativeDecoder:
             return _Generation(self, prompt_list, max_new_tokens, eos, float(temperature), top_p, top_k, seeds).run()
         finally:
             torch.set_num_threads(threads)
-
-
-def _harness_policy(mode: str, cost_table, drafter, num_nodes: int | None, timed: bool) -> HarnessPolicy | None:
-    if mode != "harness":
-        if cost_table is not None:
-            raise ValueError(f"cost_table is for mode 'harness', got mode {mode!r}")
-        return None
-    if drafter is None:
-        raise ValueError("mode 'harness' needs a drafter")
-    if isinstance(cost_table, (str, os.PathLike)):
-        cost_table = CostTable.load(cost_table)
-    if not isinstance(cost_table, CostTable):
-        raise ValueError(
-            "mode 'harness' needs cost_table: a CostTable or the JSON file `peagle profile` wrote, "
-            f"got {type(cost_table).__name__}"
-        )
-    if num_nodes is not None and (isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 2):
-        raise ValueError(f"num_nodes must be an int >= 2 (the root and at least one draft), got {num_nodes!r}")
-    return HarnessPolicy(cost_table, 32 if num_nodes is None else num_nodes, timed=timed)
 
 
 def _budget(num_nodes: int | None, full: int) -> int:
@@ -385,7 +399,7 @@ class _Clock:
 
 
 class _Generation:
-    """The state of one generate call."""
+    """The state of one generate call: prefill, then rounds until every request stopped (:meth:`_round`)."""
 
     def __init__(self, decoder: SpeculativeDecoder, prompts, max_new_tokens, eos, temperature, top_p, top_k, seeds):
         self.decoder, self.runner, self.drafting = decoder, decoder.runner, decoder.drafting
@@ -400,20 +414,11 @@ class _Generation:
         self.accepted: list[list[int]] = [[] for _ in range(batch)]
         self.clock = _Clock(self.device)
         self.batched_rounds = self.drafted_rounds = 0
-        self.depth_chain = ""  # the harness's chain_report
-        self.harness_call = ""  # how the harness started the call (GenerateMetrics.harness_call)
-        self.harness: PassHarness | DepthHarness | None = None
-        if decoder.policy is not None:
-            longest = max(len(p) for p in prompts)
-            kind = PassHarness if isinstance(self.drafting, PEagleDrafting) else DepthHarness
-            vocab = self.drafting.config.draft_vocab_size
-            depth = self.drafting.depth
-            self.harness = kind(decoder.policy, batch, depth, longest, vocab, self.device, sampled=self.gumbel)
-            if isinstance(self.harness, DepthHarness):
-                self.harness.chain_mode = decoder.depth_chain_mode
-            self.harness_call = self.harness.call_start
-            if not self.harness.speculate:  # the cost table, or earlier calls: speculation loses at this batch size
-                self.drafting = self.harness = None
+        longest = max(len(p) for p in prompts)
+        self.rounds: RoundPolicy = decoder.round_policies.start_call(
+            self.drafting, batch, longest, self.device, self.gumbel
+        )
+        self.report = CallReport()
 
     def run(self) -> GenerateOutput:
         start = time.perf_counter()
@@ -425,8 +430,7 @@ class _Generation:
         while active:
             active = self._round(active, roots, step)
             step += 1
-        if self.harness is not None:
-            self._end_harness()
+        self.report = self.rounds.finish()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return self._output(time.perf_counter() - start)
@@ -434,7 +438,8 @@ class _Generation:
     @torch.no_grad()
     def _prefill(self) -> Tensor:
         runner, batch = self.runner, len(self.prompts)
-        max_nodes = self.drafting.max_nodes if self.drafting is not None else 1
+        feeds = self.rounds.feeds_drafter
+        max_nodes = self.drafting.max_nodes if feeds else 1
         longest = max(len(p) for p in self.prompts)
         capacity = longest + self.max_new + max_nodes + 1
         runner.allocate(batch, capacity)
@@ -446,7 +451,7 @@ class _Generation:
         check_errors()  # deferred checks (peagle.ops.errors) surface here, where the host reads the tokens anyway
         for r, token in enumerate(host_first):
             self._emit(r, [token])
-        if self.drafting is not None:
+        if feeds:
             self.drafting.allocate(batch, capacity, max(longest, max_nodes + 1), self.decoder.block_size)
             # Element i pairs token x_{i+1} with g_i: the prompt's tokens after the first, then the first new token.
             padded = [
@@ -457,6 +462,43 @@ class _Generation:
             self.drafting.set_pending(rows, list(range(batch)), tokens, aux, lengths)
         return first
 
+    @torch.no_grad()
+    def _round(self, active: list[int], roots: Tensor, step: int) -> list[int]:
+        """One round of the ``active`` requests: draft, verify, commit, observe, emit. Returns those still running."""
+        runner, rounds, clock = self.runner, self.rounds, self.clock
+        begin = time.perf_counter()
+        rows = torch.tensor(active, device=self.device)
+        drafts, feeds_drafter = rounds.drafts, rounds.feeds_drafter
+        t0 = clock.mark()
+        tree = self._draft(rows, active, roots[rows], step) if drafts else root_tree(roots[rows])
+        t1 = clock.mark()
+        final, aux = runner.forward(rows, active, tree.tokens, tree.depth, tree.mask, tree.parent, tree.num_nodes)
+        result = self._verify(tree, runner.logits(final), active, step)
+        t2 = clock.mark()
+        emitted, accepted, nodes = self._read_back(result, tree)
+        if drafts:
+            rounds.observe(rows, tree, result, accepted, nodes)
+        runner.commit(rows, active, result.accepted_path, result.num_accepted, result.last_node, accepted)
+        roots[rows] = result.emitted_tokens[torch.arange(len(active), device=self.device), result.num_accepted]
+        if feeds_drafter:  # a round that did not draft: the next drafting pass catches up on its tokens
+            self._feed_drafter(rows, active, result, aux, accepted, append=not drafts)
+        for i, r in enumerate(active):
+            self.accepted[r].append(accepted[i])
+            self._emit(r, emitted[i][: accepted[i] + 1])
+        self.batched_rounds += 1
+        self.drafted_rounds += drafts
+        # The host has waited for the round's tokens: its wall time is complete.
+        rounds.end_round(time.perf_counter() - begin, sum(accepted) + len(active), len(active), self._emitted_share())
+        clock.add("draft", t0, t1)
+        clock.add("verify", t1, t2)
+        clock.add("other", t2, clock.mark())
+        return [r for r in active if not self.finish[r]]
+
+    def _draft(self, rows: Tensor, active: list[int], roots: Tensor, step: int) -> DraftTree:
+        offset = step * STREAMS + DRAFT_STREAM
+        sampling = Sampling(self.temperature, self.gumbel, [self.seeds[r] for r in active], offset)
+        return self.drafting.draft(rows, active, roots, sampling, self.rounds.planner)
+
     def _verify(self, tree: DraftTree, logits: Tensor, host_rows: list[int], step: int) -> TreeVerifyOutput:
         if self.temperature == 0:
             return tree_verify_greedy(tree.parent, tree.tokens, tree.num_nodes, logits.float())
@@ -465,6 +507,26 @@ class _Generation:
             [self.seeds[r] for r in host_rows], step * STREAMS + VERIFY_STREAM, tree.tokens.shape[1], self.device
         )
         return tree_rejection_sample(tree.parent, tree.tokens, tree.num_nodes, probs, tree.draft_probs, u)
+
+    def _read_back(self, result: TreeVerifyOutput, tree: DraftTree) -> tuple[list[list[int]], list[int], list[int]]:
+        """The round's one host read: per request the emitted tokens, the accepted drafts and the verified nodes."""
+        emitted, accepted, nodes = (
+            torch.cat([result.emitted_tokens, result.num_accepted[:, None], tree.num_nodes[:, None]], 1)
+            .cpu()
+            .split([result.emitted_tokens.shape[1], 1, 1], 1)
+        )
+        check_errors()  # deferred checks (peagle.ops.errors) surface where the host reads the tokens anyway
+        return emitted.tolist(), accepted[:, 0].tolist(), nodes[:, 0].tolist()
+
+    def _feed_drafter(
+        self, rows: Tensor, active: list[int], result: TreeVerifyOutput, aux: Tensor, accepted: list[int], append: bool
+    ) -> None:
+        """The drafter's next elements: the accepted nodes' target states paired with the tokens that follow them."""
+        width = max(accepted) + 1
+        path = result.accepted_path[:, :width].clamp(min=0)
+        new_aux = aux.gather(1, path[..., None].expand(-1, -1, aux.shape[2]))
+        tokens = result.emitted_tokens[:, :width].clamp(min=0)
+        self.drafting.set_pending(rows, active, tokens, new_aux, [m + 1 for m in accepted], append=append)
 
     def _emit(self, request: int, tokens: list[int]) -> None:
         """Appends a request's new tokens up to EOS / max_new_tokens and marks it finished there."""
@@ -479,75 +541,9 @@ class _Generation:
         if len(out) >= self.max_new:
             self.finish[request] = "length"
 
-    @torch.no_grad()
-    def _round(self, active: list[int], roots: Tensor, step: int) -> list[int]:
-        runner, drafting = self.runner, self.drafting
-        begin = time.perf_counter()
-        rows = torch.tensor(active, device=self.device)
-        clock = self.clock
-        t0 = clock.mark()
-        # The plain phase of a paired call that drafts later: the drafter only takes in the round's token.
-        paused = drafting is not None and self.harness is not None and not self.harness.drafting_phase
-        if drafting is None or paused:
-            tree = root_tree(roots[rows])
-        else:
-            offset = step * STREAMS + DRAFT_STREAM
-            sampling = Sampling(self.temperature, self.gumbel, [self.seeds[r] for r in active], offset)
-            tree = drafting.draft(rows, active, roots[rows], sampling, self.harness)
-        t1 = clock.mark()
-        final, aux = runner.forward(rows, active, tree.tokens, tree.depth, tree.mask, tree.parent, tree.num_nodes)
-        result = self._verify(tree, runner.logits(final), active, step)
-        t2 = clock.mark()
-        # The one read-back of the round (the verified node counts for the harness).
-        emitted, accepted, nodes = (
-            torch.cat([result.emitted_tokens, result.num_accepted[:, None], tree.num_nodes[:, None]], 1)
-            .cpu()
-            .split([result.emitted_tokens.shape[1], 1, 1], 1)
-        )
-        host_accepted = accepted[:, 0].tolist()
-        check_errors()
-        if self.harness is not None and drafting is not None and not paused:
-            host = (host_accepted, nodes[:, 0].tolist())
-            self.harness.observe(rows, result.num_accepted, tree.num_nodes, tree.parent, result.accepted_path, host)
-        runner.commit(rows, active, result.accepted_path, result.num_accepted, result.last_node, host_accepted)
-        width = max(host_accepted) + 1
-        rows_index = torch.arange(len(active), device=self.device)
-        roots[rows] = result.emitted_tokens[rows_index, result.num_accepted]
-        if drafting is not None:
-            path = result.accepted_path[:, :width].clamp(min=0)
-            new_aux = aux.gather(1, path[..., None].expand(-1, -1, aux.shape[2]))
-            counts = [m + 1 for m in host_accepted]
-            tokens = result.emitted_tokens[:, :width].clamp(min=0)
-            drafting.set_pending(rows, active, tokens, new_aux, counts, append=paused)
-        host_emitted = emitted.tolist()
-        for i, r in enumerate(active):
-            m = host_accepted[i]
-            self.accepted[r].append(m)
-            self._emit(r, host_emitted[i][: m + 1])
-        self.batched_rounds += 1
-        self.drafted_rounds += drafting is not None and not paused
-        if self.harness is not None:  # the host has waited for the round's tokens: its wall time is complete
-            self.harness.timed(time.perf_counter() - begin, sum(host_accepted) + len(active), len(active))
-            if self.harness.paired and self.harness.switch(self._emitted_share()):
-                if not self.harness.drafting_phase:
-                    self.drafting = None  # a paired call's plain phase comes last
-            elif drafting is not None and not self.harness.speculate:  # what it observed and timed: drafting loses
-                self._end_harness()
-                self.drafting = None  # plain decoding for the rest of the call
-        clock.add("draft", t0, t1)
-        clock.add("verify", t1, t2)
-        clock.add("other", t2, clock.mark())
-        return [r for r in active if not self.finish[r]]
-
     def _emitted_share(self) -> float:
         """The share of the call's most tokens emitted so far."""
         return sum(map(len, self.tokens)) / (len(self.tokens) * self.max_new)
-
-    def _end_harness(self) -> None:
-        """Hands the harness's learning to the policy and keeps its report."""
-        self.harness.finish()
-        self.depth_chain = getattr(self.harness, "chain_report", "")
-        self.harness = None
 
     def _output(self, total: float) -> GenerateOutput:
         depth = self.decoder.max_depth
@@ -569,8 +565,8 @@ class _Generation:
             other_s=self.clock.total("other"),
             total_s=total,
             tokens_per_s=new_tokens / total if total > 0 else 0.0,
-            depth_chain=self.depth_chain,
+            depth_chain=self.report.depth_chain,
             drafted_rounds=self.drafted_rounds,
-            harness_call=self.harness_call,
+            harness_call=self.report.harness_call,
         )
         return GenerateOutput(self.tokens, requests, metrics)

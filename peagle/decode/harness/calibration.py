@@ -50,7 +50,7 @@ from torch import Tensor
 
 from peagle.ops import TreeSpec, harness_edge_observe, harness_edge_scores
 
-__all__ = ["EDGE_BINS", "EDGE_DECAY", "EDGE_PRIOR_EXPONENT", "EDGE_PRIOR_WEIGHT", "EdgeCalibration"]
+__all__ = ["EDGE_BINS", "EDGE_DECAY", "EDGE_PRIOR_EXPONENT", "EDGE_PRIOR_WEIGHT", "EdgeCalibration", "edge_constants"]
 
 EDGE_BINS = (-3.0, -2.5, -2.0, -1.5, -1.25, -1.0, -0.75, -0.5, -0.25)  # bin edges of log10 q
 EDGE_PRIOR_EXPONENT = (0.5, 1.0)  # of first children, of later children
@@ -61,7 +61,7 @@ _LOWEST = -4.0  # the lowest bin's lower end, for its middle q
 
 
 @functools.cache
-def _constants(device: torch.device) -> tuple[Tensor, Tensor]:
+def edge_constants(device: torch.device) -> tuple[Tensor, Tensor]:
     """(prior [2, EDGE_KINDS], thresholds [T]) on ``device``: the prior's accepted and drafted sums, w q_bin^e and
     w q_bin at each bin's middle q, and the bins' edges as probabilities."""
     ends = torch.tensor([_LOWEST, *EDGE_BINS, 0.0], dtype=torch.float64)
@@ -95,14 +95,14 @@ class EdgeCalibration:
 
     def scales(self) -> Tensor:
         """c per kind of edge, [EDGE_KINDS] float64 (the prior where nothing was observed)."""
-        prior, _ = _constants(self.table.device)
+        prior, _ = edge_constants(self.table.device)
         return (self.table[0] + prior[0]) / (self.table[1] + prior[1])
 
     def scores(self, spec: TreeSpec) -> tuple[Tensor, Tensor, Tensor]:
         """(path, q, kind) [B, N] of candidate trees: each node's predicted acceptance (the product of its path's
         calibrated edges; 1 at the root, -1 on padding), its edge probability and its kind of edge (-1: root,
         padding)."""
-        prior, thresholds = _constants(self.table.device)
+        prior, thresholds = edge_constants(self.table.device)
         return harness_edge_scores(spec.scores.double(), spec.parent, spec.num_nodes, self.table, prior, thresholds)
 
     def observe(

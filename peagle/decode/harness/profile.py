@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from peagle.decode.drafting import Eagle3Drafting, PEagleDrafting, Sampling, _Steps
+from peagle.decode.drafting import Eagle3Drafting, NodeSteps, PEagleDrafting, Sampling
 from peagle.decode.harness.cost import CostTable, machine_identity
 from peagle.decode.sampling import target_probs, uniforms
 from peagle.decode.target import TargetRunner
@@ -190,7 +190,7 @@ def _drafting(cls, runner: TargetRunner, model: PEagleDrafter, batch: int, depth
     aux = torch.zeros(batch, context, len(model.config.aux_layer_ids) * model.config.hidden_size, device=runner.device)
     tokens = torch.zeros(batch, context, dtype=torch.long, device=runner.device)
     drafting.set_pending(rows, list(range(batch)), tokens, aux, [context] * batch)
-    drafting._pass(rows, list(range(batch)), 0, 1)
+    drafting.run_pending(rows, list(range(batch)), 0, 1)
     drafting.set_pending(rows, list(range(batch)), tokens[:, :1], aux[:, :1], [1] * batch)
     return drafting, rows
 
@@ -205,7 +205,7 @@ def _draft_times(runner, model, batch: int, widths: list[int], depths: int, meas
         tokens = torch.zeros(batch, w, dtype=torch.long, device=runner.device)
         feats = torch.zeros(batch, w, model.config.hidden_size, dtype=drafting.dtype, device=runner.device)
         for d in range(1, depths + 1):
-            steps = _Steps(drafting, rows, host_rows, root_hidden)
+            steps = NodeSteps(drafting, rows, host_rows, root_hidden)
             for earlier in range(1, d):  # the temporary entries of the earlier depths
                 hidden = torch.zeros(batch, w, (earlier - 1) * w, dtype=torch.bool, device=runner.device)
                 steps.run(tokens, feats, earlier, hidden)
@@ -215,7 +215,7 @@ def _draft_times(runner, model, batch: int, widths: list[int], depths: int, meas
     return [[times[j * depths + d] for j in range(len(widths))] for d in range(depths)]
 
 
-def _draft_step(steps: _Steps, temp, tokens: Tensor, feats: Tensor, depth: int, sees: Tensor) -> None:
+def _draft_step(steps: NodeSteps, temp, tokens: Tensor, feats: Tensor, depth: int, sees: Tensor) -> None:
     steps.temp = temp  # the same earlier depths every call
     steps.run(tokens, feats, depth, sees)
 
