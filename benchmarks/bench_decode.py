@@ -23,7 +23,8 @@ from pathlib import Path
 
 from common import SMOKE
 
-from peagle.demo.bench_decode import bench_decode, format_table
+from peagle.demo.bench_decode import bench_decode
+from peagle.demo.tables import format_table
 
 GOALS = {
     "tree_al_over_chain_al": 1.3,  # >= : best tree AL / chain AL

@@ -197,9 +197,9 @@ def run_worker(kind: str, job_path: Path) -> None:
 
 def prepare_data(full: bool, workdir: str):
     """The demo's target, self-distilled data, prepared and extracted (cached by the demo's stages)."""
-    from peagle.demo.pipeline import Stages, _demo_spec, stage_data, stage_distill, stage_embedded_target
+    from peagle.demo.pipeline import Stages, demo_spec, stage_data, stage_distill, stage_embedded_target
 
-    spec = _demo_spec(quick=not full, depths=None)
+    spec = demo_spec(quick=not full, depths=None)
     run = stage_embedded_target(spec, Path(workdir), not full, False, Stages(), progress=True)
     stage_distill(run)
     stage_data(run)
@@ -243,8 +243,8 @@ def evaluate_both(run, out: Path, k: int) -> dict[str, dict[str, Any]]:
 
 
 def serve_both(run, out: Path, k: int) -> dict[str, dict[str, Any]]:
-    from peagle.demo.report import served_acceptance
     from peagle.demo.serve import measure_in_subprocess
+    from peagle.demo.tables import served_acceptance
 
     spec = run.spec
     with (run.data_root / "distill" / "heldout.jsonl").open() as f:

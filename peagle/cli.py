@@ -282,7 +282,8 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     decode.png under --out."""
     import json
 
-    from peagle.demo.bench_decode import bench_decode, format_table
+    from peagle.demo.bench_decode import bench_decode
+    from peagle.demo.tables import format_table
 
     report = bench_decode(
         args.target,

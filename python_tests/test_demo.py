@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from peagle.demo.report import served_acceptance
+from peagle.demo.tables import served_acceptance
 from testkit import tiny_chat_jsonl, tiny_llama, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -252,3 +252,168 @@ def test_data_preparation_loads_no_model_code_and_extraction_no_vllm():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.splitlines() == ["[]", "[]"], out.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Private names stay in their module, and imports form no circle.
+
+# Where the private-name rule holds: the package and the code built on it. Tests may reach into what they test.
+PRIVATE_SCOPES = ("peagle", "benchmarks", "testkit", "scripts")
+
+
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_definitions(tree: ast.AST) -> set[str]:
+    """The private names a module defines: its functions, classes and assigned names at any level (methods and class
+    attributes included), and the attributes it assigns (``self._x = ...``, ``fn._flag = ...``)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return {name for name in names if is_private(name)}
+
+
+def private_reaches(path: str, module: str, source: str, elsewhere: set[str], is_package: bool = False) -> list[str]:
+    """Where ``module`` (its ``source``) reaches another module's private name: a from-import of a private name from a
+    peagle module, or an attribute ``x._name`` (x not self, cls or super()) that this module does not define but another
+    module under PRIVATE_SCOPES does (``elsewhere``)."""
+    tree = ast.parse(source)
+    mine = private_definitions(tree)
+    collector = _Collector(module if is_package else module.rpartition(".")[0])
+    collector.visit(tree)
+    found = []
+    for imp in collector.found:
+        if imp.module.split(".")[0] == "peagle" and imp.module != module:
+            for name in imp.names:
+                if is_private(name):
+                    found.append(f"{path}:{imp.line}: `{imp.text}` imports {imp.module}'s private name {name}")
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not is_private(node.attr) or node.attr in mine:
+            continue
+        base = node.value
+        if (isinstance(base, ast.Name) and base.id in ("self", "cls")) or (
+            isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super"
+        ):
+            continue
+        if node.attr in elsewhere:
+            found.append(f"{path}:{node.lineno}: `{ast.unparse(node)}` uses a private name another module defines")
+    return found
+
+
+def scoped_modules() -> list[tuple[str, Path]]:
+    modules = []
+    for scope in PRIVATE_SCOPES:
+        for path in sorted((ROOT / scope).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            modules.append((".".join(parts[:-1] if parts[-1] == "__init__" else parts), path))
+    return modules
+
+
+def test_no_module_uses_another_modules_private_names():
+    modules = scoped_modules()
+    defined = {module: private_definitions(ast.parse(path.read_text())) for module, path in modules}
+    problems = []
+    for module, path in modules:
+        elsewhere = set().union(*(names for other, names in defined.items() if other != module))
+        problems += private_reaches(
+            str(path.relative_to(ROOT)), module, path.read_text(), elsewhere, path.name == "__init__.py"
+        )
+    assert not problems, "\n".join(problems)
+
+
+def test_the_private_name_check_flags_reaching_in():
+    """Power check: a from-import of a private name and an attribute reach into another module's private method are
+    flagged; a module's own private names, self, NamedTuple's _replace and other projects' privates are not."""
+    source = (
+        "from peagle.decode.drafting import _Steps\n"  # another module's private class
+        "import torch\n"
+        "def _mine(x):\n"
+        "    x._pass(1)\n"  # another module's private method
+        "    x._mine_too = 1\n"  # assigned here: this module's own attribute
+        "    torch._C\n"  # not defined under the scopes
+        "    return x._replace(a=1), x._mine_too, _mine\n"
+    )
+    found = private_reaches("peagle/x.py", "peagle.x", source, {"_pass", "_Steps", "_C_unused"})
+    assert len(found) == 2, found
+    assert "imports peagle.decode.drafting's private name _Steps" in found[0]
+    assert "peagle/x.py:4: `x._pass`" in found[1]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """peagle module -> the peagle modules it imports (module level and inside functions). Importing from a package
+    reaches its __init__; importing ``pkg.mod`` reaches that module."""
+    modules = dict(peagle_modules())
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        collector = _Collector(module if path.name == "__init__.py" else module.rpartition(".")[0])
+        collector.visit(ast.parse(path.read_text()))
+        edges = set()
+        for imp in collector.found:
+            for target in import_targets(imp):
+                while target and target not in modules:  # `from pkg.mod import name`: name is not a module
+                    target = target.rpartition(".")[0]
+                if target and target != module:
+                    edges.add(target)
+            if imp.module in modules and imp.module != module:
+                edges.add(imp.module)
+            for name in imp.names:  # `from pkg import mod` reaches pkg.mod
+                if f"{imp.module}.{name}" in modules:
+                    edges.add(f"{imp.module}.{name}")
+        graph[module] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_imports_form_no_circle():
+    graph = import_graph()
+    assert "peagle.decode.engine" in graph["peagle.decode"] and graph["peagle.io"] == set()
+    assert cycles(graph) == []
+
+
+def test_the_circle_check_finds_one():
+    """Power check: two modules that import each other (inside a function, as the demo's report and bench once did),
+    and a longer circle through a package, are found."""
+    graph = {"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"e"}, "e": {"c"}, "f": {"a"}}
+    assert cycles(graph) == [["a", "b"], ["c", "d", "e"]] or sorted(cycles(graph)) == [["a", "b"], ["c", "d", "e"]]

