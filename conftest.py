@@ -15,6 +15,18 @@ import torch
 from testkit import fresh_seed
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread while the module's tests run (restored after them): tiny matrices run faster on one thread
+    than on two contending ones, and runs compared bit for bit (killed and resumed training, decoding against a
+    reference) then sum floats in one order. A module takes it with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")`` or as an argument of its module-scoped fixtures."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def generator() -> torch.Generator:
     """A CPU generator with a fresh seed per test; the seed is printed so that a failure can be replayed."""

@@ -19,21 +19,21 @@ import torch
 from peagle.decode import SpeculativeDecoder
 from peagle.demo.target import QUICK_TARGET
 from peagle.model import DrafterConfig, PEagleDrafter
+from peagle.model.target import llama_config
 
 
 def random_models(seed: int = 0) -> tuple[torch.nn.Module, PEagleDrafter]:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     spec = QUICK_TARGET
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.hidden_size // spec.num_heads,
+    config = llama_config(
+        spec.vocab_size,
+        spec.hidden_size,
+        spec.num_layers,
+        spec.num_heads,
+        spec.num_kv_heads,
+        spec.intermediate_size,
         max_position_embeddings=4096,
     )
     target = LlamaForCausalLM(config).eval()

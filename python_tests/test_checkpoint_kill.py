@@ -60,13 +60,7 @@ print(calls[0])
 """
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The killed runs use one thread: so does the resumed run here (same float summation order, exact equality)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

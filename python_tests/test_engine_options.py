@@ -39,12 +39,7 @@ def case_id(changes: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in changes.items())
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("changes", SERVED_OPTIONS, ids=case_id)

@@ -47,9 +47,7 @@ OPTIONS = {
 
 
 @pytest.fixture(scope="module")
-def setup():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def setup(one_thread):
     model = tiny_target(
         "llama",
         vocab_size=VOCAB,
@@ -66,7 +64,6 @@ def setup():
         peagle=train_tiny_drafter(model, 3, rows, steps=30, seed=3),
         eagle3=train_tiny_drafter(model, 1, rows, steps=30, seed=3),
     )
-    torch.set_num_threads(threads)
 
 
 @torch.no_grad()

@@ -47,13 +47,10 @@ COST_TABLE = steep_cost_table()
 
 
 @pytest.fixture(scope="module")
-def setup():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def setup(one_thread):
     model = tiny_target("llama", seed=1)
     drafter = train_tiny_drafter(model, 1, self_distilled_rows(model, seed=1))
     yield SimpleNamespace(model=model, drafter=drafter)
-    torch.set_num_threads(threads)
 
 
 @torch.no_grad()

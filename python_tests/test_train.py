@@ -24,13 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SEQ_LEN = 128
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: one thread is faster than two contending ones (and the DDP test runs two processes)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -272,15 +272,17 @@ def tiny_llama(
     predicts "current token + 1" (mod vocab) with context-dependent noise from the random layers: a language-model-like
     target whose greedy continuation a drafter can learn, unlike the near-arbitrary argmax of a fully random one.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=1,
+    from peagle.model.target import llama_config
+
+    config = llama_config(
+        vocab_size,
+        hidden,
+        layers,
+        hidden // 64,
+        1,
+        2 * hidden,
         head_dim=64,
         max_position_embeddings=4096,
         initializer_range=std,

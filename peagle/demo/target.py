@@ -201,21 +201,22 @@ def train_target(corpus: Path, tokenizer_dir: Path, out: Path, spec: TargetSpec,
     """Trains the small Llama target on the training split for ``spec.train_seconds`` (or ``max_steps``) and saves it
     (with the tokenizer) as a Hugging Face model directory that both ``peagle extract`` and vLLM load."""
     from tqdm import tqdm
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from peagle.model.target import llama_config
 
     if (info := _done(out)) is not None:
         return info
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     train_stream = _token_stream(corpus / "train.jsonl", tokenizer)
     held_stream = _token_stream(corpus / "heldout.jsonl", tokenizer)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.hidden_size // spec.num_heads,
+    config = llama_config(
+        len(tokenizer),
+        spec.hidden_size,
+        spec.num_layers,
+        spec.num_heads,
+        spec.num_kv_heads,
+        spec.intermediate_size,
         max_position_embeddings=2048,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,

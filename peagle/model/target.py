@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "load_target", "load_target_model"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "llama_config", "load_target", "load_target_model"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_next")
 
@@ -52,3 +53,30 @@ def load_target_model(
             f"target model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     return model.eval()
+
+
+def llama_config(
+    vocab_size: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    head_dim: int | None = None,
+    **extra: Any,
+):
+    """A transformers ``LlamaConfig`` for a small target: the one helper the demo's target, the tests' tiny targets and
+    the benchmarks' random ones are built from. ``head_dim`` defaults to ``hidden_size // num_heads``; ``extra``: any
+    other LlamaConfig field (``max_position_embeddings``, token ids, ``attn_implementation``, ...)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads if head_dim is None else head_dim,
+        **extra,
+    )
