@@ -2,13 +2,11 @@
 // need a host synchronisation; the kernels treat bad entries as padding and skip rows out of range), then one kernel
 // on the current stream.
 #include <ATen/ATen.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include "checks/cuda.h"
 #include "checks/harness.h"
 #include "harness_kernels.h"
+#include "launch.h"
 #include "peagle/harness.h"
 
 namespace peagle {
@@ -20,9 +18,7 @@ void harness_decide_cuda(const at::Tensor& frontier_scores, const at::Tensor& ca
                          const at::Tensor& stop, const at::Tensor& go) {
   const HarnessDims d = check_harness_decide_args(frontier_scores, calibration, widths, draft_cost, verify_cost,
                                                   expected, draft_time, num_nodes, width, stop, go);
-  TORCH_CHECK(frontier_scores.is_cuda(), "peagle.harness_decide: expected CUDA tensors, got frontier_scores on ",
-              frontier_scores.device());
-  const c10::cuda::CUDAGuard guard(frontier_scores.device());
+  const CudaLaunch launch("harness_decide", "frontier_scores", frontier_scores);
   const cuda::HarnessDecideArgs args{frontier_scores.data_ptr<double>(),
                                      calibration.data_ptr<double>(),
                                      widths.data_ptr<int64_t>(),
@@ -38,7 +34,7 @@ void harness_decide_cuda(const at::Tensor& frontier_scores, const at::Tensor& ca
                                      d.frontier,
                                      d.num_widths,
                                      d.max_nodes};
-  check_cuda(cuda::harness_decide(args, c10::cuda::getCurrentCUDAStream()), "harness_decide");
+  launch.check(cuda::harness_decide(args, launch.stream()));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> harness_pass_decide_cuda(
@@ -46,8 +42,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> harness_pass_decide_cuda(
     const at::Tensor& pass_time, const at::Tensor& verify_cost, int64_t drafted_depth) {
   const PassDims d = check_harness_pass_args(scores, depth, num_nodes, calibration, pass_time, verify_cost,
                                              drafted_depth, harness::kMaxPassDepth);
-  TORCH_CHECK(scores.is_cuda(), "peagle.harness_pass_decide: expected CUDA tensors, got scores on ", scores.device());
-  const c10::cuda::CUDAGuard guard(scores.device());
+  const CudaLaunch launch("harness_pass_decide", "scores", scores);
   at::Tensor budget = at::empty({d.batch}, num_nodes.options());
   at::Tensor next_depth = at::empty({d.batch}, num_nodes.options());
   at::Tensor predicted = at::empty({d.batch}, scores.options());
@@ -65,7 +60,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> harness_pass_decide_cuda(
                                    d.num_pass,
                                    d.max_nodes,
                                    drafted_depth};
-  check_cuda(cuda::harness_pass_decide(args, c10::cuda::getCurrentCUDAStream()), "harness_pass_decide");
+  launch.check(cuda::harness_pass_decide(args, launch.stream()));
   return {budget, next_depth, predicted};
 }
 
@@ -74,30 +69,27 @@ void harness_observe_cuda(const at::Tensor& calibration, const at::Tensor& gamma
                           double gamma_min, double gamma_max) {
   const ObserveDims d =
       check_harness_observe_args(calibration, gamma, predicted, accepted, rows, decay, gamma_min, gamma_max);
-  TORCH_CHECK(calibration.is_cuda(), "peagle.harness_observe: expected CUDA tensors, got calibration on ",
-              calibration.device());
-  const c10::cuda::CUDAGuard guard(calibration.device());
+  const CudaLaunch launch("harness_observe", "calibration", calibration);
   const bool long_accepted = accepted.scalar_type() == at::kLong;
   const cuda::HarnessObserveArgs args{calibration.data_ptr<double>(),
                                       gamma.data_ptr<double>(),
                                       predicted.data_ptr<double>(),
                                       long_accepted ? accepted.data_ptr<int64_t>() : nullptr,
                                       long_accepted ? nullptr : accepted.data_ptr<int32_t>(),
-                                      rows.has_value() ? rows->data_ptr<int64_t>() : nullptr,
+                                      data_or_null<int64_t>(rows),
                                       d.batch,
                                       d.rows,
                                       decay,
                                       gamma_min,
                                       gamma_max};
-  check_cuda(cuda::harness_observe(args, c10::cuda::getCurrentCUDAStream()), "harness_observe");
+  launch.check(cuda::harness_observe(args, launch.stream()));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> harness_edge_scores_cuda(
     const at::Tensor& scores, const at::Tensor& parent, const at::Tensor& num_nodes, const at::Tensor& table,
     const at::Tensor& prior, const at::Tensor& thresholds) {
   const EdgeDims d = check_harness_edge_scores_args(scores, parent, num_nodes, table, prior, thresholds);
-  TORCH_CHECK(scores.is_cuda(), "peagle.harness_edge_scores: expected CUDA tensors, got scores on ", scores.device());
-  const c10::cuda::CUDAGuard guard(scores.device());
+  const CudaLaunch launch("harness_edge_scores", "scores", scores);
   at::Tensor path = at::empty({d.batch, d.nodes}, scores.options());
   at::Tensor q = at::empty({d.batch, d.nodes}, scores.options());
   at::Tensor kind = at::empty({d.batch, d.nodes}, parent.options());
@@ -114,7 +106,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> harness_edge_scores_cuda(
                                          d.nodes,
                                          d.kinds,
                                          d.num_thresholds};
-  check_cuda(cuda::harness_edge_scores(args, c10::cuda::getCurrentCUDAStream()), "harness_edge_scores");
+  launch.check(cuda::harness_edge_scores(args, launch.stream()));
   return {path, q, kind};
 }
 
@@ -124,8 +116,7 @@ void harness_edge_observe_cuda(const at::Tensor& table, const at::Tensor& calibr
                                const std::optional<at::Tensor>& rows, double edge_decay, double path_decay) {
   const EdgeObserveDims d = check_harness_edge_observe_args(table, calibration, q, kind, path, parent, accepted_path,
                                                             num_accepted, rows, edge_decay, path_decay);
-  TORCH_CHECK(table.is_cuda(), "peagle.harness_edge_observe: expected CUDA tensors, got table on ", table.device());
-  const c10::cuda::CUDAGuard guard(table.device());
+  const CudaLaunch launch("harness_edge_observe", "table", table);
   const cuda::HarnessEdgeObserveArgs args{table.data_ptr<double>(),
                                           calibration.data_ptr<double>(),
                                           q.data_ptr<double>(),
@@ -134,7 +125,7 @@ void harness_edge_observe_cuda(const at::Tensor& table, const at::Tensor& calibr
                                           parent.data_ptr<int64_t>(),
                                           accepted_path.data_ptr<int64_t>(),
                                           num_accepted.data_ptr<int64_t>(),
-                                          rows.has_value() ? rows->data_ptr<int64_t>() : nullptr,
+                                          data_or_null<int64_t>(rows),
                                           d.batch,
                                           d.rows,
                                           d.nodes,
@@ -142,7 +133,7 @@ void harness_edge_observe_cuda(const at::Tensor& table, const at::Tensor& calibr
                                           d.kinds,
                                           edge_decay,
                                           path_decay};
-  check_cuda(cuda::harness_edge_observe(args, c10::cuda::getCurrentCUDAStream()), "harness_edge_observe");
+  launch.check(cuda::harness_edge_observe(args, launch.stream()));
 }
 
 }  // namespace

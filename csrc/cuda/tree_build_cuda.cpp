@@ -3,8 +3,6 @@
 // Verification: tree_verify_cuda.cpp. Errors: the kernels fill a [B, 3] table; immediate checks copy it to the host
 // (a synchronisation) and raise the CPU kernel's message, deferred checks publish it to the device error record.
 #include <ATen/ATen.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -14,6 +12,7 @@
 #include "checks/deferred.h"
 #include "checks/tree.h"
 #include "deferred_cuda.h"
+#include "launch.h"
 #include "peagle/deferred.h"
 #include "tree_build_kernels.h"
 
@@ -56,17 +55,12 @@ void finish(const char* op, int64_t deferred_op, const at::Tensor& errors, cudaS
   raise_build_error(op, errors.cpu());
 }
 
-void check_cuda_input(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK(t.is_cuda(), "peagle.", op, ": expected CUDA tensors, got ", name, " on ", t.device());
-}
-
 TreeSpecOutputs tree_select_cuda(const at::Tensor& cand_tokens, const at::Tensor& cand_parent,
                                  const at::Tensor& cand_scores, const at::Tensor& num_candidates, int64_t num_nodes) {
   const char* op = "tree_select";
   const int64_t m = check_tree_select_args(cand_tokens, cand_parent, cand_scores, num_candidates, num_nodes);
-  check_cuda_input(op, "cand_tokens", cand_tokens);
-  const c10::cuda::CUDAGuard guard(cand_tokens.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const CudaLaunch launch(op, "cand_tokens", cand_tokens);
+  const cudaStream_t stream = launch.stream();
   const int64_t batch = cand_tokens.size(0);
   const at::Tensor tok = cand_tokens.to(at::kLong).contiguous();
   const at::Tensor par = cand_parent.to(at::kLong).contiguous();
@@ -83,7 +77,7 @@ TreeSpecOutputs tree_select_cuda(const at::Tensor& cand_tokens, const at::Tensor
                                   spec.out(),
                                   spec.scratch,
                                   errors.data_ptr<int64_t>()};
-  check_cuda(cuda::tree_select(args, stream), op);
+  launch.check(cuda::tree_select(args, stream));
   finish(op, deferred::kTreeSelect, errors, stream);
   return spec.tuple();
 }
@@ -111,9 +105,8 @@ int64_t store_level_table(const char* op, at::IntArrayRef topk, const at::Tensor
 TreeSpecOutputs tree_build_parallel_cuda(const at::Tensor& draft_probs, at::IntArrayRef topk, int64_t num_nodes) {
   const char* op = "tree_build_parallel";
   check_tree_build_parallel_args(draft_probs, topk, num_nodes);
-  check_cuda_input(op, "draft_probs", draft_probs);
-  const c10::cuda::CUDAGuard guard(draft_probs.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const CudaLaunch launch(op, "draft_probs", draft_probs);
+  const cudaStream_t stream = launch.stream();
   const int64_t batch = draft_probs.size(0), depths = draft_probs.size(1), vocab = draft_probs.size(2);
   const at::Tensor probs = draft_probs.contiguous();
   const auto long_opts = draft_probs.options().dtype(at::kLong);
@@ -143,7 +136,7 @@ TreeSpecOutputs tree_build_parallel_cuda(const at::Tensor& draft_probs, at::IntA
                                bad.data_ptr<int64_t>(),
                                scratch.data_ptr<int64_t>(),
                                max_k};
-  check_cuda(cuda::row_topk(rows, stream), op);
+  launch.check(cuda::row_topk(rows, stream));
   const cuda::BuildParallelArgs args{p,
                                      batch,
                                      depths,
@@ -156,7 +149,7 @@ TreeSpecOutputs tree_build_parallel_cuda(const at::Tensor& draft_probs, at::IntA
                                      spec.out(),
                                      spec.scratch,
                                      errors.data_ptr<int64_t>()};
-  check_cuda(cuda::build_parallel_select(args, stream), op);
+  launch.check(cuda::build_parallel_select(args, stream));
   finish(op, deferred::kTreeBuildParallel, errors, stream);
   return spec.tuple();
 }
@@ -165,9 +158,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_expand_topk_cuda(const at::T
                                                                      const at::Tensor& child_probs, int64_t topk) {
   const char* op = "tree_expand_topk";
   check_tree_expand_topk_args(frontier_scores, child_probs, topk);
-  check_cuda_input(op, "frontier_scores", frontier_scores);
-  const c10::cuda::CUDAGuard guard(child_probs.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const CudaLaunch launch(op, "frontier_scores", frontier_scores);
+  const cudaStream_t stream = launch.stream();
   const int64_t batch = child_probs.size(0), width = child_probs.size(1), vocab = child_probs.size(2);
   const at::Tensor probs = child_probs.contiguous();
   const at::Tensor scores = frontier_scores.to(at::kDouble).contiguous();
@@ -191,7 +183,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_expand_topk_cuda(const at::T
                                bad.data_ptr<int64_t>(),
                                scratch.data_ptr<int64_t>(),
                                topk};
-  check_cuda(cuda::row_topk(rows, stream), op);
+  launch.check(cuda::row_topk(rows, stream));
   const cuda::ExpandArgs args{scores.data_ptr<double>(),
                               probs.data_ptr<float>(),
                               batch,
@@ -205,7 +197,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tree_expand_topk_cuda(const at::T
                               slots.data_ptr<int64_t>(),
                               out_scores.data_ptr<double>(),
                               errors.data_ptr<int64_t>()};
-  check_cuda(cuda::expand_topk(args, stream), op);
+  launch.check(cuda::expand_topk(args, stream));
   finish(op, deferred::kTreeExpandTopk, errors, stream);
   return {tokens, slots, out_scores};
 }
