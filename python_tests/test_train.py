@@ -242,8 +242,11 @@ def test_ddp_and_fsdp_on_two_gloo_processes_equal_single_process(work, tmp_path)
             assert g.abs().sum() > 0 or name.startswith("embed"), name
             torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=f"{mode} {name}")
         final = load_file(out / "final" / "model.safetensors")
+        # Adam's step lr * m / sqrt(v) turns rounding-level gradient differences (summation order across ranks) into
+        # larger ones where a weight's two gradients nearly cancel: one of 32768 weights of an FSDP run was 3.5e-7 off
+        # on this machine. A wrong sharding is off by about a step, lr = 1e-3: the bound is 1e-3 of the two steps.
         for name, w in weights.items():
-            torch.testing.assert_close(final[name], w, rtol=1e-5, atol=1e-7, msg=f"{mode} {name}")
+            torch.testing.assert_close(final[name], w, rtol=1e-5, atol=2e-6, msg=f"{mode} {name}")
         a, b = read_metrics(tmp_path / "one"), read_metrics(out)
         assert [m["loss"] for m in b] == pytest.approx([m["loss"] for m in a], rel=1e-6)
     from peagle.model import from_pretrained
