@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,9 +42,10 @@ from peagle.train.data import load_tokenizer, resolve_mask_token
 from peagle.train.dataset import ExtractedData, TrainRow
 from peagle.train.evaluate import evaluate
 from peagle.train.extract import load_target_head
-from peagle.train.loss import OPTION_STATS, distillation_loss, element_loss, new_stats, record_stats
+from peagle.train.loss import OPTION_STATS, element_loss, new_stats
 from peagle.train.parallel import ParallelDrafter
 from peagle.train.partition import partition_elements
+from peagle.train.step import element_weights, loss_step
 from peagle.train.ttt import step_weights, train_ttt_row
 
 __all__ = ["TrainArgs", "Trainer", "element_loss", "new_stats", "option", "pack_rows", "slot_row", "train", "train_row"]
@@ -282,30 +284,6 @@ def pack_rows(
     return row, torch.cat(anchors), torch.cat(depths), torch.cat(positions), torch.cat(row_index)
 
 
-def _option_losses(
-    model: PEagleDrafter, out: DraftOutput, weight: Tensor, stats: dict[str, Any], **weights: float
-) -> Tensor:
-    """The options' extra training loss of one forward (scaled like the row's loss), their statistics into
-    ``stats["options"]``: the MoE load-balancing loss (``moe_balance_weight``) and KL(full head || low-rank head)
-    over the loss-carrying elements (``lm_head_kl_weight``), with the low-rank head's recall (the full head's top-1
-    among its C candidates)."""
-    extra = out.logits.new_zeros(())
-    acc = stats["options"]
-    balance = model.moe_balance()
-    if balance is not None:
-        extra = extra + weights["moe_balance_weight"] * balance[0] * float(weight.sum())
-        acc[:3] += torch.tensor([1.0, balance[0].item(), balance[1].item()], dtype=torch.float64)
-    if out.low_rank_logits is not None:
-        full = out.logits.detach()
-        kl = (element_loss(out.low_rank_logits, full, "kl") * weight).sum()
-        extra = extra + weights["lm_head_kl_weight"] * kl
-        with torch.no_grad():
-            candidates = out.low_rank_logits.topk(model.config.efficient_lm_head_candidates, dim=-1).indices
-            hits = (candidates == full.argmax(-1, keepdim=True)).any(-1)
-        acc[3:] += torch.tensor([kl.item(), hits.sum().item(), hits.numel()], dtype=torch.float64)
-    return extra
-
-
 def option_metrics(stats: dict[str, Any]) -> dict[str, float]:
     """Per-step metrics of the options that ran: mean MoE balance loss and imbalance (max / mean expert load), the
     low-rank head's KL and recall."""
@@ -347,23 +325,17 @@ def train_row(
     Several rows packed by :func:`pack_rows` pass their ``positions`` and ``row_index``: the loss is then the sum of
     the rows' own means. ``forward`` runs ``model.forward_train`` (default: that method; a DDP / FSDP wrapper's
     forward when distributed). ``backward=False`` only measures (under ``torch.no_grad``, e.g. held-out loss)."""
-    num_depths = depth_weights.numel()
-    stats = stats if stats is not None else new_stats(num_depths)
+    stats = stats if stats is not None else new_stats(depth_weights.numel())
     forward = forward or model.forward_train
-    dev = anchors.device
-    label = anchors + depths
-    docs = row.document_ids
-    valid = row.loss_mask[label] & (docs[anchors] >= 0) & (docs[label] == docs[anchors])
-    weight = valid.float() * depth_weights[depths]
     stats["elements"] += anchors.numel()
-    groups = row_index[anchors] if row_index is not None else torch.zeros_like(anchors)
-    denominators = torch.zeros(int(groups.max()) + 1 if groups.numel() else 1, dtype=weight.dtype, device=dev)
-    denominators.index_add_(0, groups, weight)
-    if not bool((denominators > 0).any()):
+    weighed = element_weights(row, anchors, depths, depth_weights, row_index)
+    if weighed is None:
         return stats
-    weight = weight / torch.where(denominators > 0, denominators, 1)[groups]  # each row's weighted mean
+    valid, weight = weighed
     # Drop elements that influence no loss: padding, and depth-0 elements after the last loss-carrying anchor of
     # their document (every query sees only keys at or before its own anchor). Exact: no kept element's keys change.
+    dev = anchors.device
+    docs = row.document_ids
     elem_docs = docs[anchors]
     last = torch.full((int(docs.max()) + 2,), -1, dtype=torch.long, device=dev)
     carrying = (weight > 0) | (depths > 0)
@@ -375,33 +347,19 @@ def train_row(
         parts = partition_elements(anchors, depths, docs, segments, num_layers=model.config.num_layers)
     else:
         parts = [(torch.arange(anchors.numel(), device=dev), anchors, depths, torch.ones_like(valid))]
-    autocast = torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda")
     for index, seg_anchors, seg_depths, owned in parts:
         w = weight[index] * owned
         keep = torch.nonzero(w > 0).squeeze(1)
         if keep.numel() == 0:
             continue
-        with autocast:
-            # LM head only on the elements that carry loss (padding / untrained rows need no logits).
-            out = forward(
-                row.input_ids,
-                row.hidden,
-                seg_anchors,
-                seg_depths,
-                docs,
-                attention=attention,
-                logit_rows=keep,
-                positions=positions,
-            )
-        logits = out.logits.to(torch.promote_types(out.logits.dtype, torch.float32))
-        loss, correct = distillation_loss(
-            logits, out.label_index, w[keep], row.target_hidden, target_lm_head, draft_ids, loss_kind
-        )
-        weights = dict(moe_balance_weight=moe_balance_weight, lm_head_kl_weight=lm_head_kl_weight)
-        extra = _option_losses(model, out._replace(logits=logits), w[keep], stats, **weights)
-        if backward:
-            ((loss + extra) * scale).backward()
-        record_stats(stats, loss * scale, correct, seg_depths[keep])
+        # LM head only on the elements that carry loss (padding / untrained rows need no logits).
+        run = partial(forward, row.input_ids, row.hidden, seg_anchors, seg_depths, docs, attention=attention,
+                      logit_rows=keep, positions=positions)  # fmt: skip
+        loss_step(
+            model, run, row, w[keep], seg_depths[keep], target_lm_head, draft_ids,
+            loss_kind=loss_kind, scale=scale, stats=stats, backward=backward,
+            moe_balance_weight=moe_balance_weight, lm_head_kl_weight=lm_head_kl_weight,
+        )  # fmt: skip
     return stats
 
 

@@ -9,6 +9,7 @@ never sees those inputs; TTT trains on them. The elements are COD's with S depth
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from torch import Tensor
 
 from peagle.model import PEagleDrafter
 from peagle.train.dataset import TrainRow
-from peagle.train.loss import distillation_loss, record_stats
+from peagle.train.step import element_weights, loss_step
 
 __all__ = ["step_weights", "train_ttt_row"]
 
@@ -44,24 +45,13 @@ def train_ttt_row(
     document), times ``scale``. Accumulates the loss and per-step accuracy into ``stats``."""
     if depths.numel() and int(depths.max()) >= weights.numel():
         raise ValueError(f"depths must be below the {weights.numel()} steps, got {int(depths.max())}")
-    docs = row.document_ids
-    label = anchors + depths
-    valid = row.loss_mask[label] & (docs[anchors] >= 0) & (docs[label] == docs[anchors])
-    weight = valid.float() * weights[depths]
-    denominator = float(weight.sum())
     stats["elements"] += anchors.numel()
-    if denominator == 0:
+    weighed = element_weights(row, anchors, depths, weights)
+    if weighed is None:
         return stats
-    autocast = torch.autocast(anchors.device.type, torch.bfloat16, enabled=anchors.device.type == "cuda")
-    with autocast:
-        out = model.forward_unrolled(row.input_ids, row.hidden, anchors, depths, docs)
+    weight = weighed[1]
     keep = torch.nonzero(weight > 0).squeeze(1)
-    logits = out.logits[keep]
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    loss, correct = distillation_loss(
-        logits, out.label_index[keep], weight[keep], row.target_hidden, target_lm_head, draft_ids, loss_kind
-    )
-    loss = loss / denominator
-    (loss * scale).backward()
-    record_stats(stats, loss * scale, correct, depths[keep])
+    run = partial(model.forward_unrolled, row.input_ids, row.hidden, anchors, depths, row.document_ids)
+    loss_step(model, run, row, weight[keep], depths[keep], target_lm_head, draft_ids, rows=keep, loss_kind=loss_kind,
+              scale=scale, stats=stats)  # fmt: skip
     return stats
