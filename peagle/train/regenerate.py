@@ -139,9 +139,14 @@ def _pick(logits: torch.Tensor, sampling: Sampling, generators: list[torch.Gener
     return torch.stack([torch.multinomial(p, 1, generator=g)[0] for p, g in zip(probs, generators, strict=True)])
 
 
+class Cancelled(Exception):
+    """Generation stopped because its ``cancel`` event was set."""
+
+
 class HFAnswerer:
     """The transformers model with a KV cache; prompts of equal length run as one batch (no padding, so an answer is
-    the one the prompt gets alone)."""
+    the one the prompt gets alone). Setting ``cancel`` (an Event) stops a generation at its next token (raises
+    :class:`Cancelled`)."""
 
     def __init__(
         self, target: str | os.PathLike | torch.nn.Module, device: str = "cpu", max_len: int = 4096, batch: int = 64
@@ -152,6 +157,7 @@ class HFAnswerer:
         self.device = device
         self.batch = batch
         self.eos = _eos_ids(self.model.config)
+        self.cancel: Any = None
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], seeds: list[int], sampling: Sampling) -> list[list[int]]:
@@ -171,6 +177,8 @@ class HFAnswerer:
                 for _ in range(sampling.max_new_tokens - 1):
                     if not sampling.ignore_eos and bool(ended.all()):
                         break  # every answer has ended: what follows would be cut
+                    if self.cancel is not None and self.cancel.is_set():
+                        raise Cancelled
                     out = self.model(input_ids=tokens[-1][:, None], past_key_values=out.past_key_values, use_cache=True)
                     tokens.append(_pick(out.logits[:, -1], sampling, generators))
                     ended |= torch.isin(tokens[-1].cpu(), eos)

@@ -42,6 +42,7 @@ import ctypes
 import hashlib
 import importlib
 import json
+import math
 import os
 import queue
 import signal
@@ -63,7 +64,15 @@ from peagle.model.target import read_target_tensors
 from peagle.train.data import RowPacker, load_tokenizer, tokenize_record
 from peagle.train.dataset import MemoryRows, TrainRow, raw_row
 from peagle.train.extract import DTYPES, open_backend, open_target, row_states, target_fields
-from peagle.train.regenerate import HFAnswerer, Sampling, chunks, open_generator, read_prompt_records, regenerate_chunk
+from peagle.train.regenerate import (
+    Cancelled,
+    HFAnswerer,
+    Sampling,
+    chunks,
+    open_generator,
+    read_prompt_records,
+    regenerate_chunk,
+)
 
 __all__ = ["ProducerFailed", "StreamArgs", "StreamSource", "launch_producers", "run_producer", "stream_ranks"]
 
@@ -210,11 +219,11 @@ def mismatch(producer: dict[str, Any], trainer: dict[str, Any], rank: int) -> st
 # Messages
 
 
-def _send_text(kind: int, text: str, dst: int, header_tag: int, text_tag: int, extra: Sequence[int] = ()) -> None:
+def _send_text(kind: int, text: str, dst: int, header_tag: int, text_tag: int) -> None:
+    """A header of ``kind`` whose [1] is the text's length, then the UTF-8 text (when not empty)."""
     data = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8) if text else torch.zeros(0, dtype=torch.uint8)
     header = torch.zeros(8, dtype=torch.int64)
     header[0], header[1] = kind, data.numel()
-    header[2 : 2 + len(extra)] = torch.tensor(list(extra), dtype=torch.int64)
     dist.send(header, dst, tag=header_tag)
     if data.numel():
         dist.send(data, dst, tag=text_tag)
@@ -225,7 +234,11 @@ def _recv_text(length: int, src: int, tag: int) -> str:
         return ""
     data = torch.empty(length, dtype=torch.uint8)
     dist.recv(data, src, tag=tag)
-    return bytes(data.tolist()).decode()
+    return data.numpy().tobytes().decode()
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return torch.empty((), dtype=dtype).element_size() * math.prod(shape)
 
 
 @dataclass(frozen=True)
@@ -250,8 +263,7 @@ class RowLayout:
 
     @property
     def nbytes(self) -> int:
-        size = lambda dtype, shape: torch.empty((), dtype=dtype).element_size() * int(torch.tensor(shape).prod())  # noqa: E731
-        return sum(size(dtype, shape) for _, dtype, shape in self.parts())
+        return sum(_nbytes(dtype, shape) for _, dtype, shape in self.parts())
 
     def pack(self, row: dict[str, Tensor]) -> Tensor:
         return torch.cat(
@@ -261,7 +273,7 @@ class RowLayout:
     def unpack(self, data: Tensor) -> dict[str, Tensor]:
         out, start = {}, 0
         for name, dtype, shape in self.parts():
-            count = torch.empty((), dtype=dtype).element_size() * int(torch.tensor(shape).prod())
+            count = _nbytes(dtype, shape)
             out[name] = data[start : start + count].view(dtype).view(shape)
             start += count
         return out
@@ -286,9 +298,8 @@ class StreamSource:
     """The trainer's end of the stream: its own description of the target (from ``--target``, never from a producer),
     the manifest and target head a file run reads from an extract directory, and the producers' rows by slot."""
 
-    def __init__(self, stream: StreamArgs, train_data: str) -> None:
+    def __init__(self, stream: StreamArgs) -> None:
         self.stream = stream
-        self.data = train_data
         self.tokenizer = load_tokenizer(stream.tokenizer or stream.target)
         self.target = open_target(stream.target, stream.aux_layers, stream.seq_len, "cpu")
         self.description = describe(stream, self.tokenizer, self.target, "trainer")
@@ -521,6 +532,8 @@ class Producer:
                 if stream.producer_backend == "hf"
                 else open_generator(stream.producer_backend, stream.target, self.device, max_len=stream.seq_len)
             )
+            if isinstance(answerer, HFAnswerer):
+                answerer.cancel = self.stop  # a STOP ends a long generation at its next token
             cfg = target.config
             self.layout = RowLayout(
                 stream.seq_len, len(target.layer_ids) * cfg.hidden_size, cfg.hidden_size, DTYPES[stream.states_dtype]
@@ -529,7 +542,7 @@ class Producer:
             if start["eval_rows"]:
                 self._send_eval(start["eval_rows"])
             self._produce(start["cursor"])
-        except _Stopped:
+        except (_Stopped, Cancelled):
             pass
         except (ValueError, OSError) as err:  # bad input: the trainer reports it by name
             if not self.stop.is_set():

@@ -450,7 +450,7 @@ class Trainer:
             if tok_dir.exists():
                 self.tokenizer = load_tokenizer(tok_dir)
         else:
-            self.source = StreamSource(stream, args.data)
+            self.source = StreamSource(stream)
             self.train_rows, self.held_out = [], []
             # Held-out rows from an extract directory, or (set when the producers connect) those of --eval-input.
             self.eval_data = ExtractedData(args.eval_data) if args.eval_data else None
