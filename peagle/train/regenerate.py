@@ -39,12 +39,16 @@ from peagle.train.data import chat_messages, load_tokenizer, read_located_record
 
 __all__ = [
     "Answerer",
+    "Cancelled",
+    "HFAnswerer",
     "Sampling",
     "answer_seed",
+    "chunks",
     "generation_backends",
     "open_generator",
     "read_prompt_records",
     "regenerate",
+    "regenerate_chunk",
     "regenerate_records",
     "register_generation_backend",
 ]

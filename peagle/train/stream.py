@@ -74,7 +74,20 @@ from peagle.train.regenerate import (
     regenerate_chunk,
 )
 
-__all__ = ["ProducerFailed", "StreamArgs", "StreamSource", "launch_producers", "run_producer", "stream_ranks"]
+__all__ = [
+    "LocalProducers",
+    "Producer",
+    "ProducerFailed",
+    "RowLayout",
+    "StreamArgs",
+    "StreamSource",
+    "check_resume",
+    "describe",
+    "launch_producers",
+    "mismatch",
+    "run_producer",
+    "stream_ranks",
+]
 
 
 def _option(default: Any = None, help: str = "", *, flag: str | None = None) -> Any:

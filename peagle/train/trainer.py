@@ -741,7 +741,7 @@ class Trainer:
         the latest checkpoint) when their held-out acceptance length is the best so far (the served one of a
         ``--depths 1`` drafter, drafting autoregressively). Returns whether it did."""
         metric = "eval_ar_acceptance_length" if self.args.num_depths == 1 else "eval_acceptance_length"
-        improved = torch.tensor([0.0])
+        improved = torch.tensor([0.0], device=self.device)  # NCCL broadcasts device tensors
         if self.rank == 0 and metric in record:
             value = float(record[metric])
             if self.best is None or value > self.best["value"]:
@@ -921,8 +921,7 @@ RESUME_FREE = {
     "eval_ar_depths",
     "fsdp",
 }
-# The stream's own settings are checked apart (peagle.train.stream.check_resume); with --stream, --data (the prompts)
-# may move: the cursors say how far each producer got.
+# A stream's own settings are checked apart (peagle.train.stream.check_resume).
 
 
 def slot_row(train_rows: list[int], seed: int, slot: int) -> int:
