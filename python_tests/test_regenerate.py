@@ -178,14 +178,7 @@ def test_bad_input_is_named(target, tmp_path, capsys):
         assert exit_info.value.code == 2 and message in capsys.readouterr().err, message
     assert not (tmp_path / "a.jsonl").exists()  # a failed run writes nothing
     (tmp_path / "e.jsonl").write_text("old\n")
+    good = write(tmp_path / "ok.jsonl", [{"prompt_ids": [9]}])
     with pytest.raises(SystemExit):
-        main(
-            [
-                *base[:3],
-                write(tmp_path / "ok.jsonl", [{"prompt_ids": [9]}]),
-                *base[4:],
-                "--out",
-                str(tmp_path / "e.jsonl"),
-            ]
-        )
+        main(["regenerate", "--input", good, "--target", str(root / "target"), "--out", str(tmp_path / "e.jsonl")])
     assert "pass --overwrite" in capsys.readouterr().err and (tmp_path / "e.jsonl").read_text() == "old\n"
