@@ -91,7 +91,7 @@ def add_dataclass_options(parser: argparse.ArgumentParser, cls: type) -> None:
     """One option per field of the dataclass ``cls``, in field order: ``--field-name`` (or the metadata's ``flag``),
     type, choices (a Literal), default and help (the metadata's ``help`` plus the default) all from the field. A
     field without a default is a required option; a bool is a switch that flips its default; a ``list[float]``
-    reads comma-separated numbers."""
+    (``list[int]``) reads comma-separated numbers."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         meta = f.metadata
@@ -115,6 +115,8 @@ def add_dataclass_options(parser: argparse.ArgumentParser, cls: type) -> None:
             options["choices"] = typing.get_args(kind)
         elif typing.get_origin(kind) is list and typing.get_args(kind) == (float,):
             options |= {"type": _floats, "metavar": metavar}
+        elif typing.get_origin(kind) is list and typing.get_args(kind) == (int,):
+            options |= {"type": lambda text, flag=flag: _ints(text, flag), "metavar": metavar}
         elif kind in (int, float, str):
             options |= {"type": kind, "metavar": metavar}
         else:
@@ -191,16 +193,76 @@ def cmd_extract(args: argparse.Namespace) -> int:
     return 0
 
 
+# Per backend of `peagle regenerate --backend` and `peagle train --stream --producer-backend`: the modules whose import
+# registers it (generation; extraction for a producer), and the extra it needs.
+GENERATION_BACKENDS = {
+    "hf": (("peagle.train.regenerate", "peagle.train.extract"), "train"),
+    "vllm": (("peagle.vllm.regenerate", "peagle.vllm.extract"), "vllm"),
+}
+
+
+def _register(backend: str) -> tuple[str, ...]:
+    """Imports the modules that register ``backend`` (a clear error when its extra is missing); returns them."""
+    import importlib
+
+    modules, extra = GENERATION_BACKENDS[backend]
+    try:
+        for module in modules:
+            importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        raise ValueError(
+            f"backend {backend} needs {err.name}: install peagle's {extra} extra (pip install 'peagle[{extra}]')"
+        ) from err
+    return modules
+
+
+def cmd_regenerate(args: argparse.Namespace) -> int:
+    """The target answers the dataset's prompts itself (chats turn by turn, token-id and text prompts once), greedy
+    or sampled: a .jsonl that prepare-data reads as it is (self-distillation data)."""
+    from peagle.train.regenerate import Sampling, regenerate
+
+    _register(args.backend)
+    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed, args.ignore_eos)
+    counts = regenerate(
+        args.input,
+        args.target,
+        args.out,
+        tokenizer=args.tokenizer,
+        sampling=sampling,
+        backend=args.backend,
+        batch_size=args.batch_size,
+        max_records=args.max_records,
+        max_len=args.max_len,
+        device=args.device,
+        progress=not args.quiet,
+        overwrite=args.overwrite,
+    )
+    print(f"regenerated {counts['records']} records ({counts['answers']} answers, {counts['answer_tokens']} tokens) "
+          f"into {args.out}")  # fmt: skip
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
-    """Step 3: train a P-EAGLE drafter (K = --depths; K = 1 trains an EAGLE-3 drafter) on extracted data."""
+    """Step 3: train a P-EAGLE drafter (K = --depths; K = 1 trains an EAGLE-3 drafter) on extracted data, or with
+    --stream on rows that producer processes make from prompts as it trains (no files between them)."""
+    from peagle.train.stream import ProducerFailed, StreamArgs
     from peagle.train.trainer import TrainArgs, train
 
-    records = train(TrainArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainArgs)}))
+    train_args = TrainArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainArgs)})
+    stream = register = None
+    if train_args.stream:
+        stream = StreamArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(StreamArgs)})
+        register = _register(stream.producer_backend)
+    try:
+        records = train(train_args, stream, register or ())
+    except ProducerFailed as err:
+        print(f"peagle train: error: {err}", file=sys.stderr)
+        return 1
     if records and int(os.environ.get("RANK", "0")) == 0:
         last = records[-1]
         print(f"step {last['step']}: loss {last['loss']:.4f}, depth-0 accuracy {last['acc_0']:.3f}")
         print(f"checkpoint: {args.out}/final")
-    if args.plot and int(os.environ.get("RANK", "0")) == 0:
+    if args.plot and records and int(os.environ.get("RANK", "0")) == 0:
         from peagle.demo.training_plot import plot_training
 
         print(f"curves: {plot_training(args.out)}")
@@ -450,10 +512,45 @@ def add_train_parser(commands) -> None:
         description=cmd_train.__doc__ + " Run it under "
         "torchrun for data parallel training (gloo on CPU, NCCL on GPUs).",
     )
+    from peagle.train.stream import StreamArgs
     from peagle.train.trainer import TrainArgs
 
     add_dataclass_options(tr, TrainArgs)
+    add_dataclass_options(tr.add_argument_group("streaming (--stream)"), StreamArgs)
     tr.set_defaults(func=cmd_train)
+
+
+def add_regenerate_parser(commands) -> None:
+    """`peagle regenerate`: the target's own answers to a dataset's prompts."""
+    rg = commands.add_parser("regenerate", help=cmd_regenerate.__doc__, description=cmd_regenerate.__doc__)
+    rg.add_argument(
+        "--input",
+        required=True,
+        help="a .jsonl file (or hf:NAME[:SPLIT]): chats {'messages': [...]} / ShareGPT {'conversations': [...]} "
+        "(every assistant turn answered anew, turn by turn; a final user turn gets an answer), {'prompt_ids': [...]} "
+        "or {'prompt': text}",
+    )
+    rg.add_argument("--target", required=True, help="the target model directory (Hugging Face format)")
+    rg.add_argument("--out", required=True, help="the .jsonl to write (whole, when complete)")
+    rg.add_argument("--tokenizer", default=None, help="the target's tokenizer directory (default: --target)")
+    rg.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    rg.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer (default 256)")
+    rg.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, 0 = greedy (default 0)")
+    rg.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
+    rg.add_argument("--seed", type=int, default=0, help="seed of the sampled answers (default 0)")
+    rg.add_argument("--ignore-eos", action="store_true", help="answers do not end at the end-of-sequence token")
+    rg.add_argument(
+        "--backend",
+        default="hf",
+        choices=list(GENERATION_BACKENDS),
+        help="hf: transformers in this process; vllm: vLLM, every prompt of a batch at once (default hf)",
+    )
+    rg.add_argument("--batch-size", type=int, default=64, help="records answered together (default 64)")
+    rg.add_argument("--max-records", type=int, default=None, help="answer the first N records only")
+    rg.add_argument("--max-len", type=int, default=4096, help="vllm: the longest prompt + answer (default 4096)")
+    rg.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="target device (hf)")
+    rg.add_argument("--quiet", action="store_true", help="no progress bar")
+    rg.set_defaults(func=cmd_regenerate)
 
 
 def add_plot_train_parser(commands) -> None:
@@ -521,6 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     for add in (
         add_example_parser,
+        add_regenerate_parser,
         add_prepare_data_parser,
         add_extract_parser,
         add_train_parser,

@@ -129,13 +129,35 @@ def staging_directory(final: str | os.PathLike) -> Path:
 
 
 def publish_directory(staging: str | os.PathLike, final: str | os.PathLike) -> None:
-    """Moves a complete ``staging`` directory to ``final`` in one rename, replacing what ``final`` held."""
+    """Moves a complete ``staging`` directory to ``final`` in one rename, replacing what ``final`` held: on Linux the
+    two directories are exchanged in one step (a reader sees the old or the new one, never neither), elsewhere the old
+    one is removed first."""
     final = Path(final)
     if final.exists():
+        if _exchange(staging, final):
+            shutil.rmtree(staging)  # now the old content
+            _fsync_directory(final.parent)
+            return
         shutil.rmtree(final)
     os.rename(staging, final)
-    fd = os.open(final.parent, os.O_RDONLY)
+    _fsync_directory(final.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)  # the rename itself survives a crash
     finally:
         os.close(fd)
+
+
+def _exchange(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Swaps two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where that is not available."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        at_fdcwd, rename_exchange = -100, 2
+        return libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+    except (OSError, AttributeError):
+        return False

@@ -54,8 +54,14 @@ TRAIN_FLAGS = """
 --moe-balance-weight --lm-head-rank --lm-head-candidates --lm-head-kl-weight --draft-vocab-size --mask-token-id
 --reuse-special-token-as-mask --init-from --ratio --ratio-min --max-anchors --segments --memory-budget-mb --loss
 --depth-weights --ttt-steps --ttt-step-weight --steps --epochs --batch-size --micro-batch-size --lr --min-lr-ratio
---warmup-steps --weight-decay --grad-clip --seed --attention --eval-every --eval-data --eval-rows --eval-ar-depths
---fsdp --save-every --log-every --resume --overwrite --tensorboard --plot --save-grads-step --quiet""".split()
+--warmup-steps --weight-decay --grad-clip --seed --row-order --attention --eval-every --eval-data --eval-rows
+--eval-ar-depths --fsdp --save-every --log-every --resume --stream --overwrite --tensorboard --plot --save-grads-step
+--quiet""".split()
+# The --stream options (StreamArgs), after TrainArgs's.
+STREAM_FLAGS = """
+--target --tokenizer --producers --producer-backend --queue-rows --seq-len --aux-layers --states-dtype
+--max-new-tokens --temperature --top-p --regen-seed --ignore-eos --regen-batch-size --max-records --eval-input
+--stream-timeout""".split()
 
 
 def _train_parser():
@@ -68,40 +74,55 @@ def _train_parser():
 def test_train_options_are_the_trainargs_fields():
     import dataclasses
 
+    from peagle.train.stream import StreamArgs
     from peagle.train.trainer import TrainArgs
 
     actions = [a for a in _train_parser()._actions if a.option_strings != ["-h", "--help"]]
-    assert [a.option_strings[0] for a in actions] == TRAIN_FLAGS
-    assert [a.dest for a in actions] == [f.name for f in dataclasses.fields(TrainArgs)]
+    assert [a.option_strings[0] for a in actions] == TRAIN_FLAGS + STREAM_FLAGS
+    names = [f.name for cls in (TrainArgs, StreamArgs) for f in dataclasses.fields(cls)]
+    assert [a.dest for a in actions] == names
     # Defaults: the dataclass's, once (no argparse default differs from the field's).
-    defaults = TrainArgs(data="d", out="o")
+    defaults = {**vars(TrainArgs(data="d", out="o")), **vars(StreamArgs())}
     for action in actions[2:]:
-        assert action.default == getattr(defaults, action.dest), action.dest
+        assert action.default == defaults[action.dest], action.dest
     assert {a.dest: a.choices for a in actions if a.choices} == {
         "layer_style": ("llama", "qwen3"),
         "loss": ("kl", "ce"),
+        "row_order": ("shuffled", "stored"),
         "attention": ("sdpa", "sdpa-full", "flex"),
+        "producer_backend": ("hf", "vllm"),
+        "states_dtype": ("bfloat16", "float16", "float32", "float64"),
     }
     help_text = _train_parser().format_help()
     assert "--save-grads-step" not in help_text and "drafter decoder layers (default 4)" in help_text
 
 
 def test_train_command_line_becomes_trainargs():
+    import dataclasses
+
+    from peagle.train.stream import StreamArgs
     from peagle.train.trainer import TrainArgs
+
+    train_fields = {f.name for f in dataclasses.fields(TrainArgs)}
 
     argv = ["train", "--data", "ext", "--out", "run", "--layers", "2", "--depths", "5", "--heads", "4", "--kv-heads",
             "2", "--layer-style", "qwen3", "--fc-norm", "--depth-weights", "1,0.5,0.25,0.5,1", "--steps", "7", "--lr",
             "1e-3", "--attention", "sdpa-full", "--resume", "--quiet", "--save-grads-step", "3"]  # fmt: skip
     args = build_parser().parse_args(argv)
-    fields = {k: v for k, v in vars(args).items() if k not in ("command", "func")}
+    fields = {k: v for k, v in vars(args).items() if k in train_fields}
     assert TrainArgs(**fields) == TrainArgs(
         data="ext", out="run", num_layers=2, num_depths=5, num_heads=4, num_kv_heads=2, layer_style="qwen3",
         fc_norm=True, depth_weights=[1.0, 0.5, 0.25, 0.5, 1.0], steps=7, lr=1e-3, attention="sdpa-full", resume=True,
         progress=False, save_grads_step=3,
     )  # fmt: skip
     plain = build_parser().parse_args(["train", "--data", "ext", "--out", "run"])
-    fields = {k: v for k, v in vars(plain).items() if k not in ("command", "func")}
+    fields = {k: v for k, v in vars(plain).items() if k in train_fields}
     assert TrainArgs(**fields) == TrainArgs("ext", "run")
+    argv = ["train", "--stream", "--data", "p.jsonl", "--out", "run", "--target", "t", "--aux-layers", "1,3",
+            "--temperature", "0.7", "--producers", "2"]  # fmt: skip
+    streamed = build_parser().parse_args(argv)
+    fields = {k: v for k, v in vars(streamed).items() if k not in ("command", "func") and k not in train_fields}
+    assert StreamArgs(**fields) == StreamArgs(target="t", aux_layers=[1, 3], temperature=0.7, producers=2)
     for bad in (["--loss", "mse"], ["--layers", "two"], []):
         with pytest.raises(SystemExit) as exc:
             main(["train", "--data", "ext", *bad] + (["--out", "run"] if bad else []))

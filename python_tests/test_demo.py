@@ -180,29 +180,3 @@ def test_split_prompts_text_chats_and_record_split(tmp_path):
         for m in chats
     ]
     assert prompts == expected
-
-
-def test_generate_hf_is_the_greedy_continuation(tmp_path):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from peagle.demo.distill import generate_hf
-
-    tok = tiny_tokenizer(tmp_path / "target")
-    tiny_llama(tmp_path / "target", vocab_size=len(tok), seed=3)
-    prompts = [[9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34], [5], [0, 1, 2]]
-    out = generate_hf(tmp_path / "target", prompts, 12, batch_size=2, progress=False)
-    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "target")).eval()
-    for prompt, got in zip(prompts, out, strict=True):
-        ids = list(prompt)
-        with torch.no_grad():
-            for _ in range(12):  # no cache: the whole sequence each step
-                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-        assert got == ids[len(prompt) :]
-    # Without ignore_eos a continuation ends at (and keeps) the first end-of-sequence token.
-    eos = model.config.eos_token_id
-    assert any(eos in o[:-1] for o in out), "the successor target continues [0, 1, 2] with its EOS (id 3)"
-    cut = generate_hf(tmp_path / "target", prompts, 12, ignore_eos=False, progress=False)
-    for full, short in zip(out, cut, strict=True):
-        end = full.index(eos) + 1 if eos in full else len(full)
-        assert short == full[:end]

@@ -741,3 +741,33 @@ def test_distributed_training_with_drafter_options(work, tmp_path, options):
         grads = torch.load(out / "grads-1.pt")
         for name, g in one.items():
             torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=f"{mode} {name}")
+
+
+def test_checkpoint_best_holds_the_best_served_acceptance_and_resume_drops_a_later_one(work, tmp_path):
+    """--depths 1: checkpoint_best follows the autoregressive (served) held-out acceptance length; its weights are the
+    checkpoint of that step's. A checkpoint_best newer than the checkpoint --resume continues goes with the redone
+    steps."""
+    args = dict(data=str(work / "ext-train"), out=str(tmp_path / "run"), num_layers=1, num_depths=1, steps=6,
+                batch_size=2, lr=3e-3, warmup_steps=1, eval_every=2, eval_rows=4, eval_data=str(work / "ext-held"),
+                save_every=2, progress=False)  # fmt: skip
+    Trainer(TrainArgs(**args)).run()
+    run = tmp_path / "run"
+    metric = "eval_ar_acceptance_length"
+    evaluated = [m for m in read_metrics(run) if metric in m]
+    assert [m["step"] for m in evaluated] == [2, 4, 6]
+    top = max(evaluated, key=lambda m: m[metric])  # the first of equal values wins
+    best = json.loads((run / "checkpoint_best" / "best.json").read_text())
+    assert best == {"step": top["step"], "metric": metric, "value": top[metric]}
+    a = load_file(run / "checkpoint_best" / "model.safetensors")
+    b = load_file(run / f"checkpoint-{top['step']:07d}" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # A run killed after step 4 had written a best of step 6: resuming from checkpoint 4 drops it.
+    shutil.rmtree(run / "final")
+    shutil.rmtree(run / "checkpoint-0000006")
+    (run / "latest.json").write_text(json.dumps({"step": 4, "checkpoint": "checkpoint-0000004"}))
+    (run / "checkpoint_best" / "best.json").write_text(json.dumps({**best, "step": 6}))
+    trainer = Trainer(TrainArgs(**{**args, "steps": 4, "resume": True}))
+    trainer._prepare_output()
+    assert trainer.step == 4 and not (run / "checkpoint_best").exists()
+    early = max(evaluated[:2], key=lambda m: m[metric])  # the resumed checkpoint's own record: steps 2 and 4
+    assert trainer.best == {"step": early["step"], "metric": metric, "value": early[metric]}

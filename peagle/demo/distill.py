@@ -1,27 +1,28 @@
-"""Self-distillation data for the demo's drafters: prompts from a split's records and the target's own greedy
-continuations of them, written as pre-tokenized ``{"prompt_ids", "completion_ids"}`` records for prepare-data.
+"""Self-distillation prompts for the demo's drafters: prompts from a split's records, written as ``{"prompt_ids"}``
+records that ``peagle regenerate`` (:func:`peagle.train.regenerate.regenerate`) answers with the target's own greedy
+continuations, pre-tokenized ``{"prompt_ids", "completion_ids"}`` records for prepare-data.
 
 A served drafter drafts against the target's own greedy output, so that is the text it should train on and the text
 the offline evaluation should score (the standard recipe; corpus text the target would not have written gives lower
 and different acceptance). Token ids are kept as generated: decoding to text and re-tokenizing would not give the
 same ids back with a BPE tokenizer.
 
-Generation runs the transformers model with a KV cache in this process, prompts of equal length batched: on the
-embedded default it is as fast as vLLM-CPU (about 4000 tokens/s on 2 cores, without vLLM's ~20 s engine start-up),
-and its greedy tokens were identical to vLLM's for every prompt checked.
+The demo regenerates with the transformers backend in this process: on the embedded default it is as fast as
+vLLM-CPU (about 4000 tokens/s on 2 cores, without vLLM's ~20 s engine start-up), and its greedy tokens were identical
+to vLLM's for every prompt checked.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections import defaultdict
 from pathlib import Path
-from typing import Any
 
 import torch
 
-__all__ = ["generate_hf", "split_prompts", "write_records"]
+from peagle.io import atomic_write_bytes
+
+__all__ = ["split_prompts", "write_prompts"]
 
 
 def _chat_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
@@ -79,60 +80,6 @@ def split_prompts(
     return [candidates[i] for i in picks.tolist()]
 
 
-@torch.no_grad()
-def generate_hf(
-    target: str | os.PathLike,
-    prompts: list[list[int]],
-    max_tokens: int,
-    ignore_eos: bool = True,
-    batch_size: int = 64,
-    device: str = "cpu",
-    progress: bool = True,
-) -> list[list[int]]:
-    """Greedy continuations of ``max_tokens`` tokens (cut after the first EOS unless ``ignore_eos``) with the
-    transformers model: a KV cache, prompts of equal length batched together."""
-    from tqdm import tqdm
-
-    from peagle.model.target import load_target
-
-    model = load_target(target, device=device)
-    eos = model.config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-    by_length: dict[int, list[int]] = defaultdict(list)
-    for i, prompt in enumerate(prompts):
-        by_length[len(prompt)].append(i)
-    results: list[list[int]] = [[] for _ in prompts]
-    bar = tqdm(total=len(prompts) * max_tokens, desc="generate", unit="tok", unit_scale=True, disable=not progress)
-    for indices in by_length.values():
-        for lo in range(0, len(indices), batch_size):
-            chunk = indices[lo : lo + batch_size]
-            out = model(input_ids=torch.tensor([prompts[i] for i in chunk], device=device), use_cache=True)
-            tokens = [out.logits[:, -1].argmax(-1)]
-            bar.update(len(chunk))
-            for _ in range(max_tokens - 1):
-                out = model(input_ids=tokens[-1][:, None], past_key_values=out.past_key_values, use_cache=True)
-                tokens.append(out.logits[:, -1].argmax(-1))
-                bar.update(len(chunk))
-            for i, row in zip(chunk, torch.stack(tokens, 1).tolist(), strict=True):
-                if not ignore_eos:
-                    end = next((j for j, t in enumerate(row) if t in eos_ids), None)
-                    row = row if end is None else row[: end + 1]
-                results[i] = row
-    bar.close()
-    return results
-
-
-def write_records(path: Path, prompts: list[list[int]], completions: list[list[int]], vocab: int) -> dict[str, Any]:
-    """``{"prompt_ids", "completion_ids"}`` records; a completion is cut before any id the tokenizer does not have (a
-    target with a padded embedding may, rarely, emit one). Returns counts."""
-    tokens, cut = 0, 0
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("w") as f:
-        for prompt, completion in zip(prompts, completions, strict=True):
-            end = next((j for j, t in enumerate(completion) if not 0 <= t < vocab), len(completion))
-            cut += end < len(completion)
-            tokens += end
-            f.write(json.dumps({"prompt_ids": prompt, "completion_ids": completion[:end]}) + "\n")
-    os.replace(tmp, path)
-    return {"records": len(prompts), "completion_tokens": tokens, "cut_at_unknown_id": cut}
+def write_prompts(path: Path, prompts: list[list[int]]) -> None:
+    """``{"prompt_ids"}`` records, one a line (the input of ``peagle regenerate``), written whole."""
+    atomic_write_bytes(path, "".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts).encode())

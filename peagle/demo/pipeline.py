@@ -161,35 +161,35 @@ def _self_distill(
     device: str,
     progress: bool,
 ) -> dict[str, Any]:
-    """Prompts from each split and the target's greedy continuations of them -> ``out/{split}.jsonl`` token-id
-    records (train / heldout) and ``done.json``."""
-    from peagle.demo.distill import generate_hf, split_prompts, write_records
+    """Prompts from each split (``out/prompts-{split}.jsonl``) answered by the target with `peagle regenerate`
+    (greedy) -> ``out/{split}.jsonl`` token-id records (train / heldout) and ``done.json``."""
+    from peagle.demo.distill import split_prompts, write_prompts
     from peagle.train.data import load_tokenizer
+    from peagle.train.regenerate import Sampling, regenerate
 
     tokenizer = load_tokenizer(target_dir)
     counts = {"train": spec.train_prompts, "heldout": spec.heldout_prompts}
     chars = {"train": spec.train_chars, "heldout": spec.heldout_chars}
-    prompts = {
-        split: split_prompts(source, tokenizer, counts[split], spec.prompt_tokens, chars[split], **kw)
-        for split, (source, kw) in sources.items()
-    }
-    everything = prompts["train"] + prompts["heldout"]
-    start = time.perf_counter()
-    completions = generate_hf(
-        target_dir, everything, spec.completion_tokens, ignore_eos=ignore_eos, device=device, progress=progress
-    )
-    seconds = time.perf_counter() - start
-    n = len(prompts["train"])
+    sampling = Sampling(max_new_tokens=spec.completion_tokens, ignore_eos=ignore_eos)
     info: dict[str, Any] = {
-        "backend": "transformers (greedy, KV cache)",
-        "seconds": seconds,
-        "tokens_per_second": sum(len(c) for c in completions) / seconds,
+        "backend": "peagle regenerate, transformers (greedy, KV cache)",
         "prompt_tokens": spec.prompt_tokens,
         "completion_tokens": spec.completion_tokens,
         "ignore_eos": ignore_eos,
     }
-    for split, part in (("train", slice(0, n)), ("heldout", slice(n, None))):
-        info[split] = write_records(out / f"{split}.jsonl", prompts[split], completions[part], len(tokenizer))
+    start = time.perf_counter()
+    for split, (source, kw) in sources.items():
+        prompts = split_prompts(source, tokenizer, counts[split], spec.prompt_tokens, chars[split], **kw)
+        write_prompts(out / f"prompts-{split}.jsonl", prompts)
+        regenerated = regenerate(
+            str(out / f"prompts-{split}.jsonl"), target_dir, out / f"{split}.jsonl", sampling=sampling,
+            device=device, progress=progress, overwrite=True,
+        )  # fmt: skip
+        info[split] = {"records": regenerated["records"], "completion_tokens": regenerated["answer_tokens"]}
+    info["seconds"] = time.perf_counter() - start
+    info["tokens_per_second"] = (info["train"]["completion_tokens"] + info["heldout"]["completion_tokens"]) / info[
+        "seconds"
+    ]
     atomic_write_json(out / "done.json", info)
     return info
 

@@ -6,6 +6,7 @@ extraction reads it), which are siblings over this package.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "llama_config", "load_target", "load_target_model"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "llama_config", "load_target", "load_target_model", "read_target_tensors"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_next")
 
@@ -80,3 +81,29 @@ def llama_config(
         head_dim=hidden_size // num_heads if head_dim is None else head_dim,
         **extra,
     )
+
+
+def read_target_tensors(target_path: str | os.PathLike, suffixes: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Reads single tensors of a Hugging Face checkpoint by name suffix (e.g. {"norm": "model.norm.weight"}) without
+    loading the model. A missing ``lm_head.weight`` falls back to the tied ``embed_tokens.weight``."""
+    from safetensors import safe_open
+
+    root = Path(target_path)
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        files = {name: root / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    else:
+        files = {}
+        for file in sorted(root.glob("*.safetensors")):
+            with safe_open(str(file), "pt") as f:
+                files.update({name: file for name in f.keys()})
+    out: dict[str, torch.Tensor] = {}
+    for key, name in suffixes.items():
+        candidates = [n for n in files if n == name or n.endswith("." + name)]
+        if not candidates and name == "lm_head.weight":
+            candidates = [n for n in files if n.endswith("embed_tokens.weight")]
+        if len(candidates) != 1:
+            raise ValueError(f"target checkpoint {root}: expected one tensor named like {name!r}, found {candidates}")
+        with safe_open(str(files[candidates[0]]), "pt") as f:
+            out[key] = f.get_tensor(candidates[0])
+    return out

@@ -42,6 +42,7 @@ __all__ = [
     "MASK_TOKEN",
     "Document",
     "MaskTokenError",
+    "RowPacker",
     "chat_messages",
     "check_prepare_args",
     "load_tokenizer",
@@ -229,31 +230,64 @@ def _render_chat(tokenizer, messages: list[dict[str, str]], add_generation_promp
         raise ValueError(f"the chat template cannot render this conversation: {err}") from err
 
 
-def pack_documents(documents: Iterable[Document], seq_len: int) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
-    """Greedy packing into rows of ``seq_len``: (input_ids, loss_mask, document_ids); longer documents are cut."""
-    ids = torch.zeros(seq_len, dtype=torch.int32)
-    loss = torch.zeros(seq_len, dtype=torch.uint8)
-    docs = torch.full((seq_len,), -1, dtype=torch.int32)
-    used, doc = 0, 0
-    for document in documents:
+class RowPacker:
+    """Greedy packing into rows of ``seq_len`` positions: documents are cut into pieces of at most ``seq_len`` tokens
+    (a piece shorter than 2 tokens is dropped) and a row is closed when the next piece does not fit. Rows hold
+    (input_ids int32, loss_mask uint8, document_ids int32, -1 = padding).
+
+    :meth:`add` returns the rows a document closed, each with the cursor of the next row: (key of the document,
+    index of the piece) where the next row starts, so a producer that resumes there (:meth:`add` with
+    ``first_piece``) continues with exactly the rows that follow."""
+
+    def __init__(self, seq_len: int) -> None:
+        self.seq_len = seq_len
+        self._clear()
+
+    def _clear(self) -> None:
+        self.ids = torch.zeros(self.seq_len, dtype=torch.int32)
+        self.loss = torch.zeros(self.seq_len, dtype=torch.uint8)
+        self.docs = torch.full((self.seq_len,), -1, dtype=torch.int32)
+        self.used = self.doc = 0
+
+    def add(
+        self, document: Document, key: Any = None, first_piece: int = 0
+    ) -> list[tuple[tuple[Tensor, Tensor, Tensor], tuple[Any, int]]]:
+        """Packs ``document`` from its piece ``first_piece`` on; returns the rows closed, each with its cursor."""
+        closed = []
         tokens = torch.tensor(document.ids, dtype=torch.int32)
         mask = torch.tensor(document.loss, dtype=torch.uint8)
-        for lo in range(0, tokens.numel(), seq_len):
-            piece, piece_loss = tokens[lo : lo + seq_len], mask[lo : lo + seq_len]
-            if piece.numel() < 2:
+        for piece, lo in enumerate(range(0, tokens.numel(), self.seq_len)):
+            if piece < first_piece:
                 continue
-            if used + piece.numel() > seq_len:
-                yield ids, loss, docs
-                ids, loss = torch.zeros_like(ids), torch.zeros_like(loss)
-                docs = torch.full_like(docs, -1)
-                used, doc = 0, 0
-            ids[used : used + piece.numel()] = piece
-            loss[used : used + piece.numel()] = piece_loss
-            docs[used : used + piece.numel()] = doc
-            used += piece.numel()
-            doc += 1
-    if used:
-        yield ids, loss, docs
+            part, part_loss = tokens[lo : lo + self.seq_len], mask[lo : lo + self.seq_len]
+            if part.numel() < 2:
+                continue
+            if self.used + part.numel() > self.seq_len:
+                closed.append(((self.ids, self.loss, self.docs), (key, piece)))
+                self._clear()
+            span = slice(self.used, self.used + part.numel())
+            self.ids[span], self.loss[span], self.docs[span] = part, part_loss, self.doc
+            self.used = span.stop
+            self.doc += 1
+        return closed
+
+    def finish(self) -> tuple[Tensor, Tensor, Tensor] | None:
+        """The last, partly filled row (None when empty); the packer starts a new one."""
+        row = (self.ids, self.loss, self.docs) if self.used else None
+        self._clear()
+        return row
+
+
+def pack_documents(documents: Iterable[Document], seq_len: int) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+    """Greedy packing into rows of ``seq_len`` (:class:`RowPacker`): (input_ids, loss_mask, document_ids); longer
+    documents are cut."""
+    packer = RowPacker(seq_len)
+    for document in documents:
+        for row, _ in packer.add(document):
+            yield row
+    last = packer.finish()
+    if last is not None:
+        yield last
 
 
 Tensor = torch.Tensor

@@ -8,11 +8,12 @@ from typing import Any, NamedTuple
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 from torch import Tensor
 
 from peagle.train.data import read_manifest
 
-__all__ = ["ExtractedData", "TrainRow", "shift_row"]
+__all__ = ["ExtractedData", "MemoryRows", "TrainRow", "load_target_head", "shift_row"]
 
 
 class TrainRow(NamedTuple):
@@ -42,6 +43,11 @@ def shift_row(
     target = torch.zeros_like(final_hidden)
     target[:-1] = final_hidden[1:]
     return TrainRow(ids, aux_hidden, target, shifted_docs, trained)
+
+
+def load_target_head(directory: str | os.PathLike) -> dict[str, Tensor]:
+    """The target's ``lm_head.weight`` and ``embed_tokens.weight`` (float32) an ``extract`` output directory holds."""
+    return load_file(Path(directory) / "target_head.safetensors")
 
 
 class ExtractedData:
@@ -74,12 +80,38 @@ class ExtractedData:
         r = index - self._starts[shard]
         return {k: handle.get_slice(k)[r : r + 1][0] for k in handle.keys()}
 
+    def target_head(self) -> dict[str, Tensor]:
+        return load_target_head(self.directory)
+
     def row(self, index: int, dtype: torch.dtype = torch.float32) -> TrainRow:
         raw = self.raw(index)
-        return shift_row(
-            raw["input_ids"],
-            raw["loss_mask"],
-            raw["document_ids"],
-            raw["aux_hidden"].to(dtype),
-            raw["final_hidden"].to(dtype),
-        )
+        return raw_row(raw, dtype)
+
+
+def raw_row(raw: dict[str, Tensor], dtype: torch.dtype = torch.float32) -> TrainRow:
+    """The index layout of one row as ``extract`` stores it (``input_ids``, ``loss_mask``, ``document_ids``,
+    ``aux_hidden``, ``final_hidden``), hidden states in ``dtype``."""
+    return shift_row(
+        raw["input_ids"],
+        raw["loss_mask"],
+        raw["document_ids"],
+        raw["aux_hidden"].to(dtype),
+        raw["final_hidden"].to(dtype),
+    )
+
+
+class MemoryRows:
+    """Rows held in memory with the interface of :class:`ExtractedData` (``manifest``, ``row``, ``target_head``):
+    the held-out rows a streaming run receives from its producers instead of reading them from disk."""
+
+    def __init__(self, manifest: dict[str, Any], head: dict[str, Tensor], rows: list[dict[str, Tensor]]) -> None:
+        self.manifest, self._head, self._rows = manifest, head, rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def target_head(self) -> dict[str, Tensor]:
+        return self._head
+
+    def row(self, index: int, dtype: torch.dtype = torch.float32) -> TrainRow:
+        return raw_row(self._rows[index], dtype)

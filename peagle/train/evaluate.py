@@ -27,6 +27,7 @@ self-distilled rows, the row's next tokens). With top-k 1 at every depth the tre
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -36,8 +37,7 @@ from peagle.model import PEagleDrafter
 from peagle.model.drafter import document_blocks
 from peagle.ops.tree_build import tree_build_parallel
 from peagle.ops.tree_verify import tree_verify_greedy
-from peagle.train.dataset import ExtractedData
-from peagle.train.extract import load_target_head
+from peagle.train.dataset import ExtractedData, MemoryRows
 
 __all__ = [
     "chain_drafts",
@@ -141,7 +141,7 @@ def chain_drafts(
 @torch.no_grad()
 def evaluate(
     model: PEagleDrafter,
-    data_dir: str,
+    data_dir: str | os.PathLike | ExtractedData | MemoryRows,
     rows: list[int] | None = None,
     depth: int | None = None,
     autoregressive: bool = False,
@@ -149,12 +149,13 @@ def evaluate(
     tree_budget: int | None = None,
     tree_topk: int | Sequence[int] | None = None,
 ) -> dict:
-    """Offline acceptance on extracted rows: K = ``depth`` (default the drafter's K) tokens drafted in parallel, or
+    """Offline acceptance on extracted rows (a directory, or its rows already open: ``ExtractedData``, or the
+    ``MemoryRows`` a streaming run holds): K = ``depth`` (default the drafter's K) tokens drafted in parallel, or
     one after another with ``autoregressive`` (how vLLM serves a drafter without parallel drafting). ``max_tokens``:
     the serving walk stops where a server generating that many tokens per request stops drafting. ``tree_budget``
     (nodes, root included) / ``tree_topk`` (children per node: one int, or one per depth): also score the P-EAGLE
     parallel tree (parallel drafting; either option enables it, defaults 16 nodes and top-2 as the engine's)."""
-    data = ExtractedData(data_dir)
+    data = data_dir if isinstance(data_dir, (ExtractedData, MemoryRows)) else ExtractedData(data_dir)
     cfg = model.config
     check_compatible(cfg, data.manifest)
     k = depth or cfg.num_depths
@@ -166,7 +167,7 @@ def evaluate(
             raise ValueError("tree_budget / tree_topk score P-EAGLE parallel trees: not with autoregressive drafting")
         tree = tree_options(tree_budget, tree_topk, k, cfg.draft_vocab_size)
     tree_reached = torch.zeros(k, dtype=torch.float64)
-    lm_head = load_target_head(data_dir)["lm_head.weight"]
+    lm_head = data.target_head()["lm_head.weight"]
     device = next(model.parameters()).device
     draft_ids = model.draft_ids()
     model.eval()

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from safetensors.torch import load_file
 
 from peagle.io import (
     atomic_save_tensors,
@@ -37,6 +36,7 @@ from peagle.io import (
 from peagle.model.config import default_aux_layer_ids
 from peagle.model.target import load_target
 from peagle.train.data import MANIFEST, iter_prepared_rows, manifest_fingerprint, read_manifest
+from peagle.train.dataset import load_target_head
 
 __all__ = [
     "ExtractionBackend",
@@ -44,7 +44,11 @@ __all__ = [
     "extract",
     "extraction_backends",
     "load_target_head",
+    "open_backend",
+    "open_target",
     "register_extraction_backend",
+    "row_states",
+    "target_fields",
 ]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -66,13 +70,42 @@ def _document_runs(document_ids: torch.Tensor) -> list[tuple[int, int]]:
 @dataclass(frozen=True)
 class ExtractionTarget:
     """What a backend is opened for: the target directory, its (text) config from ``transformers.AutoConfig``, the aux
-    layer ids to collect, the longest document (positions of a packed row) and the device asked for."""
+    layer ids to collect, the longest document (positions of a packed row) and the device asked for; ``full_config``
+    is the whole config (of a multimodal target too)."""
 
     path: Path
     config: Any
     layer_ids: list[int]
     seq_len: int
     device: str
+    full_config: Any = None
+
+
+def open_target(
+    target_path: str | os.PathLike, layer_ids: list[int] | None, seq_len: int, device: str, backend: str = "hf"
+) -> ExtractionTarget:
+    """The target to extract from, checked before any work: the directory exists, the aux ``layer_ids`` (default:
+    early, middle, late as vLLM chooses them) are layers of it, and ``backend`` can run it."""
+    from transformers import AutoConfig
+
+    registered = _backend(backend)
+    if not Path(target_path).exists():
+        raise FileNotFoundError(f"target model directory {target_path} does not exist")
+    config = AutoConfig.from_pretrained(str(target_path))
+    cfg = getattr(config, "text_config", None) or config
+    num_layers = cfg.num_hidden_layers
+    layer_ids = list(layer_ids) if layer_ids else default_aux_layer_ids(num_layers)
+    bad = [i for i in layer_ids if not 1 <= i <= num_layers]
+    if bad:
+        raise ValueError(f"layer ids {bad} are outside the target's layers [1, {num_layers}]")
+    if registered.check_target is not None:
+        registered.check_target(cfg)
+    return ExtractionTarget(Path(target_path), cfg, layer_ids, seq_len, device, config)
+
+
+def open_backend(target: ExtractionTarget, backend: str = "hf") -> ExtractionBackend:
+    """An open extraction backend (``close()`` it) for ``target`` (:func:`open_target`)."""
+    return _backend(backend).open(target)
 
 
 class ExtractionBackend(Protocol):
@@ -176,8 +209,11 @@ class _HFStates:
 register_extraction_backend("hf", _HFStates)
 
 
-def _rows_states(backend, rows: list[dict[str, torch.Tensor]], num_aux: int, hidden: int):
-    """(aux [T, num_aux * H], final [T, H]) per row, zero on padding; all documents of ``rows`` go in one call."""
+def row_states(
+    backend: ExtractionBackend, rows: list[dict[str, torch.Tensor]], num_aux: int, hidden: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(aux [T, num_aux * H], final [T, H]) float32 per prepared row (``input_ids``, ``document_ids``), zero on
+    padding; all documents of ``rows`` go to the backend in one call."""
     runs = [_document_runs(row["document_ids"]) for row in rows]
     documents = [row["input_ids"][lo:hi] for row, row_runs in zip(rows, runs, strict=True) for lo, hi in row_runs]
     states = iter(backend.states(documents))
@@ -210,8 +246,6 @@ def extract(
     resumes, or stands when complete); anything else is refused unless ``overwrite``, which clears it first.
     ``backend``: "hf" (transformers, on ``device``), "vllm" (vLLM on its own device; import
     :mod:`peagle.vllm.extract` first) or another registered name (:func:`register_extraction_backend`)."""
-    from transformers import AutoConfig
-
     if dtype not in DTYPES:
         raise ValueError(f"dtype (--dtype) must be one of {sorted(DTYPES)}, got {dtype!r}")
     if rows_per_shard < 1:
@@ -219,21 +253,12 @@ def extract(
     out = check_output_directory(out_dir, {"--data": data_dir, "--target": target_path})
     registered = _backend(backend)
     prepared = read_manifest(data_dir, "peagle-prepared")
-    if not Path(target_path).exists():
-        raise FileNotFoundError(f"target model directory {target_path} does not exist")
-    config = AutoConfig.from_pretrained(str(target_path))
-    cfg = getattr(config, "text_config", None) or config
-    num_layers = cfg.num_hidden_layers
-    layer_ids = list(layer_ids) if layer_ids else default_aux_layer_ids(num_layers)
-    bad = [i for i in layer_ids if not 1 <= i <= num_layers]
-    if bad:
-        raise ValueError(f"layer ids {bad} are outside the target's layers [1, {num_layers}]")
+    target = open_target(target_path, layer_ids, prepared["seq_len"], device, backend)
+    config, cfg, layer_ids = target.full_config, target.config, target.layer_ids
     if prepared["vocab_size"] > cfg.vocab_size:
         raise ValueError(
             f"the data's tokenizer has {prepared['vocab_size']} tokens but the target's vocabulary is {cfg.vocab_size}"
         )
-    if registered.check_target is not None:
-        registered.check_target(cfg)
     settings = {
         "target": str(Path(target_path).resolve()),
         "data": str(Path(data_dir).resolve()),
@@ -262,7 +287,7 @@ def extract(
     out.mkdir(parents=True, exist_ok=True)
     if device == "cpu":
         torch.set_flush_denormal(True)  # tiny activations of random/small targets otherwise run ~10x slower
-    states_backend = registered.open(ExtractionTarget(Path(target_path), cfg, layer_ids, prepared["seq_len"], device))
+    states_backend = open_backend(target, backend)
     rows_per_call = rows_per_shard if registered.batch_shards else 1
     try:
         if not manifest_path.exists():
@@ -272,16 +297,7 @@ def extract(
                 "backend": backend,
                 "seq_len": prepared["seq_len"],
                 "num_rows": prepared["num_rows"],
-                "hidden_size": cfg.hidden_size,
-                "vocab_size": cfg.vocab_size,
-                "num_target_layers": num_layers,
-                "target_model_type": cfg.model_type,
-                "target_architectures": list(getattr(config, "architectures", None) or []),
-                "target_num_heads": cfg.num_attention_heads,
-                "target_num_kv_heads": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-                "target_head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-                "target_intermediate_size": cfg.intermediate_size,
-                "target_rms_norm_eps": getattr(cfg, "rms_norm_eps", 1e-6),
+                **target_fields(config),
                 "shards": [],
                 "complete": False,
             }
@@ -305,7 +321,7 @@ def _extract_rows(states_backend, manifest, data_dir, out: Path, rows_per_call: 
     bar = tqdm(total=manifest["num_rows"], initial=done_rows, desc="extract", unit="row", disable=not progress)
 
     def compute() -> None:
-        for row, (aux, final) in zip(pending, _rows_states(states_backend, pending, num_aux, hidden), strict=True):
+        for row, (aux, final) in zip(pending, row_states(states_backend, pending, num_aux, hidden), strict=True):
             batch.append({**row, "aux_hidden": aux.to(store), "final_hidden": final.to(store)})
         bar.update(len(pending))
         pending.clear()
@@ -335,5 +351,19 @@ def _extract_rows(states_backend, manifest, data_dir, out: Path, rows_per_call: 
     atomic_write_json(out / MANIFEST, manifest)
 
 
-def load_target_head(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
-    return load_file(Path(directory) / "target_head.safetensors")
+def target_fields(config: Any) -> dict[str, Any]:
+    """What an extracted-data manifest records about the target (``transformers.AutoConfig``; the text config of a
+    multimodal one): what the drafter's config (:meth:`peagle.model.DrafterConfig.from_manifest`) takes from it."""
+    cfg = getattr(config, "text_config", None) or config
+    return {
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "num_target_layers": cfg.num_hidden_layers,
+        "target_model_type": cfg.model_type,
+        "target_architectures": list(getattr(config, "architectures", None) or []),
+        "target_num_heads": cfg.num_attention_heads,
+        "target_num_kv_heads": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        "target_head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        "target_intermediate_size": cfg.intermediate_size,
+        "target_rms_norm_eps": getattr(cfg, "rms_norm_eps", 1e-6),
+    }

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -41,11 +42,19 @@ from peagle.ops import cod_sample
 from peagle.train.data import load_tokenizer, resolve_mask_token
 from peagle.train.dataset import ExtractedData, TrainRow
 from peagle.train.evaluate import evaluate
-from peagle.train.extract import load_target_head
 from peagle.train.loss import OPTION_STATS, element_loss, new_stats
 from peagle.train.parallel import ParallelDrafter
 from peagle.train.partition import partition_elements
 from peagle.train.step import element_weights, loss_step
+from peagle.train.stream import (
+    ProducerFailed,
+    StreamArgs,
+    StreamSource,
+    check_resume,
+    launch_producers,
+    run_producer,
+    stream_ranks,
+)
 from peagle.train.ttt import step_weights, train_ttt_row
 
 __all__ = ["TrainArgs", "Trainer", "element_loss", "new_stats", "option", "pack_rows", "slot_row", "train", "train_row"]
@@ -62,7 +71,10 @@ def option(default: Any = MISSING, help: str = "", *, flag: str | None = None, h
 class TrainArgs:
     """Settings of one training run: the fields of ``peagle train`` (each field's metadata holds its option)."""
 
-    data: str = option(help="an extract output directory")
+    data: str = option(
+        help="an extract output directory; with --stream the prompts the producers answer (.jsonl or "
+        "hf:NAME[:SPLIT], as peagle regenerate reads them)"
+    )
     out: str = option(
         help="output directory: checkpoints, metrics.jsonl, final/; new or empty unless --resume or --overwrite"
     )
@@ -134,6 +146,11 @@ class TrainArgs:
     weight_decay: float = option(0.0, "AdamW weight decay")
     grad_clip: float = option(1.0, "gradient norm clip, 0 = off")
     seed: int = option(0, "seed of init, data order and COD sampling")
+    row_order: Literal["shuffled", "stored"] = option(
+        "shuffled",
+        "shuffled: each epoch visits the training rows in a seeded permutation; stored: in the order of --data (the "
+        "order --stream trains rows in, as they arrive)",
+    )
     attention: Literal["sdpa", "sdpa-full", "flex"] | None = option(
         None,
         "sdpa: dense mask per document; sdpa-full: one N x N mask; flex: BlockMask (default: flex on GPU, sdpa on CPU)",
@@ -154,6 +171,11 @@ class TrainArgs:
     save_every: int = option(0, "checkpoint every N steps, 0 = only at the end")
     log_every: int = option(1, "metrics.jsonl record every N steps")
     resume: bool = option(False, "continue from the latest complete checkpoint in --out")
+    stream: bool = option(
+        False,
+        "streaming training: producer processes answer the prompts of --data with the target and send the rows "
+        "(tokens and hidden states) straight to this trainer, no files between them (the --stream options below)",
+    )
     overwrite: bool = option(False, "clear a non-empty --out first (without it or --resume, a used --out is refused)")
     tensorboard: bool = option(False, "also log to TensorBoard (needs tensorboard)")
     # Drawn by `peagle train` (the command), not by the trainer: plotting needs matplotlib (the demo extra).
@@ -231,6 +253,20 @@ class TrainArgs:
                     raise ValueError(f"--ttt-steps {self.ttt_steps} needs {needed}")
         if self.steps is not None and self.epochs is not None:
             raise ValueError(f"give --steps ({self.steps}) or --epochs ({self.epochs}), not both")
+        if self.stream:
+            clash = [
+                (self.epochs is not None, "--steps instead of --epochs (the stream's row count is not known before)"),
+                (
+                    self.draft_vocab_size is not None or self.efficient_lm_head_rank > 0,
+                    "no --draft-vocab-size / --lm-head-rank (they count the training tokens before training)",
+                ),
+                (self.fsdp, "no --fsdp (one trainer process)"),
+            ]
+            for bad, needed in clash:
+                if bad:
+                    raise ValueError(f"--stream needs {needed}")
+            if not self.data.startswith("hf:") and not Path(self.data).is_file():
+                raise FileNotFoundError(f"--data {self.data} (the prompts of --stream) is not a file")
         if self.resume and self.overwrite:
             raise ValueError("--overwrite clears --out, --resume continues it: give one of them")
         inputs = {"--data": self.data, **({"--eval-data": self.eval_data} if self.eval_data else {})}
@@ -364,17 +400,30 @@ def train_row(
 
 
 class Trainer:
-    def __init__(self, args: TrainArgs) -> None:
+    """One training run of ``args``: from an extract directory, or with ``stream`` from producers (the rows arrive
+    from :class:`peagle.train.stream.StreamSource`; its producers are started by :func:`train`)."""
+
+    def __init__(self, args: TrainArgs, stream: StreamArgs | None = None) -> None:
         # Before any work, and before the process group forms: no rank has written to --out yet.
         args.check()
+        if args.stream != (stream is not None):
+            raise ValueError("--stream and its settings (StreamArgs) go together")
+        if stream is not None:
+            stream.check()
+            if args.eval_every and not (args.eval_data or stream.eval_input):
+                raise ValueError(
+                    "--eval-every with --stream needs --eval-input (held-out prompts the producers answer) or "
+                    "--eval-data (an extract directory)"
+                )
         if not (args.resume or args.overwrite or is_empty_directory(args.out)):
             raise ValueError(
                 f"output (--out) {args.out} is not empty (an earlier run?); pass --resume to continue it or "
                 "--overwrite to start over"
             )
         self.args = args
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
+        # A stream's process group holds the producers: this process trains alone.
+        self.world = 1 if stream else int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = 0 if stream else int(os.environ.get("RANK", "0"))
         if args.fsdp and self.world < 2:
             raise ValueError("--fsdp shards the drafter over processes: run it under torchrun with 2 or more")
         self.device = torch.device(
@@ -387,21 +436,33 @@ class Trainer:
         if args.batch_size % self.world:
             raise ValueError(f"batch_size ({args.batch_size}) must be a multiple of the process count ({self.world})")
         self.attention = args.attention or ("flex" if self.device.type == "cuda" else "sdpa")
-        self.data = ExtractedData(args.data)
-        self.train_rows, self.held_out = self._split_rows()
-        self.eval_data = ExtractedData(args.eval_data) if args.eval_data else self.data
-        self.eval_rows = self.held_out or list(range(min(args.eval_rows, len(self.eval_data))))
+        self.out = Path(args.out)
+        self.source: StreamSource | None = None
+        self.stream_state: dict[str, Any] | None = None  # the resumed checkpoint's (cursors per producer)
+        if stream is None:
+            self.data = ExtractedData(args.data)
+            self.train_rows, self.held_out = self._split_rows()
+            self.eval_data = ExtractedData(args.eval_data) if args.eval_data else self.data
+            manifest = self.data.manifest
+            head = self.data.target_head()
+            self.tokenizer = None
+            tok_dir = Path(manifest["data"]) / "tokenizer"
+            if tok_dir.exists():
+                self.tokenizer = load_tokenizer(tok_dir)
+        else:
+            self.source = StreamSource(stream)
+            self.train_rows, self.held_out = [], []
+            # Held-out rows from an extract directory, or (set when the producers connect) those of --eval-input.
+            self.eval_data = ExtractedData(args.eval_data) if args.eval_data else None
+            manifest, head, self.tokenizer = self.source.manifest, self.source.head, self.source.tokenizer
+        self.manifest = manifest
+        self.eval_rows = self.held_out or (
+            list(range(min(args.eval_rows, len(self.eval_data)))) if self.eval_data is not None else []
+        )
         self.total_steps = args.steps if args.steps is not None else 1000
         if args.epochs is not None:
             self.total_steps = math.ceil(args.epochs * len(self.train_rows) / args.batch_size)
-        self.out = Path(args.out)
-        manifest = self.data.manifest
-        head = load_target_head(args.data)
         self.target_lm_head = head["lm_head.weight"].to(self.device)
-        self.tokenizer = None
-        tok_dir = Path(manifest["data"]) / "tokenizer"
-        if tok_dir.exists():
-            self.tokenizer = load_tokenizer(tok_dir)
         mask_id, how = resolve_mask_token(
             self.tokenizer, manifest["vocab_size"], args.mask_token_id, args.reuse_special_token_as_mask
         )
@@ -444,6 +505,8 @@ class Trainer:
             self.optimizer, lambda s: _lr_lambda(s, args.warmup_steps, self.total_steps, args.min_lr_ratio)
         )
         self.step = 0
+        self.saved_step = -1  # the step of the newest checkpoint this run wrote or resumed
+        self.best: dict[str, Any] | None = None  # the checkpoint_best so far: step, metric, value
         self.writer = None
 
     @torch.no_grad()
@@ -461,7 +524,7 @@ class Trainer:
 
     def _token_counts(self, purpose: str) -> Tensor:
         """Counts [vocab_size] of the trained tokens of the prepared data (token_freq.safetensors)."""
-        freq_path = Path(self.data.manifest["data"]) / "token_freq.safetensors"
+        freq_path = Path(self.manifest["data"]) / "token_freq.safetensors"
         if not freq_path.exists():
             raise FileNotFoundError(f"{purpose} needs token frequencies: {freq_path} is missing")
         from safetensors.torch import load_file
@@ -485,8 +548,16 @@ class Trainer:
     # -----------------------------------------------------------------------------------------------------------------
 
     def row_slot(self, slot: int) -> int:
-        """The --data row of slot ``slot`` (see :func:`slot_row`)."""
+        """The --data row of slot ``slot`` (see :func:`slot_row`; in the stored order with ``--row-order stored``)."""
+        if self.args.row_order == "stored":
+            return self.train_rows[slot % len(self.train_rows)]
         return slot_row(self.train_rows, self.args.seed, slot)
+
+    def slot_train_row(self, slot: int) -> TrainRow:
+        """The training row of slot ``slot`` on the device: from --data, or the stream's next row."""
+        if self.source is not None:
+            return self.source.row(slot, self.device)
+        return TrainRow(*(t.to(self.device) for t in self.data.row(self.row_slot(slot))))
 
     def row_elements(self, row: TrainRow, slot: int) -> tuple[Tensor, Tensor]:
         a = self.args
@@ -497,7 +568,7 @@ class Trainer:
     def micro_batch_backward(self, slots: list[int], scale: float, stats: dict[str, Any]) -> None:
         """Forward + backward of the rows of ``slots`` packed into one row (segment by segment), each row's loss
         scaled by ``scale``; fills ``stats``."""
-        rows = [TrainRow(*(t.to(self.device) for t in self.data.row(self.row_slot(slot)))) for slot in slots]
+        rows = [self.slot_train_row(slot) for slot in slots]
         elements = [self.row_elements(row, slot) for row, slot in zip(rows, slots, strict=True)]
         if self.args.ttt_steps > 1:  # the unroll runs row by row
             for row, (anchors, depths) in zip(rows, elements, strict=True):
@@ -562,17 +633,19 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
+        if self.source is not None:
+            self.source.commit()  # the step's rows are trained: a checkpoint from now on claims them
         elapsed = time.perf_counter() - start
         acc = (stats["correct"] / stats["count"].clamp(min=1)).tolist()
         return {
             "step": self.step,
-            "epoch": self.step * args.batch_size / len(self.train_rows),
+            "epoch": self.source.epoch() if self.source else self.step * args.batch_size / len(self.train_rows),
             "loss": stats["loss"],
             "lr": lr,
             "grad_norm": grad_norm,
             "elements": stats["elements"],
             "elements_per_s": stats["elements"] / elapsed,
-            "tokens_per_s": args.batch_size * self.data.manifest["seq_len"] / elapsed,
+            "tokens_per_s": args.batch_size * self.manifest["seq_len"] / elapsed,
             **{f"acc_{d}": acc[d] for d in range(len(acc))},
             **option_metrics(stats),
         }
@@ -587,14 +660,13 @@ class Trainer:
         drafter = self.parallel.full_drafter()  # every process: a collective under FSDP
         record: dict[str, float] = {}
         if drafter is not None:
-            directory = args.eval_data or args.data
             record["eval_loss"] = self.held_out_loss(drafter)
-            chain = evaluate(drafter, directory, rows=self.eval_rows)
+            chain = evaluate(drafter, self.eval_data, rows=self.eval_rows)
             record["eval_acceptance_length"] = chain["acceptance_length"]
             record |= {f"eval_acc_{d}": v for d, v in enumerate(chain["top1_accuracy"])}
             if args.num_depths == 1:
                 served = evaluate(
-                    drafter, directory, rows=self.eval_rows, depth=args.eval_ar_depths, autoregressive=True
+                    drafter, self.eval_data, rows=self.eval_rows, depth=args.eval_ar_depths, autoregressive=True
                 )
                 record["eval_ar_acceptance_length"] = served["acceptance_length"]
         if self.world > 1:
@@ -652,6 +724,8 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict(),
                 "args": asdict(self.args),
                 "held_out": self.held_out,
+                "best": self.best,
+                **({"stream": self.source.state()} if self.source is not None else {}),
             }
             atomic_torch_save(staging / TRAINER_STATE, state)
             publish_directory(staging, directory)
@@ -659,7 +733,35 @@ class Trainer:
                 atomic_write_json(self.out / "latest.json", {"step": self.step, "checkpoint": name})
         if self.world > 1:
             dist.barrier()
+        self.saved_step = self.step
         return directory
+
+    def save_best_if_improved(self, record: dict[str, Any]) -> bool:
+        """After a held-out evaluation: publishes the weights as ``checkpoint_best`` (whole, in one rename, beside
+        the latest checkpoint) when their held-out acceptance length is the best so far (the served one of a
+        ``--depths 1`` drafter, drafting autoregressively). Returns whether it did."""
+        metric = "eval_ar_acceptance_length" if self.args.num_depths == 1 else "eval_acceptance_length"
+        improved = torch.tensor([0.0], device=self.device)  # NCCL broadcasts device tensors
+        if self.rank == 0 and metric in record:
+            value = float(record[metric])
+            if self.best is None or value > self.best["value"]:
+                improved[0] = 1.0
+                self.best = {"step": self.step, "metric": metric, "value": value}
+        if self.world > 1:
+            dist.broadcast(improved, 0)
+        if not improved.item():
+            return False
+        drafter = self.parallel.full_drafter()  # every process: a collective under FSDP
+        if self.rank == 0:
+            staging = staging_directory(self.out / BEST)
+            save_pretrained(drafter, staging)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(str(staging / "tokenizer"))
+            atomic_write_json(staging / BEST_RECORD, self.best)
+            publish_directory(staging, self.out / BEST)
+        if self.world > 1:
+            dist.barrier()
+        return True
 
     def resumable_checkpoint(self) -> Path | None:
         """The checkpoint ``--resume`` continues from: the one ``latest.json`` names when it is complete (has its
@@ -691,11 +793,28 @@ class Trainer:
                 f"{len(state.get('held_out', []))} rows of --data, this run {len(self.held_out)} (--eval-every, "
                 "--eval-data, --eval-rows)"
             )
+        if self.source is not None:
+            if "stream" not in state:
+                raise ValueError(f"--resume --stream: {directory} is the checkpoint of a run that trained from files")
+            check_resume(state["stream"], self.source.stream)
+            self.stream_state = state["stream"]
+        elif "stream" in state:
+            raise ValueError(
+                f"--resume: {directory} is the checkpoint of a --stream run; pass --stream and its settings"
+            )
         self.parallel.load_full_state_dict(load_state_dict(directory))
         self.parallel.load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self.step = state["step"]
+        self.step = self.saved_step = state["step"]
+        self.best = state.get("best")
         return True
+
+    def _drop_abandoned_best(self) -> None:
+        """On --resume: a checkpoint_best written after the resumed checkpoint belongs to the steps this run does
+        again; it goes with them (the next evaluation that beats the resumed run's best writes it again)."""
+        record = self.out / BEST / BEST_RECORD
+        if self.rank == 0 and record.exists() and json.loads(record.read_text())["step"] > self.step:
+            shutil.rmtree(self.out / BEST)
 
     def log(self, record: dict[str, Any]) -> None:
         if self.rank != 0:
@@ -717,6 +836,7 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         path = self.out / "metrics.jsonl"
         if args.resume and self.load_latest():
+            self._drop_abandoned_best()
             # Drop metrics of steps after the checkpoint (an interrupted run may have logged them).
             if path.exists() and self.rank == 0:
                 kept = [ln for ln in path.read_text().splitlines() if json.loads(ln)["step"] <= self.step]
@@ -724,6 +844,8 @@ class Trainer:
         elif self.rank == 0:
             if path.exists():
                 path.unlink()
+            if (self.out / BEST).exists():  # a --resume that found no checkpoint starts over
+                shutil.rmtree(self.out / BEST)
             if self.warm_start is not None:  # a run that starts from the warm-started weights
                 atomic_write_json(self.out / "init_from.json", self.warm_start)
                 print(f"[peagle train] warm start from {args.init_from}: initialised {self.warm_start['initialised']}")
@@ -740,14 +862,27 @@ class Trainer:
 
         args = self.args
         self._prepare_output()
+        if self.source is not None:
+            first_slot = self.step * args.batch_size
+            self.source.connect(self.stream_state, first_slot, args.eval_rows if args.eval_every else 0)
+            if self.eval_data is None and self.source.eval_rows is not None:
+                self.eval_data = self.source.eval_rows
+                self.eval_rows = list(range(min(args.eval_rows, len(self.eval_data))))
         records = []
         total = self.total_steps
         bar = tqdm(total=total, initial=self.step, desc="train", disable=not args.progress or self.rank != 0)
         while self.step < total:
-            record = self.train_step()
+            try:
+                record = self.train_step()
+            except ProducerFailed:
+                # The step in progress is dropped; what the completed steps trained is kept (their rows only).
+                if self.step > max(0, self.saved_step):
+                    self.save()
+                raise
             evaluated = bool(args.eval_every) and (self.step % args.eval_every == 0 or self.step == total)
             if evaluated:
                 record |= self.evaluate_held_out()
+                self.save_best_if_improved(record)
             records.append(record)
             if evaluated or self.step % max(1, args.log_every) == 0 or self.step == total:
                 self.log(record)
@@ -761,6 +896,9 @@ class Trainer:
 
 
 TRAINER_STATE = "trainer_state.pt"
+# The weights of the best held-out acceptance length so far, and what it was (step, metric, value).
+BEST = "checkpoint_best"
+BEST_RECORD = "best.json"
 # The held-out rows of --data (see Trainer._split_rows) and the COD seeds of the held-out loss.
 HOLDOUT_SEED = 20_251_130
 # Settings --resume may change: they do not change what a step computes (steps / epochs: how long the run goes).
@@ -783,6 +921,7 @@ RESUME_FREE = {
     "eval_ar_depths",
     "fsdp",
 }
+# A stream's own settings are checked apart (peagle.train.stream.check_resume).
 
 
 def slot_row(train_rows: list[int], seed: int, slot: int) -> int:
@@ -814,10 +953,37 @@ def atomic_write_json_lines(path: Path, lines: list[str]) -> None:
     atomic_write_bytes(path, "".join(line + "\n" for line in lines).encode())
 
 
-def train(args: TrainArgs) -> list[dict[str, Any]]:
-    trainer = Trainer(args)
+def train(args: TrainArgs, stream: StreamArgs | None = None, register: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """Runs ``args``. With ``stream``: on one machine this process trains and starts ``stream.producers`` producer
+    processes; under torchrun rank 0 trains and every other rank is a producer (``register``: modules a producer
+    imports first, which register its backends, e.g. ``peagle.vllm.regenerate``). Returns the step records (none on
+    a producer)."""
+    if stream is None:
+        trainer = Trainer(args)
+        try:
+            return trainer.run()
+        finally:
+            if trainer.world > 1 and dist.is_initialized():
+                dist.destroy_process_group()
+    ranks = stream_ranks()
+    if ranks is not None and ranks[0] > 0:
+        code = run_producer(ranks[0], ranks[1], args.data, stream, register)
+        if code:
+            raise SystemExit(code)
+        return []
+    if ranks is not None and ranks[1] - 1 != stream.producers:
+        raise ValueError(
+            f"--producers ({stream.producers}) must be the torchrun world size - 1 ({ranks[1] - 1}): rank 0 trains, "
+            "every other rank produces"
+        )
+    trainer = Trainer(args, stream)  # every check before a producer starts
+    local = launch_producers(args.data, stream, register) if ranks is None else None
     try:
+        if local is not None:
+            local.watch(dist.is_initialized)
         return trainer.run()
     finally:
-        if trainer.world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+        connected = dist.is_initialized()
+        trainer.source.stop()
+        if local is not None:
+            local.join(grace=60.0 if connected else 0.0)  # unconnected producers wait in the rendezvous: end them

@@ -15,14 +15,12 @@ checkpoint's norm weight, as the target's own forward computes it.
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
@@ -33,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 
 from peagle.model.drafter import RMSNorm
+from peagle.model.target import read_target_tensors
 from peagle.train.extract import ExtractionTarget, register_extraction_backend
 
 __all__ = ["RMSNORM_MODEL_TYPES", "HostHiddenStatesConnector", "VllmStateExtractor", "read_target_tensors"]
@@ -76,30 +75,6 @@ class HostHiddenStatesConnector(ExampleHiddenStatesConnector):
             if lock_fd is not None:
                 os.close(lock_fd)  # releases LOCK_EX for readers waiting in load_hidden_states
         self._req_copy_events[pending.req_id] = _Done()  # type: ignore[assignment]
-
-
-def read_target_tensors(target_path: str | os.PathLike, suffixes: dict[str, str]) -> dict[str, torch.Tensor]:
-    """Reads single tensors of a Hugging Face checkpoint by name suffix (e.g. {"norm": "model.norm.weight"}) without
-    loading the model. A missing ``lm_head.weight`` falls back to the tied ``embed_tokens.weight``."""
-    root = Path(target_path)
-    index = root / "model.safetensors.index.json"
-    if index.exists():
-        files = {name: root / file for name, file in json.loads(index.read_text())["weight_map"].items()}
-    else:
-        files = {}
-        for file in sorted(root.glob("*.safetensors")):
-            with safe_open(str(file), "pt") as f:
-                files.update({name: file for name in f.keys()})
-    out: dict[str, torch.Tensor] = {}
-    for key, name in suffixes.items():
-        candidates = [n for n in files if n == name or n.endswith("." + name)]
-        if not candidates and name == "lm_head.weight":
-            candidates = [n for n in files if n.endswith("embed_tokens.weight")]
-        if len(candidates) != 1:
-            raise ValueError(f"target checkpoint {root}: expected one tensor named like {name!r}, found {candidates}")
-        with safe_open(str(files[candidates[0]]), "pt") as f:
-            out[key] = f.get_tensor(candidates[0])
-    return out
 
 
 class VllmStateExtractor:
