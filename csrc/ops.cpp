@@ -42,6 +42,13 @@ TORCH_LIBRARY(peagle, m) {
       "gdn_tree_verify(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor parent, Tensor state_pool, "
       "Tensor slots, float? scale=None, bool use_qk_l2norm=False, bool validate=True, bool tensor_cores=False) -> "
       "(Tensor o, Tensor u)");
+  // gdn_tree_verify_slots: verification that reads each request's start state from a state cache (float32 or q's
+  // dtype) at start_slots[b] and writes the state after every node i with state_slots[b, i] >= 0 into that slot, in
+  // place (vLLM's speculative GDN step keeps the state after each draft in its own slot). Returns the outputs.
+  m.def(
+      "gdn_tree_verify_slots(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor parent, "
+      "Tensor(a!) state_cache, Tensor start_slots, Tensor state_slots, float? scale=None, bool use_qk_l2norm=False, "
+      "bool validate=True) -> Tensor");
   m.def(
       "gdn_commit(Tensor k, Tensor g, Tensor u, Tensor parent, Tensor last_accepted, Tensor(a!) state_pool, "
       "Tensor slots, bool use_qk_l2norm=False, bool validate=True) -> ()");

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "checks/gdn.h"
@@ -75,6 +76,66 @@ void projections(const float* rows, const float* factor, const float* s0, int64_
   }
 }
 
+// Per-task buffers of the verification of one (request, q/k head) and its value heads.
+struct VerifyScratch {
+  QkProducts p;
+  std::vector<float> uf, of, gate, gate_sum, bet, root, self, a, b;
+  VerifyScratch(int64_t n, int64_t K, int64_t V)
+      : p(n, K),
+        uf(n * V),
+        of(n * V),
+        gate(n),
+        gate_sum(n),
+        bet(n),
+        root(n),
+        self(n),
+        a(std::max(gdn::triangle_size(static_cast<int>(n)), 1)),
+        b(a.size()) {}
+};
+
+// Loads request b's raw q/k rows of q/k head h and their products (shared by the head's group of value heads).
+template <typename scalar_t>
+void load_qk(const at::Tensor& q, const at::Tensor& k, gdn::RowStrides qs, gdn::RowStrides ks, const int64_t* parent,
+             int64_t b, int64_t h, int64_t n, int64_t K, bool l2norm, float q_scale, QkProducts& p) {
+  load_rows(q.data_ptr<scalar_t>(), qs, b, h, n, K, p.q.data());
+  load_rows(k.data_ptr<scalar_t>(), ks, b, h, n, K, p.k.data());
+  gdn::build_tree(parent, static_cast<int>(n), nullptr, 1, p.anc.data(), nullptr, nullptr);
+  qk_products(n, K, l2norm, q_scale, p);
+}
+
+// Delta values (w.uf) and outputs (w.of) of value head hv of request b from its committed state s0 (K rows of V floats,
+// row_stride apart); w.gate holds the head's raw log decays afterwards.
+template <typename scalar_t>
+void verify_value_head(VerifyScratch& w, const scalar_t* v, gdn::RowStrides vs, const float* g, const float* beta,
+                       const int64_t* parent, const float* s0, int64_t row_stride, int64_t b, int64_t hv, int64_t n,
+                       int64_t HV, int64_t K, int64_t V) {
+  QkProducts& p = w.p;
+  for (int64_t i = 0; i < n; ++i) {
+    w.gate[i] = g[(b * n + i) * HV + hv];
+    w.bet[i] = beta[(b * n + i) * HV + hv];
+  }
+  gdn::build_tree(parent, static_cast<int>(n), w.gate.data(), 1, p.anc.data(), nullptr, w.gate_sum.data());
+  gdn::tree_coefficients(static_cast<int>(n), p.anc.data(), w.gate_sum.data(), p.kk.data(), p.qk.data(), w.root.data(),
+                         w.a.data(), w.b.data(), w.self.data());
+  projections(p.k.data(), p.fk.data(), s0, row_stride, n, K, V, w.uf.data());
+  projections(p.q.data(), p.fq.data(), s0, row_stride, n, K, V, w.of.data());
+  const auto v_at = [&](int i, int c) { return static_cast<float>(v[vs.at(b, i, hv) + c]); };
+  gdn::solve_delta_columns(static_cast<int>(n), p.anc.data(), w.root.data(), w.bet.data(), w.a.data(), v_at,
+                           w.uf.data(), V, 0, static_cast<int>(V));
+  for (int64_t i = 0; i < n; ++i) {
+    gdn::output_columns(static_cast<int>(i), p.anc.data(), w.root.data(), w.b.data(), w.self.data(), w.uf.data(), V,
+                        w.of.data() + i * V, 0, static_cast<int>(V));
+  }
+}
+
+template <typename scalar_t>
+void store_outputs(const VerifyScratch& w, scalar_t* o, int64_t b, int64_t hv, int64_t n, int64_t HV, int64_t V) {
+  for (int64_t i = 0; i < n; ++i) {
+    scalar_t* row = o + ((b * n + i) * HV + hv) * V;
+    for (int64_t c = 0; c < V; ++c) row[c] = static_cast<scalar_t>(w.of[i * V + c]);
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> gdn_tree_verify_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                        const at::Tensor& g, const at::Tensor& beta,
                                                        const at::Tensor& parent, const at::Tensor& state_pool,
@@ -95,8 +156,6 @@ std::tuple<at::Tensor, at::Tensor> gdn_tree_verify_cpu(const at::Tensor& q, cons
   at::Tensor u = at::empty({B, n, HV, V}, v.options().dtype(at::kFloat));
   if (B == 0) return {o, u};
   const float* pool = state_pool.data_ptr<float>();
-  const float* g_ptr = gc.data_ptr<float>();
-  const float* b_ptr = bc.data_ptr<float>();
   const int64_t* parent_ptr = pc.data_ptr<int64_t>();
   const int64_t* slot_ptr = sc.data_ptr<int64_t>();
   float* u_ptr = u.data_ptr<float>();
@@ -107,44 +166,140 @@ std::tuple<at::Tensor, at::Tensor> gdn_tree_verify_cpu(const at::Tensor& q, cons
     scalar_t* o_ptr = o.data_ptr<scalar_t>();
     // One task per (request, q/k head): its q/k products serve every value head of its group.
     at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-      QkProducts p(n, K);
-      const int tri = std::max(gdn::triangle_size(static_cast<int>(n)), 1);
-      std::vector<float> uf(n * V), of(n * V), gate(n), gate_sum(n), bet(n), root(n), self(n), a(tri), bc2(tri);
+      VerifyScratch w(n, K, V);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t b = task / H, h = task % H;
-        load_rows(qc.data_ptr<scalar_t>(), qs, b, h, n, K, p.q.data());
-        load_rows(kc.data_ptr<scalar_t>(), ks, b, h, n, K, p.k.data());
-        gdn::build_tree(parent_ptr + b * n, static_cast<int>(n), nullptr, 1, p.anc.data(), nullptr, nullptr);
-        qk_products(n, K, use_qk_l2norm, q_scale, p);
+        load_qk<scalar_t>(qc, kc, qs, ks, parent_ptr + b * n, b, h, n, K, use_qk_l2norm, q_scale, w.p);
         for (int64_t hv = h * group; hv < (h + 1) * group; ++hv) {
+          verify_value_head(w, v_ptr, vs, gc.data_ptr<float>(), bc.data_ptr<float>(), parent_ptr + b * n,
+                            pool + ps.at(slot_ptr[b], hv, 0), ps.inner, b, hv, n, HV, K, V);
+          store_outputs(w, o_ptr, b, hv, n, HV, V);
           for (int64_t i = 0; i < n; ++i) {
-            gate[i] = g_ptr[(b * n + i) * HV + hv];
-            bet[i] = b_ptr[(b * n + i) * HV + hv];
-          }
-          gdn::build_tree(parent_ptr + b * n, static_cast<int>(n), gate.data(), 1, p.anc.data(), nullptr,
-                          gate_sum.data());
-          gdn::tree_coefficients(static_cast<int>(n), p.anc.data(), gate_sum.data(), p.kk.data(), p.qk.data(),
-                                 root.data(), a.data(), bc2.data(), self.data());
-          const float* s0 = pool + ps.at(slot_ptr[b], hv, 0);
-          projections(p.k.data(), p.fk.data(), s0, ps.inner, n, K, V, uf.data());
-          projections(p.q.data(), p.fq.data(), s0, ps.inner, n, K, V, of.data());
-          const auto v_at = [&](int i, int c) { return static_cast<float>(v_ptr[vs.at(b, i, hv) + c]); };
-          gdn::solve_delta_columns(static_cast<int>(n), p.anc.data(), root.data(), bet.data(), a.data(), v_at,
-                                   uf.data(), V, 0, static_cast<int>(V));
-          for (int64_t i = 0; i < n; ++i) {
-            gdn::output_columns(static_cast<int>(i), p.anc.data(), root.data(), bc2.data(), self.data(), uf.data(), V,
-                                of.data() + i * V, 0, static_cast<int>(V));
-            const int64_t out = ((b * n + i) * HV + hv) * V;
-            for (int64_t c = 0; c < V; ++c) {
-              u_ptr[out + c] = uf[i * V + c];
-              o_ptr[out + c] = static_cast<scalar_t>(of[i * V + c]);
-            }
+            std::copy(w.uf.begin() + i * V, w.uf.begin() + (i + 1) * V, u_ptr + ((b * n + i) * HV + hv) * V);
           }
         }
       }
     });
   });
   return {o, u};
+}
+
+// State cache elements <-> fp32. bf16 by bit operations (round to nearest even, NaN to the canonical quiet NaN, as
+// c10::BFloat16 rounds) so that the row loops vectorise.
+inline float state_to_float(float x) { return x; }
+inline float state_to_float(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float state_to_float(c10::Half x) { return static_cast<float>(x); }
+
+inline void float_to_state(float x, float* dst) { *dst = x; }
+inline void float_to_state(float x, c10::BFloat16* dst) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  const uint16_t rounded = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+  dst->x = x != x ? uint16_t{0x7FC0} : rounded;
+}
+inline void float_to_state(float x, c10::Half* dst) { *dst = static_cast<c10::Half>(x); }
+
+// The states of value head hv of request b after the nodes that have a slot (or a descendant with one), node by node
+// from the parent's state (gdn::state_step), written into their slots; s0: the start state as fp32 rows of V.
+// rows: (n + 1) x V floats, one row of the state per node and the start state's row in the last.
+template <typename scalar_t, typename state_t>
+void write_node_states(const VerifyScratch& w, const scalar_t* k, gdn::RowStrides ks, const int64_t* parent,
+                       const int64_t* dest, const char* needed, const float* s0, state_t* cache, gdn::RowStrides cs,
+                       int64_t b, int64_t h, int64_t hv, int64_t n, int64_t K, int64_t V, float* decay, float* rows) {
+  for (int64_t i = 0; i < n; ++i) decay[i] = gdn::node_decay(w.gate[i]);
+  float* start_row = rows + n * V;
+  for (int64_t r = 0; r < K; ++r) {
+    std::copy(s0 + r * V, s0 + (r + 1) * V, start_row);
+    for (int64_t i = 0; i < n; ++i) {
+      if (!needed[i]) continue;
+      const float* from = parent[i] < 0 ? start_row : rows + parent[i] * V;
+      const float row_coef = gdn::mul_rn(w.p.fk[i], static_cast<float>(k[ks.at(b, i, h) + r]));
+      const float* ui = w.uf.data() + i * V;
+      float* to = rows + i * V;
+      const float di = decay[i];
+      for (int64_t c = 0; c < V; ++c) to[c] = gdn::state_step(from[c], di, row_coef, ui[c]);
+      if (dest[i] < 0) continue;
+      state_t* out = cache + cs.at(dest[i], hv, r);
+      for (int64_t c = 0; c < V; ++c) float_to_state(to[c], out + c);
+    }
+  }
+}
+
+at::Tensor gdn_tree_verify_slots_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                     const at::Tensor& beta, const at::Tensor& parent, at::Tensor& state_cache,
+                                     const at::Tensor& start_slots, const at::Tensor& state_slots,
+                                     c10::optional<double> scale, bool use_qk_l2norm,
+                                     bool /*validate: always on CPU*/) {
+  const char* op = "gdn_tree_verify_slots";
+  const GdnDims d = check_gdn_tree_verify_slots_args(q, k, v, g, beta, parent, state_cache, start_slots, state_slots);
+  check_slots_values(op, parent, start_slots, state_slots, d.pool);
+  const int64_t B = d.batch, n = d.nodes, H = d.qk_heads, HV = d.value_heads, K = d.key_dim, V = d.value_dim;
+  const float q_scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(K))));
+  const at::Tensor qc = with_contiguous_rows(q), kc = with_contiguous_rows(k), vc = with_contiguous_rows(v);
+  const gdn::RowStrides qs = row_strides(qc), ks = row_strides(kc), vs = row_strides(vc);
+  const gdn::RowStrides cs = row_strides(state_cache);
+  const at::Tensor gc = g.to(at::kFloat).contiguous(), bc = beta.to(at::kFloat).contiguous();
+  const at::Tensor pc = parent.to(at::kLong).contiguous(), sc = start_slots.to(at::kLong).contiguous();
+  const at::Tensor dc = state_slots.to(at::kLong).contiguous();
+  at::Tensor o = at::empty({B, n, HV, V}, v.options());
+  if (B == 0) return o;
+  const int64_t* parent_ptr = pc.data_ptr<int64_t>();
+  const int64_t* start_ptr = sc.data_ptr<int64_t>();
+  const int64_t* dest_ptr = dc.data_ptr<int64_t>();
+  // needed[b, i]: node i's state is written, or is the parent state of one that is (children follow their parents).
+  std::vector<char> needed(B * n, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = n - 1; i >= 0; --i) {
+      char& mark = needed[b * n + i];
+      mark = mark || dest_ptr[b * n + i] >= 0;
+      if (mark && parent_ptr[b * n + i] >= 0) needed[b * n + parent_ptr[b * n + i]] = 1;
+    }
+  }
+  const int64_t group = HV / H;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "gdn_tree_verify_slots_cpu", [&] {
+    using qkv_t = scalar_t;
+    const qkv_t* v_ptr = vc.data_ptr<qkv_t>();
+    const qkv_t* k_ptr = kc.data_ptr<qkv_t>();
+    qkv_t* o_ptr = o.data_ptr<qkv_t>();
+    const auto run = [&](auto state_tag) {
+      using state_t = decltype(state_tag);
+      state_t* cache = static_cast<state_t*>(state_cache.data_ptr());
+      at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+        VerifyScratch w(n, K, V);
+        std::vector<float> s0(K * V), rows((n + 1) * V), decay(n);
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t b = task / H, h = task % H;
+          load_qk<qkv_t>(qc, kc, qs, ks, parent_ptr + b * n, b, h, n, K, use_qk_l2norm, q_scale, w.p);
+          for (int64_t hv = h * group; hv < (h + 1) * group; ++hv) {
+            // The start state, read before any node state of this head is written (it may go to the start slot).
+            for (int64_t r = 0; r < K; ++r) {
+              const state_t* row = cache + cs.at(start_ptr[b], hv, r);
+              for (int64_t c = 0; c < V; ++c) s0[r * V + c] = state_to_float(row[c]);
+            }
+            verify_value_head(w, v_ptr, vs, gc.data_ptr<float>(), bc.data_ptr<float>(), parent_ptr + b * n, s0.data(),
+                              V, b, hv, n, HV, K, V);
+            store_outputs(w, o_ptr, b, hv, n, HV, V);
+            write_node_states(w, k_ptr, ks, parent_ptr + b * n, dest_ptr + b * n, needed.data() + b * n, s0.data(),
+                              cache, cs, b, h, hv, n, K, V, decay.data(), rows.data());
+          }
+        }
+      });
+    };
+    switch (state_cache.scalar_type()) {
+      case at::kFloat:
+        return run(float{});
+      case at::kBFloat16:
+        return run(c10::BFloat16{});
+      default:
+        return run(c10::Half{});
+    }
+  });
+  return o;
 }
 
 void gdn_commit_cpu(const at::Tensor& k, const at::Tensor& g, const at::Tensor& u, const at::Tensor& parent,
@@ -285,6 +440,7 @@ void causal_conv1d_commit_cpu(const at::Tensor& x, const at::Tensor& parent, con
 
 TORCH_LIBRARY_IMPL(peagle, CPU, m) {
   m.impl("gdn_tree_verify", &peagle::gdn_tree_verify_cpu);
+  m.impl("gdn_tree_verify_slots", &peagle::gdn_tree_verify_slots_cpu);
   m.impl("gdn_commit", &peagle::gdn_commit_cpu);
   m.impl("causal_conv1d_tree", &peagle::causal_conv1d_tree_cpu);
   m.impl("causal_conv1d_commit", &peagle::causal_conv1d_commit_cpu);

@@ -38,6 +38,8 @@ __all__ = [
     "gdn_recurrence_reference",
     "gdn_tree_verify",
     "gdn_tree_verify_reference",
+    "gdn_tree_verify_slots",
+    "gdn_tree_verify_slots_reference",
     "tree_path",
 ]
 
@@ -91,6 +93,49 @@ def gdn_tree_verify(
         q, k, v, g, beta, parent, state_pool, slots, scale, use_qk_l2norm, validate, tensor_cores
     )
     return GdnVerifyOutput(o, u)
+
+
+def gdn_tree_verify_slots(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    parent: Tensor,
+    state_cache: Tensor,
+    start_slots: Tensor,
+    state_slots: Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    validate: bool = True,
+) -> Tensor:
+    """Verification that reads and writes a state cache in place: the outputs of every node, and the state after each
+    node written into its own slot (vLLM's speculative GDN step: the state after draft t goes to slot t, and the next
+    step resumes from the slot of the last accepted draft).
+
+    Args:
+        q, k, v, g, beta, parent, scale, use_qk_l2norm: as in :func:`gdn_tree_verify`.
+        state_cache: [P, HV, K, V], float32 or q's dtype (vLLM's bfloat16 caches), updated in place: contiguous rows
+            of V and non-overlapping outer strides (a slice of a larger cache is fine; it is never copied).
+        start_slots: [B] int, request b starts from ``state_cache[start_slots[b]]`` (read as fp32).
+        state_slots: [B, n] int, the state after node i of request b goes to ``state_cache[state_slots[b, i]]``
+            (rounded to the cache's dtype); -1 writes nothing. The slots written must be distinct, and none may be
+            another request's start slot (a request may overwrite its own: its start state is read first).
+        validate: as in :func:`gdn_tree_verify`; on CUDA without the host checks (validate=False, or deferred checks)
+            the slots are claimed on the device: a request whose start slot or written slots another request also
+            writes is skipped (NaN outputs, nothing written), and :func:`peagle.ops.check_errors` raises the host
+            check's error.
+
+    Node states follow the recurrence node by node from the parent's state with the verification's delta values,
+    ``S_i = exp(g_i) S_parent + f_i k_i u_i^T`` in fp32 (the start state converted exactly), so a chain's states equal
+    :func:`gdn_commit` applied to one node after another, and the outputs equal :func:`gdn_tree_verify`'s bit for bit.
+
+    Returns:
+        o [B, n, HV, V] in v's dtype.
+    """
+    return torch.ops.peagle.gdn_tree_verify_slots(
+        q, k, v, g, beta, parent, state_cache, start_slots, state_slots, scale, use_qk_l2norm, validate
+    )
 
 
 def gdn_commit(
@@ -160,6 +205,13 @@ def _gdn_tree_verify_fake(
     q, k, v, g, beta, parent, state_pool, slots, scale=None, use_qk_l2norm=False, validate=True, tensor_cores=False
 ):
     return v.new_empty(v.shape), v.new_empty(v.shape, dtype=torch.float32)
+
+
+@torch.library.register_fake("peagle::gdn_tree_verify_slots")
+def _gdn_tree_verify_slots_fake(
+    q, k, v, g, beta, parent, state_cache, start_slots, state_slots, scale=None, use_qk_l2norm=False, validate=True
+):
+    return v.new_empty(v.shape)
 
 
 @torch.library.register_fake("peagle::gdn_commit")
@@ -257,6 +309,39 @@ def gdn_tree_verify_reference(
             out, _ = gdn_recurrence_reference(q[b, p], k[b, p], v[b, p], g[b, p], beta[b, p], s0, scale, use_qk_l2norm)
             o[b, i] = out[-1]
     return o
+
+
+def gdn_tree_verify_slots_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    parent: Tensor,
+    state_cache: Tensor,
+    start_slots: Tensor,
+    state_slots: Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[Tensor, Tensor]:
+    """(o [B, n, HV, V] in ``compute_dtype``, new state cache): every node by the sequential recurrence along its
+    root-to-node path from ``state_cache[start_slots[b]]``; the state after node i goes into a copy of the cache at
+    ``state_slots[b, i]`` (>= 0), in the cache's dtype. Start states are all read before any slot is written."""
+    batch, nodes = q.shape[:2]
+    o = torch.empty(batch, nodes, v.shape[2], v.shape[3], dtype=compute_dtype, device=v.device)
+    starts = [state_cache[int(start_slots[b])].to(compute_dtype) for b in range(batch)]
+    cache = state_cache.clone()
+    for b in range(batch):
+        for i in range(nodes):
+            p = tree_path(parent[b], i)
+            out, state = gdn_recurrence_reference(
+                q[b, p], k[b, p], v[b, p], g[b, p], beta[b, p], starts[b], scale, use_qk_l2norm
+            )
+            o[b, i] = out[-1]
+            if int(state_slots[b, i]) >= 0:
+                cache[int(state_slots[b, i])] = state.to(cache.dtype)
+    return o, cache
 
 
 def gdn_commit_reference(
