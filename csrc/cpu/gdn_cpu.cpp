@@ -7,14 +7,108 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "checks/gdn.h"
 #include "peagle/gdn.h"
 
 namespace peagle {
 namespace {
+
+// The row loops of gdn_rows.h for each instruction set (see there), and the pick at run time.
+namespace rows_generic {
+#define PEAGLE_GDN_TARGET
+#define PEAGLE_GDN_BLOCK 0
+#define PEAGLE_GDN_STREAM 0
+#include "gdn_rows.h"  // NOLINT(build/include)
+#undef PEAGLE_GDN_TARGET
+#undef PEAGLE_GDN_BLOCK
+#undef PEAGLE_GDN_STREAM
+}  // namespace rows_generic
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define PEAGLE_GDN_X86 1
+namespace rows_avx2 {
+#define PEAGLE_GDN_TARGET __attribute__((target("avx2")))
+#define PEAGLE_GDN_BLOCK 32
+#define PEAGLE_GDN_STREAM 0
+#include "gdn_rows.h"  // NOLINT(build/include)
+#undef PEAGLE_GDN_TARGET
+#undef PEAGLE_GDN_BLOCK
+#undef PEAGLE_GDN_STREAM
+}  // namespace rows_avx2
+
+namespace rows_avx512 {
+#define PEAGLE_GDN_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define PEAGLE_GDN_BLOCK 64
+#define PEAGLE_GDN_STREAM 1
+#include "gdn_rows.h"  // NOLINT(build/include)
+#undef PEAGLE_GDN_TARGET
+#undef PEAGLE_GDN_BLOCK
+#undef PEAGLE_GDN_STREAM
+}  // namespace rows_avx512
+#endif
+
+enum class Isa { kGeneric, kAvx2, kAvx512 };
+
+// The widest instruction set this CPU has; PEAGLE_CPU_ISA=generic|avx2|avx512 caps it (tests compare the versions).
+Isa detect_isa() {
+  Isa isa = Isa::kGeneric;
+#if defined(PEAGLE_GDN_X86)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2")) isa = Isa::kAvx2;
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq")) {
+    isa = Isa::kAvx512;
+  }
+#endif
+  const char* cap = std::getenv("PEAGLE_CPU_ISA");
+  if (cap != nullptr && std::strcmp(cap, "generic") == 0) isa = Isa::kGeneric;
+  if (cap != nullptr && std::strcmp(cap, "avx2") == 0 && isa == Isa::kAvx512) isa = Isa::kAvx2;
+  return isa;
+}
+
+Isa cpu_isa() {
+  static const Isa isa = detect_isa();
+  return isa;
+}
+
+#if defined(PEAGLE_GDN_X86)
+#define PEAGLE_GDN_DISPATCH(call) \
+  switch (cpu_isa()) {            \
+    case Isa::kAvx512:            \
+      return rows_avx512::call;   \
+    case Isa::kAvx2:              \
+      return rows_avx2::call;     \
+    default:                      \
+      return rows_generic::call;  \
+  }
+#else
+#define PEAGLE_GDN_DISPATCH(call) return rows_generic::call;
+#endif
+
+void project_kq(const float* k, const float* fk, const float* q, const float* fq, const float* s0, int64_t row_stride,
+                int64_t n, int64_t K, int64_t V, float* out_k, float* out_q) {
+  PEAGLE_GDN_DISPATCH(project_kq(k, fk, q, fq, s0, row_stride, n, K, V, out_k, out_q))
+}
+
+template <typename state_t>
+void load_head(const state_t* head, int64_t row_stride, int64_t K, int64_t V, float* s0) {
+  PEAGLE_GDN_DISPATCH(load_head(head, row_stride, K, V, s0))
+}
+
+template <typename state_t>
+void node_states(const float* s0, int64_t n, const int64_t* parent, const char* needed, const float* decay,
+                 const float* row_coef, const float* u, state_t* const* dest, int64_t row_stride, int64_t K, int64_t V,
+                 float* rows) {
+  PEAGLE_GDN_DISPATCH(node_states(s0, n, parent, needed, decay, row_coef, u, dest, row_stride, K, V, rows))
+}
 
 // Raw fp32 rows of q and k of one (request, q/k head), their factors and normalised Gram matrices (peagle/gdn.h):
 // computed once and shared by the value heads of the group.
@@ -61,21 +155,6 @@ void qk_products(int64_t n, int64_t K, bool l2norm, float q_scale, QkProducts& p
   }
 }
 
-// Row i of out = (sum_r rows_i[r] S0[r, :]) * factor_i, every sum in increasing r.
-void projections(const float* rows, const float* factor, const float* s0, int64_t row_stride, int64_t n, int64_t K,
-                 int64_t V, float* out) {
-  std::fill(out, out + n * V, 0.0f);
-  for (int64_t i = 0; i < n; ++i) {
-    float* o = out + i * V;
-    for (int64_t r = 0; r < K; ++r) {
-      const float x = rows[i * K + r];
-      const float* srow = s0 + r * row_stride;
-      for (int64_t c = 0; c < V; ++c) o[c] = gdn::mac(o[c], x, srow[c]);
-    }
-    for (int64_t c = 0; c < V; ++c) o[c] = gdn::mul_rn(o[c], factor[i]);
-  }
-}
-
 // Per-task buffers of the verification of one (request, q/k head) and its value heads.
 struct VerifyScratch {
   QkProducts p;
@@ -117,8 +196,7 @@ void verify_value_head(VerifyScratch& w, const scalar_t* v, gdn::RowStrides vs, 
   gdn::build_tree(parent, static_cast<int>(n), w.gate.data(), 1, p.anc.data(), nullptr, w.gate_sum.data());
   gdn::tree_coefficients(static_cast<int>(n), p.anc.data(), w.gate_sum.data(), p.kk.data(), p.qk.data(), w.root.data(),
                          w.a.data(), w.b.data(), w.self.data());
-  projections(p.k.data(), p.fk.data(), s0, row_stride, n, K, V, w.uf.data());
-  projections(p.q.data(), p.fq.data(), s0, row_stride, n, K, V, w.of.data());
+  project_kq(p.k.data(), p.fk.data(), p.q.data(), p.fq.data(), s0, row_stride, n, K, V, w.uf.data(), w.of.data());
   const auto v_at = [&](int i, int c) { return static_cast<float>(v[vs.at(b, i, hv) + c]); };
   gdn::solve_delta_columns(static_cast<int>(n), p.anc.data(), w.root.data(), w.bet.data(), w.a.data(), v_at,
                            w.uf.data(), V, 0, static_cast<int>(V));
@@ -184,52 +262,6 @@ std::tuple<at::Tensor, at::Tensor> gdn_tree_verify_cpu(const at::Tensor& q, cons
   return {o, u};
 }
 
-// State cache elements <-> fp32. bf16 by bit operations (round to nearest even, NaN to the canonical quiet NaN, as
-// c10::BFloat16 rounds) so that the row loops vectorise.
-inline float state_to_float(float x) { return x; }
-inline float state_to_float(c10::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline float state_to_float(c10::Half x) { return static_cast<float>(x); }
-
-inline void float_to_state(float x, float* dst) { *dst = x; }
-inline void float_to_state(float x, c10::BFloat16* dst) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  const uint16_t rounded = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-  dst->x = x != x ? uint16_t{0x7FC0} : rounded;
-}
-inline void float_to_state(float x, c10::Half* dst) { *dst = static_cast<c10::Half>(x); }
-
-// The states of value head hv of request b after the nodes that have a slot (or a descendant with one), node by node
-// from the parent's state (gdn::state_step), written into their slots; s0: the start state as fp32 rows of V.
-// rows: (n + 1) x V floats, one row of the state per node and the start state's row in the last.
-template <typename scalar_t, typename state_t>
-void write_node_states(const VerifyScratch& w, const scalar_t* k, gdn::RowStrides ks, const int64_t* parent,
-                       const int64_t* dest, const char* needed, const float* s0, state_t* cache, gdn::RowStrides cs,
-                       int64_t b, int64_t h, int64_t hv, int64_t n, int64_t K, int64_t V, float* decay, float* rows) {
-  for (int64_t i = 0; i < n; ++i) decay[i] = gdn::node_decay(w.gate[i]);
-  float* start_row = rows + n * V;
-  for (int64_t r = 0; r < K; ++r) {
-    std::copy(s0 + r * V, s0 + (r + 1) * V, start_row);
-    for (int64_t i = 0; i < n; ++i) {
-      if (!needed[i]) continue;
-      const float* from = parent[i] < 0 ? start_row : rows + parent[i] * V;
-      const float row_coef = gdn::mul_rn(w.p.fk[i], static_cast<float>(k[ks.at(b, i, h) + r]));
-      const float* ui = w.uf.data() + i * V;
-      float* to = rows + i * V;
-      const float di = decay[i];
-      for (int64_t c = 0; c < V; ++c) to[c] = gdn::state_step(from[c], di, row_coef, ui[c]);
-      if (dest[i] < 0) continue;
-      state_t* out = cache + cs.at(dest[i], hv, r);
-      for (int64_t c = 0; c < V; ++c) float_to_state(to[c], out + c);
-    }
-  }
-}
-
 at::Tensor gdn_tree_verify_slots_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                                      const at::Tensor& beta, const at::Tensor& parent, at::Tensor& state_cache,
                                      const at::Tensor& start_slots, const at::Tensor& state_slots,
@@ -264,28 +296,33 @@ at::Tensor gdn_tree_verify_slots_cpu(const at::Tensor& q, const at::Tensor& k, c
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "gdn_tree_verify_slots_cpu", [&] {
     using qkv_t = scalar_t;
     const qkv_t* v_ptr = vc.data_ptr<qkv_t>();
-    const qkv_t* k_ptr = kc.data_ptr<qkv_t>();
     qkv_t* o_ptr = o.data_ptr<qkv_t>();
     const auto run = [&](auto state_tag) {
       using state_t = decltype(state_tag);
       state_t* cache = static_cast<state_t*>(state_cache.data_ptr());
       at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
         VerifyScratch w(n, K, V);
-        std::vector<float> s0(K * V), rows((n + 1) * V), decay(n);
+        std::vector<float> s0(K * V), rows((n + 1) * V), decay(n), row_coef(n * K);
+        std::vector<state_t*> dest(n);
         for (int64_t task = begin; task < end; ++task) {
           const int64_t b = task / H, h = task % H;
           load_qk<qkv_t>(qc, kc, qs, ks, parent_ptr + b * n, b, h, n, K, use_qk_l2norm, q_scale, w.p);
+          for (int64_t i = 0; i < n; ++i) {
+            for (int64_t r = 0; r < K; ++r) row_coef[i * K + r] = gdn::mul_rn(w.p.fk[i], w.p.k[i * K + r]);
+          }
           for (int64_t hv = h * group; hv < (h + 1) * group; ++hv) {
             // The start state, read before any node state of this head is written (it may go to the start slot).
-            for (int64_t r = 0; r < K; ++r) {
-              const state_t* row = cache + cs.at(start_ptr[b], hv, r);
-              for (int64_t c = 0; c < V; ++c) s0[r * V + c] = state_to_float(row[c]);
-            }
+            load_head(cache + cs.at(start_ptr[b], hv, 0), cs.inner, K, V, s0.data());
             verify_value_head(w, v_ptr, vs, gc.data_ptr<float>(), bc.data_ptr<float>(), parent_ptr + b * n, s0.data(),
                               V, b, hv, n, HV, K, V);
             store_outputs(w, o_ptr, b, hv, n, HV, V);
-            write_node_states(w, k_ptr, ks, parent_ptr + b * n, dest_ptr + b * n, needed.data() + b * n, s0.data(),
-                              cache, cs, b, h, hv, n, K, V, decay.data(), rows.data());
+            for (int64_t i = 0; i < n; ++i) {
+              decay[i] = gdn::node_decay(w.gate[i]);
+              const int64_t slot = dest_ptr[b * n + i];
+              dest[i] = slot < 0 ? nullptr : cache + cs.at(slot, hv, 0);
+            }
+            node_states(s0.data(), n, parent_ptr + b * n, needed.data() + b * n, decay.data(), row_coef.data(),
+                        w.uf.data(), dest.data(), cs.inner, K, V, rows.data());
           }
         }
       });
