@@ -619,13 +619,20 @@ for dtype, (h, hv, kd, vd) in ((torch.float32, (2, 4, 64, 80)), (torch.bfloat16,
     o2 = gdn_tree_verify_slots(*x[:6], cache, torch.tensor([40, 0, 41]), dest, use_qk_l2norm=True)
     for t in (o, u, o2, cache):
         digest.update(t.float().numpy().tobytes())
+logits = torch.randn(2, 5, 40001, generator=gen)
+logits[:, :, 17:40001:997] = logits.amax()  # ties: the first index wins
+logits[1, 2, 31000] = float("inf")
+out = peagle.ops.tree_verify_greedy(torch.arange(5).expand(2, 5) - 1, torch.zeros(2, 5, dtype=torch.long),
+                                    torch.tensor([5, 5]), logits)
+digest.update(out.emitted_tokens.numpy().tobytes())
 print(digest.hexdigest())
 """
 
 
 def test_every_cpu_instruction_set_computes_the_same_bits(generator):
-    """The row loops are compiled for baseline x86-64, AVX2 and AVX-512 and picked at run time; PEAGLE_CPU_ISA caps
-    the pick. Every version must give the same bits (the kernels promise bit-identical results across backends)."""
+    """The row loops (GDN projections and node states, the greedy row argmax) are compiled for baseline x86-64, AVX2
+    and AVX-512 and picked at run time; PEAGLE_CPU_ISA caps the pick. Every version must give the same bits (the
+    kernels promise bit-identical results across backends)."""
     import os
     import subprocess
     import sys

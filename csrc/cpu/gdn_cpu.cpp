@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -16,12 +15,13 @@
 #endif
 
 #include "checks/gdn.h"
+#include "isa.h"
 #include "peagle/gdn.h"
 
 namespace peagle {
 namespace {
 
-// The row loops of gdn_rows.h for each instruction set (see there), and the pick at run time.
+// The row loops of gdn_rows.h for each instruction set (see isa.h).
 namespace rows_generic {
 #define PEAGLE_GDN_TARGET
 #define PEAGLE_GDN_BLOCK 0
@@ -32,10 +32,9 @@ namespace rows_generic {
 #undef PEAGLE_GDN_STREAM
 }  // namespace rows_generic
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define PEAGLE_GDN_X86 1
+#if defined(PEAGLE_CPU_X86)
 namespace rows_avx2 {
-#define PEAGLE_GDN_TARGET __attribute__((target("avx2")))
+#define PEAGLE_GDN_TARGET PEAGLE_CPU_AVX2
 #define PEAGLE_GDN_BLOCK 32
 #define PEAGLE_GDN_STREAM 0
 #include "gdn_rows.h"  // NOLINT(build/include)
@@ -45,7 +44,7 @@ namespace rows_avx2 {
 }  // namespace rows_avx2
 
 namespace rows_avx512 {
-#define PEAGLE_GDN_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define PEAGLE_GDN_TARGET PEAGLE_CPU_AVX512
 #define PEAGLE_GDN_BLOCK 64
 #define PEAGLE_GDN_STREAM 1
 #include "gdn_rows.h"  // NOLINT(build/include)
@@ -55,43 +54,7 @@ namespace rows_avx512 {
 }  // namespace rows_avx512
 #endif
 
-enum class Isa { kGeneric, kAvx2, kAvx512 };
-
-// The widest instruction set this CPU has; PEAGLE_CPU_ISA=generic|avx2|avx512 caps it (tests compare the versions).
-Isa detect_isa() {
-  Isa isa = Isa::kGeneric;
-#if defined(PEAGLE_GDN_X86)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2")) isa = Isa::kAvx2;
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq")) {
-    isa = Isa::kAvx512;
-  }
-#endif
-  const char* cap = std::getenv("PEAGLE_CPU_ISA");
-  if (cap != nullptr && std::strcmp(cap, "generic") == 0) isa = Isa::kGeneric;
-  if (cap != nullptr && std::strcmp(cap, "avx2") == 0 && isa == Isa::kAvx512) isa = Isa::kAvx2;
-  return isa;
-}
-
-Isa cpu_isa() {
-  static const Isa isa = detect_isa();
-  return isa;
-}
-
-#if defined(PEAGLE_GDN_X86)
-#define PEAGLE_GDN_DISPATCH(call) \
-  switch (cpu_isa()) {            \
-    case Isa::kAvx512:            \
-      return rows_avx512::call;   \
-    case Isa::kAvx2:              \
-      return rows_avx2::call;     \
-    default:                      \
-      return rows_generic::call;  \
-  }
-#else
-#define PEAGLE_GDN_DISPATCH(call) return rows_generic::call;
-#endif
+#define PEAGLE_GDN_DISPATCH(call) PEAGLE_CPU_DISPATCH(rows_generic, rows_avx2, rows_avx512, call)
 
 void project_kq(const float* k, const float* fk, const float* q, const float* fq, const float* s0, int64_t row_stride,
                 int64_t n, int64_t K, int64_t V, float* out_k, float* out_q) {

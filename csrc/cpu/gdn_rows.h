@@ -1,8 +1,7 @@
 // The hot row loops of the CPU GDN kernels (state projections, node-state steps, state cache conversions), compiled
-// once per x86 instruction set and picked at run time (gdn_cpu.cpp includes this file in several namespaces, each time
-// with PEAGLE_GDN_TARGET set to a target attribute). The extension is built for baseline x86-64 (SSE2); AVX2 and
-// AVX-512 widen the same loops, and since -ffp-contract=off keeps every multiply and add separately rounded, every
-// version computes the same bits (peagle/gdn.h's operation order).
+// once per x86 instruction set and picked at run time (isa.h: gdn_cpu.cpp includes this file in several namespaces,
+// each time with PEAGLE_GDN_TARGET set to a target attribute). Every version computes the same bits (peagle/gdn.h's
+// operation order).
 //
 // Only raw-pointer code here, with internal linkage: a template of the standard library or ATen instantiated under a
 // target attribute could be shared by the linker with code that runs on any CPU. No include guard: included on purpose
