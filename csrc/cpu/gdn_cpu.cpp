@@ -69,8 +69,8 @@ void load_head(const state_t* head, int64_t row_stride, int64_t K, int64_t V, fl
 template <typename state_t>
 void node_states(const float* s0, int64_t n, const int64_t* parent, const char* needed, const float* decay,
                  const float* row_coef, const float* u, state_t* const* dest, int64_t row_stride, int64_t K, int64_t V,
-                 float* rows) {
-  PEAGLE_GDN_DISPATCH(node_states(s0, n, parent, needed, decay, row_coef, u, dest, row_stride, K, V, rows))
+                 float* rows, bool stream) {
+  PEAGLE_GDN_DISPATCH(node_states(s0, n, parent, needed, decay, row_coef, u, dest, row_stride, K, V, rows, stream))
 }
 
 // Raw fp32 rows of q and k of one (request, q/k head), their factors and normalised Gram matrices (peagle/gdn.h):
@@ -255,6 +255,11 @@ at::Tensor gdn_tree_verify_slots_cpu(const at::Tensor& q, const at::Tensor& k, c
       if (mark && parent_ptr[b * n + i] >= 0) needed[b * n + parent_ptr[b * n + i]] = 1;
     }
   }
+  // Streaming stores (no read for ownership) pay off when the written states do not fit in a cache, and cost when
+  // they do (the next step would find them there): only calls writing more than kStreamBytes use them.
+  constexpr int64_t kStreamBytes = int64_t{16} << 20;
+  const int64_t written = std::count_if(dest_ptr, dest_ptr + B * n, [](int64_t slot) { return slot >= 0; });
+  const bool stream = written * HV * K * V * static_cast<int64_t>(state_cache.element_size()) > kStreamBytes;
   const int64_t group = HV / H;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "gdn_tree_verify_slots_cpu", [&] {
     using qkv_t = scalar_t;
@@ -285,7 +290,7 @@ at::Tensor gdn_tree_verify_slots_cpu(const at::Tensor& q, const at::Tensor& k, c
               dest[i] = slot < 0 ? nullptr : cache + cs.at(slot, hv, 0);
             }
             node_states(s0.data(), n, parent_ptr + b * n, needed.data() + b * n, decay.data(), row_coef.data(),
-                        w.uf.data(), dest.data(), cs.inner, K, V, rows.data());
+                        w.uf.data(), dest.data(), cs.inner, K, V, rows.data(), stream);
           }
         }
       });

@@ -100,14 +100,14 @@ static PEAGLE_GDN_TARGET void from_float_row(const float* src, int64_t V, c10::H
   for (int64_t c = 0; c < V; ++c) dst[c] = static_cast<c10::Half>(src[c]);
 }
 
-// A state row into the cache. With PEAGLE_GDN_STREAM (AVX-512), rows of whole aligned cache lines go out as streaming
-// stores: the written slots are not read first (no read for ownership), which halves the memory traffic of the
-// writes; the caller fences (stream_fence) before its results are read.
+// A state row into the cache. With PEAGLE_GDN_STREAM (AVX-512) and `stream` (the call writes more than a cache holds),
+// rows of whole aligned cache lines go out as streaming stores: the written slots are not read first (no read for
+// ownership), which halves the memory traffic of the writes; node_states fences (stream_fence) before returning.
 template <typename state_t>
-static PEAGLE_GDN_TARGET void store_state_row(const float* src, int64_t V, state_t* dst) {
+static PEAGLE_GDN_TARGET void store_state_row(const float* src, int64_t V, state_t* dst, bool stream) {
 #if PEAGLE_GDN_STREAM
   constexpr int64_t kPerLine = 64 / sizeof(state_t);
-  if (reinterpret_cast<uintptr_t>(dst) % 64 == 0 && V % kPerLine == 0) {
+  if (stream && reinterpret_cast<uintptr_t>(dst) % 64 == 0 && V % kPerLine == 0) {
     for (int64_t c0 = 0; c0 < V; c0 += kPerLine) {
       alignas(64) state_t line[kPerLine];
       from_float_row(src + c0, kPerLine, line);
@@ -115,6 +115,8 @@ static PEAGLE_GDN_TARGET void store_state_row(const float* src, int64_t V, state
     }
     return;
   }
+#else
+  (void)stream;
 #endif
   from_float_row(src, V, dst);
 }
@@ -133,11 +135,12 @@ static PEAGLE_GDN_TARGET void load_head(const state_t* head, int64_t row_stride,
 
 // The node states of one value head, row by row (gdn::state_step from the parent's row; the start state's row for a
 // root), for the nodes marked `needed`; node i's row goes to dest[i] + r * row_stride when dest[i] is not null.
-// row_coef [n, K] = f^k_i k_i[r]; u [n, V]; rows: (n + 1) x V floats of scratch.
+// row_coef [n, K] = f^k_i k_i[r]; u [n, V]; rows: (n + 1) x V floats of scratch; stream: see store_state_row.
 template <typename state_t>
 static PEAGLE_GDN_TARGET void node_states(const float* s0, int64_t n, const int64_t* parent, const char* needed,
                                           const float* decay, const float* row_coef, const float* u,
-                                          state_t* const* dest, int64_t row_stride, int64_t K, int64_t V, float* rows) {
+                                          state_t* const* dest, int64_t row_stride, int64_t K, int64_t V, float* rows,
+                                          bool stream) {
   float* start = rows + n * V;
   for (int64_t r = 0; r < K; ++r) {
     for (int64_t c = 0; c < V; ++c) start[c] = s0[r * V + c];
@@ -148,7 +151,7 @@ static PEAGLE_GDN_TARGET void node_states(const float* s0, int64_t n, const int6
       const float* ui = u + i * V;
       float* to = rows + i * V;
       for (int64_t c = 0; c < V; ++c) to[c] = gdn::state_step(from[c], d, a, ui[c]);
-      if (dest[i] != nullptr) store_state_row(to, V, dest[i] + r * row_stride);
+      if (dest[i] != nullptr) store_state_row(to, V, dest[i] + r * row_stride, stream);
     }
   }
   stream_fence();
