@@ -52,12 +52,14 @@ TORCH_LIBRARY(peagle, m) {
   m.def(
       "gdn_commit(Tensor k, Tensor g, Tensor u, Tensor parent, Tensor last_accepted, Tensor(a!) state_pool, "
       "Tensor slots, bool use_qk_l2norm=False, bool validate=True) -> ()");
+  // The conv pair's slots (optional): conv_state is then a cache [P, C, W - 1] whose row slots[b] request b reads
+  // and commits into, in place (no gathered copy of the conv states).
   m.def(
       "causal_conv1d_tree(Tensor x, Tensor parent, Tensor conv_state, Tensor weight, Tensor? bias=None, "
-      "str? activation=None, bool validate=True) -> Tensor");
+      "str? activation=None, bool validate=True, Tensor? slots=None) -> Tensor");
   m.def(
       "causal_conv1d_commit(Tensor x, Tensor parent, Tensor last_accepted, Tensor(a!) conv_state, "
-      "bool validate=True) -> ()");
+      "bool validate=True, Tensor? slots=None) -> ()");
 
   // Tree verification. A batch of draft trees padded to n_max nodes: parent/tokens [B, n_max], num_nodes [B],
   // target_probs (and draft_probs) [B, n_max, V] float32. Outputs: accepted path [B, n_max] (node indices from the

@@ -108,6 +108,12 @@ def gdn(generator):
         weight = torch.randn(channels, width, generator=generator).to(DEVICE)
         OPS.causal_conv1d_tree(xs, parent, state, weight, None, "silu", True)
         OPS.causal_conv1d_commit(xs, parent, last, state, True)
+        cache = torch.randn(7, channels, width - 1, generator=generator).to(dtype).to(DEVICE)  # rows named by slots
+        rows = torch.tensor([5, 0, 2], device=DEVICE)
+        OPS.causal_conv1d_tree(xs, parent, cache, weight, None, "silu", True, rows)
+        OPS.causal_conv1d_commit(xs, parent, last, cache, True, rows)
+        if DEVICE.type == "cuda":  # unvalidated, two requests on one row: the device claims (the CPU would raise)
+            OPS.causal_conv1d_commit(xs, parent, last, cache, False, torch.tensor([5, 5, 2], device=DEVICE))
 
 
 @case("tree_verify_greedy", "tree_rejection_sample")

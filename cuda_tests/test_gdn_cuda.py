@@ -487,3 +487,35 @@ def test_opcheck_slots_cuda(generator):
         torch.ops.peagle.gdn_tree_verify_slots.default,
         (*to_cuda(x)[:6], cache.cuda(), start.cuda(), dest.cuda(), None, True),
     )
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_conv_slots_cuda_equal_cpu(generator, deferred):
+    """The conv pair on a cache of conv states (slots) equals the CPU bit for bit; unvalidated commits claim their
+    slots on the device (a shared one is left unchanged and check_errors names it)."""
+    batch, nodes, channels, width, rows = 4, 9, 40, 4, 11
+    parent = torch.stack([random_tree(generator, nodes, "random") for _ in range(batch)])
+    x = torch.randn(batch, nodes, channels, generator=generator).bfloat16()
+    cache = torch.randn(rows, channels, width - 1, generator=generator).bfloat16()
+    weight, bias = torch.randn(channels, width, generator=generator), torch.randn(channels, generator=generator)
+    slots = torch.randperm(rows, generator=generator)[:batch]
+    last = torch.tensor([nodes - 1, 3, -1, 0])
+    out = causal_conv1d_tree(x, parent, cache, weight, bias, "silu", slots=slots)
+    out_cuda = causal_conv1d_tree(x.cuda(), parent.cuda(), cache.cuda(), weight.cuda(), bias.cuda(), "silu",
+                                  slots=slots.cuda())  # fmt: skip
+    assert_same_bits(out_cuda, out)
+    committed, committed_cuda = cache.clone(), cache.cuda()
+    causal_conv1d_commit(x, parent, last, committed, slots=slots)
+    causal_conv1d_commit(x.cuda(), parent.cuda(), last.cuda(), committed_cuda, slots=slots.cuda())
+    assert_same_bits(committed_cuda, committed)
+    shared = slots.clone()
+    shared[3] = shared[0]  # requests 0 and 3 both commit into one row
+    check_errors()
+    target = cache.cuda()
+    with deferred_checks(deferred):
+        causal_conv1d_commit(x.cuda(), parent.cuda(), last.cuda(), target, validate=deferred, slots=shared.cuda())
+        with pytest.raises(RuntimeError, match=rf"causal_conv1d_commit: slots of requests .* slot {int(shared[0])}"):
+            check_errors()
+    expected = cache.clone()
+    causal_conv1d_commit(x[1:3], parent[1:3], last[1:3], expected, slots=shared[1:3])
+    assert_same_bits(target, expected)  # the shared row unchanged, the others committed

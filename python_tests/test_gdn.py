@@ -646,3 +646,65 @@ def test_every_cpu_instruction_set_computes_the_same_bits(generator):
         assert run.returncode == 0, run.stderr[-2000:]
         digests[isa] = run.stdout.strip()
     assert len(set(digests.values())) == 1, digests
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The conv pair on a cache of conv states (slots): read and committed in place.
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_slots_equal_the_gathered_rows(generator, kind, dtype):
+    """With slots, the ops read and commit rows of a larger cache in place: the same outputs and rows as the ops on
+    the gathered rows (then scattered back), bit for bit, and every other row untouched."""
+    batch, nodes, channels, width, rows = 4, 9, 6, 4, 11
+    parent = torch.stack([random_tree(generator, nodes, kind) for _ in range(batch)])
+    x = torch.randn(batch, nodes, channels, generator=generator).to(dtype)
+    cache = torch.randn(rows, channels, width - 1, generator=generator).to(dtype)
+    weight, bias = torch.randn(channels, width, generator=generator), torch.randn(channels, generator=generator)
+    slots = torch.randperm(rows, generator=generator)[:batch]
+    last = torch.randint(-1, nodes, (batch,), generator=generator)
+    last[0] = nodes - 1
+    gathered = cache[slots].clone()
+    expected = causal_conv1d_tree(x, parent, gathered, weight, bias, "silu")
+    out = causal_conv1d_tree(x, parent, cache, weight, bias, "silu", slots=slots)
+    assert torch.equal(out, expected)
+    reference = causal_conv1d_tree_reference(x, parent, cache, weight, bias, "silu", torch.float64, slots=slots)
+    assert rel_rms(out, reference) <= (1e-6 if dtype == torch.float32 else 4e-3)
+    causal_conv1d_commit(x, parent, last, gathered)
+    committed = cache.clone()
+    causal_conv1d_commit(x, parent, last, committed, slots=slots.int())
+    expected_cache = cache.clone()
+    expected_cache[slots] = gathered
+    assert torch.equal(committed, expected_cache)
+    assert torch.equal(committed, causal_conv1d_commit_reference(x, parent, last, cache, slots))
+    assert not torch.equal(committed, cache)
+
+
+def test_conv_slots_errors_and_opcheck(generator):
+    parent = random_tree(generator, 5, "random").unsqueeze(0).expand(2, 5).contiguous()
+    x = torch.randn(2, 5, 4, generator=generator)
+    cache = torch.randn(6, 4, 2, generator=generator)
+    weight = torch.randn(4, 3, generator=generator)
+    with pytest.raises(RuntimeError, match=r"causal_conv1d_tree: slots must be in \[0, 6\), got 6 for request 1"):
+        causal_conv1d_tree(x, parent, cache, weight, slots=torch.tensor([0, 6]))
+    with pytest.raises(RuntimeError, match=r"causal_conv1d_tree: conv_state must be \[P, C, W - 1\] with C = 4"):
+        causal_conv1d_tree(x, parent, cache[:, :3], weight, slots=torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match=r"causal_conv1d_tree: slots must be \[B\] with B = 2"):
+        causal_conv1d_tree(x, parent, cache, weight, slots=torch.tensor([0]))
+    with pytest.raises(RuntimeError, match=r"causal_conv1d_tree: slots must be int32 or int64"):
+        causal_conv1d_tree(x, parent, cache, weight, slots=torch.tensor([0.0, 1.0]))
+    kept = cache.clone()
+    with pytest.raises(RuntimeError, match=r"causal_conv1d_commit: slots of requests with last_accepted >= 0 must be"):
+        causal_conv1d_commit(x, parent, torch.tensor([1, 2]), kept, slots=torch.tensor([3, 3]))
+    assert torch.equal(kept, cache)
+    causal_conv1d_commit(x, parent, torch.tensor([1, -1]), kept, slots=torch.tensor([3, 3]))  # inactive may share
+    with pytest.raises(RuntimeError, match=r"causal_conv1d_commit: slots must be in \[0, 6\), got -2 for request 0"):
+        causal_conv1d_commit(x, parent, torch.tensor([1, -1]), kept, slots=torch.tensor([-2, 99]))
+    slots = torch.tensor([4, 1])
+    torch.library.opcheck(
+        torch.ops.peagle.causal_conv1d_tree.default, (x, parent, cache, weight, None, "silu", True, slots)
+    )
+    torch.library.opcheck(
+        torch.ops.peagle.causal_conv1d_commit.default, (x, parent, torch.tensor([3, 0]), cache.clone(), True, slots)
+    )

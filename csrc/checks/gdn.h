@@ -191,7 +191,27 @@ inline GdnDims check_gdn_commit_args(const at::Tensor& k, const at::Tensor& g, c
 
 struct ConvDims {
   int64_t batch, nodes, channels, width;
+  int64_t rows;  // conv_state's rows: B, or the cache's P when requests name their rows (slots)
 };
+
+// Conv states: [B, C, W - 1] (row b per request), or with slots a cache [P, C, W - 1] whose row slots[b] is request
+// b's (read and written in place).
+inline int64_t check_conv_state(const char* op, const at::Tensor& conv_state, const c10::optional<at::Tensor>& slots,
+                                const at::Tensor& x, int64_t batch, int64_t channels, int64_t width) {
+  if (!slots.has_value()) {
+    check_dims(op, "conv_state", conv_state, {batch, channels, width - 1}, "[B, C, W - 1]");
+    return batch;
+  }
+  TORCH_CHECK(conv_state.size(1) == channels && conv_state.size(2) == width - 1, "peagle.", op,
+              ": conv_state must be [P, C, W - 1] with C = ", channels, ", W - 1 = ", width - 1,
+              " (a cache of conv states, row slots[b] for request b), got shape ", shape_str(conv_state));
+  check_rank(op, "slots", *slots, 1, "[B]");
+  check_integer(op, "slots", *slots);
+  TORCH_CHECK(slots->size(0) == batch, "peagle.", op, ": slots must be [B] with B = ", batch, ", got shape ",
+              shape_str(*slots));
+  check_same_device(op, "slots", *slots, x, "x");
+  return conv_state.size(0);
+}
 
 inline int check_activation(const char* op, const c10::optional<c10::string_view>& activation) {
   if (!activation.has_value()) return 0;
@@ -204,21 +224,22 @@ inline int check_activation(const char* op, const c10::optional<c10::string_view
 
 inline ConvDims check_causal_conv1d_tree_args(const at::Tensor& x, const at::Tensor& parent,
                                               const at::Tensor& conv_state, const at::Tensor& weight,
-                                              const c10::optional<at::Tensor>& bias) {
+                                              const c10::optional<at::Tensor>& bias,
+                                              const c10::optional<at::Tensor>& slots) {
   const char* op = "causal_conv1d_tree";
   check_rank(op, "x", x, 3, "[B, n, C]");
   check_rank(op, "weight", weight, 2, "[C, W]");
-  check_rank(op, "conv_state", conv_state, 3, "[B, C, W - 1]");
+  check_rank(op, "conv_state", conv_state, 3, slots.has_value() ? "[P, C, W - 1]" : "[B, C, W - 1]");
   check_float_input(op, "x", x);
   check_float_input(op, "weight", weight);
   TORCH_CHECK(conv_state.scalar_type() == x.scalar_type(), "peagle.", op, ": conv_state must have x's dtype ",
               x.scalar_type(), ", got ", conv_state.scalar_type());
-  ConvDims d{x.size(0), x.size(1), x.size(2), weight.size(1)};
+  ConvDims d{x.size(0), x.size(1), x.size(2), weight.size(1), 0};
   TORCH_CHECK(weight.size(0) == d.channels && d.width >= 2, "peagle.", op,
               ": weight must be [C, W] with C = ", d.channels, " and W >= 2, got shape ", shape_str(weight));
   TORCH_CHECK(d.width <= gdn::kMaxConvWidth, "peagle.", op, ": the conv width W must be <= ", gdn::kMaxConvWidth,
               ", got ", d.width);
-  check_dims(op, "conv_state", conv_state, {d.batch, d.channels, d.width - 1}, "[B, C, W - 1]");
+  d.rows = check_conv_state(op, conv_state, slots, x, d.batch, d.channels, d.width);
   check_parent(op, parent, d.batch, d.nodes, x, "x");
   check_same_device(op, "weight", weight, x, "x");
   check_same_device(op, "conv_state", conv_state, x, "x");
@@ -233,17 +254,18 @@ inline ConvDims check_causal_conv1d_tree_args(const at::Tensor& x, const at::Ten
 }
 
 inline ConvDims check_causal_conv1d_commit_args(const at::Tensor& x, const at::Tensor& parent,
-                                                const at::Tensor& last_accepted, const at::Tensor& conv_state) {
+                                                const at::Tensor& last_accepted, const at::Tensor& conv_state,
+                                                const c10::optional<at::Tensor>& slots) {
   const char* op = "causal_conv1d_commit";
   check_rank(op, "x", x, 3, "[B, n, C]");
-  check_rank(op, "conv_state", conv_state, 3, "[B, C, W - 1]");
+  check_rank(op, "conv_state", conv_state, 3, slots.has_value() ? "[P, C, W - 1]" : "[B, C, W - 1]");
   check_float_input(op, "x", x);
   TORCH_CHECK(conv_state.scalar_type() == x.scalar_type(), "peagle.", op, ": conv_state must have x's dtype ",
               x.scalar_type(), ", got ", conv_state.scalar_type());
-  ConvDims d{x.size(0), x.size(1), x.size(2), conv_state.size(2) + 1};
-  TORCH_CHECK(conv_state.size(0) == d.batch && conv_state.size(1) == d.channels && d.width >= 2, "peagle.", op,
-              ": conv_state must be [B, C, W - 1] with B = ", d.batch, ", C = ", d.channels, " and W >= 2, got shape ",
+  ConvDims d{x.size(0), x.size(1), x.size(2), conv_state.size(2) + 1, 0};
+  TORCH_CHECK(d.width >= 2, "peagle.", op, ": conv_state must have W - 1 >= 1 columns, got shape ",
               shape_str(conv_state));
+  d.rows = check_conv_state(op, conv_state, slots, x, d.batch, d.channels, d.width);
   TORCH_CHECK(d.width <= gdn::kMaxConvWidth, "peagle.", op, ": the conv width W must be <= ", gdn::kMaxConvWidth,
               ", got ", d.width);
   TORCH_CHECK(conv_state.is_contiguous(), "peagle.", op, ": conv_state must be contiguous (it is updated in place)");

@@ -362,11 +362,15 @@ void gdn_commit_cpu(const at::Tensor& k, const at::Tensor& g, const at::Tensor& 
 
 at::Tensor causal_conv1d_tree_cpu(const at::Tensor& x, const at::Tensor& parent, const at::Tensor& conv_state,
                                   const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                                  c10::optional<c10::string_view> activation, bool /*validate: always on CPU*/) {
+                                  c10::optional<c10::string_view> activation, bool /*validate: always on CPU*/,
+                                  const c10::optional<at::Tensor>& slots) {
   const char* op = "causal_conv1d_tree";
-  const ConvDims d = check_causal_conv1d_tree_args(x, parent, conv_state, weight, bias);
+  const ConvDims d = check_causal_conv1d_tree_args(x, parent, conv_state, weight, bias, slots);
   const int act = check_activation(op, activation);
   check_parent_values(op, parent);
+  if (slots.has_value()) check_index_values(op, "slots", *slots, 0, d.rows);
+  const at::Tensor rows =
+      slots.has_value() ? slots->to(at::kLong).contiguous() : at::arange(d.batch, x.options().dtype(at::kLong));
   const int64_t B = d.batch, n = d.nodes, C = d.channels, W = d.width;
   const at::Tensor xc = x.contiguous(), stc = conv_state.contiguous();
   const at::Tensor wc = weight.to(at::kFloat).contiguous();
@@ -377,6 +381,7 @@ at::Tensor causal_conv1d_tree_cpu(const at::Tensor& x, const at::Tensor& parent,
   const float* w_ptr = wc.data_ptr<float>();
   const float* bias_ptr = biasc.data_ptr<float>();
   const int64_t* parent_ptr = pc.data_ptr<int64_t>();
+  const int64_t* row_ptr = rows.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "causal_conv1d_tree_cpu", [&] {
     const scalar_t* x_ptr = xc.data_ptr<scalar_t>();
     const scalar_t* st_ptr = stc.data_ptr<scalar_t>();
@@ -394,7 +399,7 @@ at::Tensor causal_conv1d_tree_cpu(const at::Tensor& x, const at::Tensor& parent,
             for (int64_t c = 0; c < C; ++c) acc[c] += w_ptr[c * W + w] * static_cast<float>(xr[c]);
           } else {
             const int64_t s = -src[w] - 1;
-            const scalar_t* sr = st_ptr + b * C * (W - 1) + s;
+            const scalar_t* sr = st_ptr + row_ptr[b] * C * (W - 1) + s;
             for (int64_t c = 0; c < C; ++c) acc[c] += w_ptr[c * W + w] * static_cast<float>(sr[c * (W - 1)]);
           }
         }
@@ -407,11 +412,19 @@ at::Tensor causal_conv1d_tree_cpu(const at::Tensor& x, const at::Tensor& parent,
 }
 
 void causal_conv1d_commit_cpu(const at::Tensor& x, const at::Tensor& parent, const at::Tensor& last_accepted,
-                              at::Tensor& conv_state, bool /*validate: always on CPU*/) {
+                              at::Tensor& conv_state, bool /*validate: always on CPU*/,
+                              const c10::optional<at::Tensor>& slots) {
   const char* op = "causal_conv1d_commit";
-  const ConvDims d = check_causal_conv1d_commit_args(x, parent, last_accepted, conv_state);
+  const ConvDims d = check_causal_conv1d_commit_args(x, parent, last_accepted, conv_state, slots);
   check_parent_values(op, parent);
   check_index_values(op, "last_accepted", last_accepted, -1, d.nodes);
+  if (slots.has_value()) {
+    check_active_slot_values(op, *slots, last_accepted, d.rows);
+    check_distinct_active_slots(op, *slots, last_accepted);
+  }
+  const at::Tensor rows =
+      slots.has_value() ? slots->to(at::kLong).contiguous() : at::arange(d.batch, x.options().dtype(at::kLong));
+  const int64_t* row_ptr = rows.data_ptr<int64_t>();
   const int64_t B = d.batch, n = d.nodes, C = d.channels, W = d.width;
   const at::Tensor xc = x.contiguous();
   const at::Tensor pc = parent.to(at::kLong).contiguous(), ac = last_accepted.to(at::kLong).contiguous();
@@ -429,7 +442,7 @@ void causal_conv1d_commit_cpu(const at::Tensor& x, const at::Tensor& parent, con
         // New state column s = window tap s + 1 of the last accepted node. A state tap read at column s reads an
         // older column s' > s of the old state, so updating s in increasing order is safe in place.
         for (int64_t c = 0; c < C; ++c) {
-          scalar_t* row = st_ptr + (b * C + c) * (W - 1);
+          scalar_t* row = st_ptr + (row_ptr[b] * C + c) * (W - 1);
           for (int64_t s = 0; s < W - 1; ++s) {
             const int t = src[s + 1];
             row[s] = t >= 0 ? x_ptr[(b * n + t) * C + c] : row[-t - 1];

@@ -159,41 +159,63 @@ void gdn_commit_cuda(const at::Tensor& k, const at::Tensor& g, const at::Tensor&
 
 at::Tensor causal_conv1d_tree_cuda(const at::Tensor& x, const at::Tensor& parent, const at::Tensor& conv_state,
                                    const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                                   c10::optional<c10::string_view> activation, bool validate) {
+                                   c10::optional<c10::string_view> activation, bool validate,
+                                   const c10::optional<at::Tensor>& slots) {
   const char* op = "causal_conv1d_tree";
-  const ConvDims d = check_causal_conv1d_tree_args(x, parent, conv_state, weight, bias);
+  const ConvDims d = check_causal_conv1d_tree_args(x, parent, conv_state, weight, bias, slots);
   const int act = check_activation(op, activation);
   const c10::cuda::CUDAGuard guard(x.device());
-  if (validate && !validate_on_device(op, deferred::kCausalConv1dTree, parent, at::Tensor(), at::Tensor(), 0)) {
+  const at::Tensor rows = slots.has_value() ? slots->to(at::kLong).contiguous() : at::Tensor();
+  if (validate && !validate_on_device(op, deferred::kCausalConv1dTree, parent, at::Tensor(), rows, d.rows)) {
     check_parent_values(op, parent);
+    if (rows.defined()) check_index_values(op, "slots", rows, 0, d.rows);
   }
   const at::Tensor xc = x.contiguous(), stc = conv_state.contiguous();
   const at::Tensor wc = weight.to(at::kFloat).contiguous();
   const at::Tensor biasc = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const at::Tensor pc = parent.to(at::kLong).contiguous();
   at::Tensor out = at::empty({d.batch, d.nodes, d.channels}, x.options());
-  check_cuda(
-      cuda::causal_conv1d_tree(gdn_type(x.scalar_type()), xc.data_ptr(), pc.data_ptr<int64_t>(), stc.data_ptr(),
-                               wc.data_ptr<float>(), biasc.defined() ? biasc.data_ptr<float>() : nullptr, d.batch,
-                               d.nodes, d.channels, d.width, act, out.data_ptr(), c10::cuda::getCurrentCUDAStream()),
-      op);
+  check_cuda(cuda::causal_conv1d_tree(gdn_type(x.scalar_type()), xc.data_ptr(), pc.data_ptr<int64_t>(), stc.data_ptr(),
+                                      rows.defined() ? rows.data_ptr<int64_t>() : nullptr, d.rows, wc.data_ptr<float>(),
+                                      biasc.defined() ? biasc.data_ptr<float>() : nullptr, d.batch, d.nodes, d.channels,
+                                      d.width, act, out.data_ptr(), c10::cuda::getCurrentCUDAStream()),
+             op);
   return out;
 }
 
 void causal_conv1d_commit_cuda(const at::Tensor& x, const at::Tensor& parent, const at::Tensor& last_accepted,
-                               at::Tensor& conv_state, bool validate) {
+                               at::Tensor& conv_state, bool validate, const c10::optional<at::Tensor>& slots) {
   const char* op = "causal_conv1d_commit";
-  const ConvDims d = check_causal_conv1d_commit_args(x, parent, last_accepted, conv_state);
+  const ConvDims d = check_causal_conv1d_commit_args(x, parent, last_accepted, conv_state, slots);
   const c10::cuda::CUDAGuard guard(x.device());
-  if (validate && !validate_on_device(op, deferred::kCausalConv1dCommit, parent, last_accepted, at::Tensor(), 0)) {
+  const at::Tensor rows = slots.has_value() ? slots->to(at::kLong).contiguous() : at::Tensor();
+  const bool host_checked =
+      validate && !validate_on_device(op, deferred::kCausalConv1dCommit, parent, last_accepted, rows, d.rows);
+  if (host_checked) {
     check_parent_values(op, parent);
     check_index_values(op, "last_accepted", last_accepted, -1, d.nodes);
+    if (rows.defined()) {
+      check_active_slot_values(op, rows, last_accepted, d.rows);
+      check_distinct_active_slots(op, rows, last_accepted);
+    }
   }
   const at::Tensor xc = x.contiguous();
   const at::Tensor pc = parent.to(at::kLong).contiguous(), ac = last_accepted.to(at::kLong).contiguous();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  // Slots the host has not seen distinct are claimed on the device, as gdn_commit's.
+  at::Tensor claims;
+  int64_t* record = nullptr;
+  if (rows.defined() && !host_checked && d.batch > 1) {
+    TORCH_CHECK(d.rows < (int64_t{1} << 30), "peagle.", op, ": conv_state must have fewer than 2^30 rows, got ",
+                d.rows);
+    claims = at::zeros({d.rows + 1}, rows.options().dtype(at::kInt));
+    record = deferred_record_if_available(x.get_device(), stream);
+  }
   check_cuda(cuda::causal_conv1d_commit(gdn_type(x.scalar_type()), xc.data_ptr(), pc.data_ptr<int64_t>(),
-                                        ac.data_ptr<int64_t>(), conv_state.data_ptr(), d.batch, d.nodes, d.channels,
-                                        d.width, c10::cuda::getCurrentCUDAStream()),
+                                        ac.data_ptr<int64_t>(), conv_state.data_ptr(),
+                                        rows.defined() ? rows.data_ptr<int64_t>() : nullptr, d.rows,
+                                        claims.defined() ? claims.data_ptr<int32_t>() : nullptr, record, d.batch,
+                                        d.nodes, d.channels, d.width, stream),
              op);
 }
 

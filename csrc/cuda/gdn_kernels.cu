@@ -489,20 +489,22 @@ constexpr int kConvThreads = 128;
 template <typename T>
 __global__ void __launch_bounds__(kConvThreads)
     conv_tree_kernel(const T* __restrict__ x, const int64_t* __restrict__ parent, const T* __restrict__ conv_state,
-                     const float* __restrict__ weight, const float* __restrict__ bias, int64_t nodes, int64_t channels,
-                     int width, int activation, T* __restrict__ out, int64_t batch_offset) {
+                     const int64_t* __restrict__ slots, int64_t rows, const float* __restrict__ weight,
+                     const float* __restrict__ bias, int64_t nodes, int64_t channels, int width, int activation,
+                     T* __restrict__ out, int64_t batch_offset) {
   const int64_t b = batch_offset + blockIdx.z, i = blockIdx.y;
   const int64_t c = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   if (c >= channels) return;
+  const int64_t row = slots == nullptr ? b : slots[b];
   int src[gdn::kMaxConvWidth];
-  if (!gdn::conv_window(parent + b * nodes, static_cast<int>(i), width, src)) {
+  if (row < 0 || row >= rows || !gdn::conv_window(parent + b * nodes, static_cast<int>(i), width, src)) {
     out[(b * nodes + i) * channels + c] = from_acc<T>(__int_as_float(0x7fc00000));
     return;
   }
   float acc = bias == nullptr ? 0.0f : bias[c];
   for (int w = 0; w < width; ++w) {
     const float value = src[w] >= 0 ? to_acc(x[(b * nodes + src[w]) * channels + c])
-                                    : to_acc(conv_state[(b * channels + c) * (width - 1) + (-src[w] - 1)]);
+                                    : to_acc(conv_state[(row * channels + c) * (width - 1) + (-src[w] - 1)]);
     acc += weight[c * width + w] * value;
   }
   out[(b * nodes + i) * channels + c] = from_acc<T>(activation == 1 ? gdn::silu(acc) : acc);
@@ -511,15 +513,23 @@ __global__ void __launch_bounds__(kConvThreads)
 template <typename T>
 __global__ void __launch_bounds__(kConvThreads)
     conv_commit_kernel(const T* __restrict__ x, const int64_t* __restrict__ parent,
-                       const int64_t* __restrict__ last_accepted, T* __restrict__ conv_state, int64_t nodes,
-                       int64_t channels, int width, int64_t batch_offset) {
+                       const int64_t* __restrict__ last_accepted, T* __restrict__ conv_state,
+                       const int64_t* __restrict__ slots, int64_t rows, const int32_t* __restrict__ claims,
+                       int64_t* __restrict__ record, int64_t nodes, int64_t channels, int width, int64_t batch_offset) {
+  if (claims != nullptr && record != nullptr && batch_offset == 0 && blockIdx.x == 0 && blockIdx.y == 0 &&
+      threadIdx.x == 0 && claims[rows] != 0) {
+    record_gdn_error(record, deferred::kCausalConv1dCommit, deferred::kGdnSharedSlot, 0, 0, rows - claims[rows], 0,
+                     rows);
+  }
   const int64_t b = batch_offset + blockIdx.y;
   const int64_t c = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   const int64_t a = last_accepted[b];
   if (c >= channels || a < 0 || a >= nodes) return;
+  const int64_t state_row = slots == nullptr ? b : slots[b];
+  if (state_row < 0 || state_row >= rows || (claims != nullptr && claims[state_row] != 1)) return;
   int src[gdn::kMaxConvWidth];
   if (!gdn::conv_window(parent + b * nodes, static_cast<int>(a), width, src)) return;
-  T* row = conv_state + (b * channels + c) * (width - 1);
+  T* row = conv_state + (state_row * channels + c) * (width - 1);
   // Column s reads an older column s' > s of the old state: increasing s is safe in place (see the CPU kernel).
   for (int s = 0; s < width - 1; ++s) {
     const int t = src[s + 1];
@@ -674,31 +684,39 @@ cudaError_t gdn_commit(GdnType type, const void* k, const float* g, const float*
 }
 
 cudaError_t causal_conv1d_tree(GdnType type, const void* x, const int64_t* parent, const void* conv_state,
-                               const float* weight, const float* bias, int64_t batch, int64_t nodes, int64_t channels,
-                               int64_t width, int activation, void* out, cudaStream_t stream) {
+                               const int64_t* slots, int64_t rows, const float* weight, const float* bias,
+                               int64_t batch, int64_t nodes, int64_t channels, int64_t width, int activation, void* out,
+                               cudaStream_t stream) {
   if (batch == 0 || channels == 0) return cudaSuccess;
   return dispatch(type, [&](auto tag) {
     using T = decltype(tag);
     return over_batch(batch, [&](int64_t offset, unsigned requests) {
       const dim3 grid(grid_dim((channels + kConvThreads - 1) / kConvThreads), grid_dim(nodes), requests);
       conv_tree_kernel<T><<<grid, kConvThreads, 0, stream>>>(
-          static_cast<const T*>(x), parent, static_cast<const T*>(conv_state), weight, bias, nodes, channels,
-          static_cast<int>(width), activation, static_cast<T*>(out), offset);
+          static_cast<const T*>(x), parent, static_cast<const T*>(conv_state), slots, rows, weight, bias, nodes,
+          channels, static_cast<int>(width), activation, static_cast<T*>(out), offset);
     });
   });
 }
 
 cudaError_t causal_conv1d_commit(GdnType type, const void* x, const int64_t* parent, const int64_t* last_accepted,
-                                 void* conv_state, int64_t batch, int64_t nodes, int64_t channels, int64_t width,
-                                 cudaStream_t stream) {
+                                 void* conv_state, const int64_t* slots, int64_t rows, int32_t* claims, int64_t* record,
+                                 int64_t batch, int64_t nodes, int64_t channels, int64_t width, cudaStream_t stream) {
   if (batch == 0 || channels == 0) return cudaSuccess;
+  if (claims != nullptr) {
+    constexpr int kClaimThreads = 256;
+    gdn_claim_slots_kernel<<<grid_dim((batch + kClaimThreads - 1) / kClaimThreads), kClaimThreads, 0, stream>>>(
+        last_accepted, slots, batch, rows, claims);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
   return dispatch(type, [&](auto tag) {
     using T = decltype(tag);
     return over_batch(batch, [&](int64_t offset, unsigned requests) {
       const dim3 grid(grid_dim((channels + kConvThreads - 1) / kConvThreads), requests);
       conv_commit_kernel<T><<<grid, kConvThreads, 0, stream>>>(static_cast<const T*>(x), parent, last_accepted,
-                                                               static_cast<T*>(conv_state), nodes, channels,
-                                                               static_cast<int>(width), offset);
+                                                               static_cast<T*>(conv_state), slots, rows, claims, record,
+                                                               nodes, channels, static_cast<int>(width), offset);
     });
   });
 }

@@ -67,15 +67,19 @@ cudaError_t gdn_commit(GdnType type, const void* k, const float* g, const float*
                        GdnStrides strides, bool use_qk_l2norm, int32_t* claims, int64_t* record, cudaStream_t stream);
 
 // out [B, n, C] = act(bias + sum_w weight[c, w] * window_w) over each node's (committed state, ancestors, self) window.
-// x, conv_state [B, C, W - 1] and out in `type`; weight [C, W] and bias [C] (nullable) fp32; activation 1 = silu.
+// x, conv_state [rows, C, W - 1] and out in `type`; request b's state is row slots[b] (slots nullable: row b; a slot
+// outside [0, rows) gives NaN outputs); weight [C, W] and bias [C] (nullable) fp32; activation 1 = silu.
 cudaError_t causal_conv1d_tree(GdnType type, const void* x, const int64_t* parent, const void* conv_state,
-                               const float* weight, const float* bias, int64_t batch, int64_t nodes, int64_t channels,
-                               int64_t width, int activation, void* out, cudaStream_t stream);
+                               const int64_t* slots, int64_t rows, const float* weight, const float* bias,
+                               int64_t batch, int64_t nodes, int64_t channels, int64_t width, int activation, void* out,
+                               cudaStream_t stream);
 
-// conv_state[b] <- last W - 1 inputs of (conv_state[b], path root..last_accepted[b]); skipped when < 0.
+// conv_state[row b] <- last W - 1 inputs of (conv_state[row b], path root..last_accepted[b]); skipped when < 0. Rows
+// as for causal_conv1d_tree (a slot outside [0, rows) is skipped); claims and record as for gdn_commit (claims
+// [rows + 1] int32 zeroed, nullptr when the slots are known distinct or there are none).
 cudaError_t causal_conv1d_commit(GdnType type, const void* x, const int64_t* parent, const int64_t* last_accepted,
-                                 void* conv_state, int64_t batch, int64_t nodes, int64_t channels, int64_t width,
-                                 cudaStream_t stream);
+                                 void* conv_state, const int64_t* slots, int64_t rows, int32_t* claims, int64_t* record,
+                                 int64_t batch, int64_t nodes, int64_t channels, int64_t width, cudaStream_t stream);
 
 // Deferred checks: the value checks of the launcher's validation (checks/gdn.h, same order, same first error) run on
 // the device by one block and record the first error as op `op` in the error record (peagle/deferred.h).

@@ -171,29 +171,38 @@ def causal_conv1d_tree(
     bias: Tensor | None = None,
     activation: str | None = None,
     validate: bool = True,
+    slots: Tensor | None = None,
 ) -> Tensor:
     """Depthwise causal conv1d over a draft tree: node i's window is (committed state, ancestors of i, i).
 
     Args:
         x: [B, n, C] inputs of the tree nodes; parent: [B, n] as in :func:`gdn_tree_verify`.
-        conv_state: [B, C, W - 1] x's dtype, the last W - 1 committed inputs (column W - 2 is the newest).
+        conv_state: [B, C, W - 1] x's dtype, the last W - 1 committed inputs (column W - 2 is the newest); with
+            ``slots``, a cache [P, C, W - 1] whose row slots[b] is request b's (read in place, no gathered copy).
         weight: [C, W] (tap W - 1 multiplies the newest input); bias: [C] or None.
         activation: None / "none" / "identity", or "silu" / "swish".
-        validate: as in :func:`gdn_tree_verify` (bad trees give NaN outputs when False on CUDA).
+        validate: as in :func:`gdn_tree_verify` (bad trees or slots give NaN outputs when False on CUDA).
+        slots: [B] int in [0, P), or None.
 
     Returns:
         [B, n, C] in x's dtype (accumulated in fp32).
     """
-    return torch.ops.peagle.causal_conv1d_tree(x, parent, conv_state, weight, bias, activation, validate)
+    return torch.ops.peagle.causal_conv1d_tree(x, parent, conv_state, weight, bias, activation, validate, slots)
 
 
 def causal_conv1d_commit(
-    x: Tensor, parent: Tensor, last_accepted: Tensor, conv_state: Tensor, validate: bool = True
+    x: Tensor,
+    parent: Tensor,
+    last_accepted: Tensor,
+    conv_state: Tensor,
+    validate: bool = True,
+    slots: Tensor | None = None,
 ) -> None:
     """Commits, in place, the conv state after each request's last accepted node (the last W - 1 inputs of
-    committed state + accepted path). last_accepted[b] = -1 leaves request b unchanged. validate: as in
-    :func:`gdn_commit`."""
-    torch.ops.peagle.causal_conv1d_commit(x, parent, last_accepted, conv_state, validate)
+    committed state + accepted path). last_accepted[b] = -1 leaves request b unchanged. With ``slots`` ([B] int),
+    conv_state is a cache [P, C, W - 1] and request b commits into its row slots[b]; the committing requests' slots
+    must be in [0, P) and distinct (as :func:`gdn_commit`'s). validate: as in :func:`gdn_commit`."""
+    torch.ops.peagle.causal_conv1d_commit(x, parent, last_accepted, conv_state, validate, slots)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -220,12 +229,12 @@ def _gdn_commit_fake(k, g, u, parent, last_accepted, state_pool, slots, use_qk_l
 
 
 @torch.library.register_fake("peagle::causal_conv1d_tree")
-def _causal_conv1d_tree_fake(x, parent, conv_state, weight, bias=None, activation=None, validate=True):
+def _causal_conv1d_tree_fake(x, parent, conv_state, weight, bias=None, activation=None, validate=True, slots=None):
     return x.new_empty(x.shape)
 
 
 @torch.library.register_fake("peagle::causal_conv1d_commit")
-def _causal_conv1d_commit_fake(x, parent, last_accepted, conv_state, validate=True):
+def _causal_conv1d_commit_fake(x, parent, last_accepted, conv_state, validate=True, slots=None):
     return None
 
 
@@ -384,8 +393,12 @@ def causal_conv1d_tree_reference(
     bias: Tensor | None = None,
     activation: str | None = None,
     compute_dtype: torch.dtype = torch.float32,
+    slots: Tensor | None = None,
 ) -> Tensor:
-    """Per node: the causal conv over (committed state, root-to-node path inputs); [B, n, C] in ``compute_dtype``."""
+    """Per node: the causal conv over (committed state, root-to-node path inputs); [B, n, C] in ``compute_dtype``.
+    With ``slots``, request b's committed state is conv_state[slots[b]]."""
+    if slots is not None:
+        conv_state = conv_state[slots.long()]
     batch, nodes, channels = x.shape
     width = weight.shape[1]
     w = weight.to(compute_dtype)
@@ -402,12 +415,16 @@ def causal_conv1d_tree_reference(
     return out
 
 
-def causal_conv1d_commit_reference(x: Tensor, parent: Tensor, last_accepted: Tensor, conv_state: Tensor) -> Tensor:
-    """New conv state (a copy): the last W - 1 inputs of (committed state, accepted path)."""
+def causal_conv1d_commit_reference(
+    x: Tensor, parent: Tensor, last_accepted: Tensor, conv_state: Tensor, slots: Tensor | None = None
+) -> Tensor:
+    """New conv state (a copy): the last W - 1 inputs of (committed state, accepted path); with ``slots``, request b's
+    row of the cache is slots[b]."""
     new_state = conv_state.clone()
     width = conv_state.shape[2] + 1
     for b in range(x.shape[0]):
         a = int(last_accepted[b])
+        row = b if slots is None else int(slots[b])
         if a >= 0:
-            new_state[b] = _conv_window(x[b], conv_state[b], tree_path(parent[b], a), width - 1)
+            new_state[row] = _conv_window(x[b], conv_state[row], tree_path(parent[b], a), width - 1)
     return new_state
