@@ -15,8 +15,8 @@ Ops with a deferred mode on CUDA (:data:`DEFERRED_OPS`):
   with ``validate=True`` (their kernels guard themselves as with ``validate=False``: bad requests get NaN outputs or
   are not committed; the check is one more kernel of one block, so keep ``validate=False`` where speed matters and
   the inputs are trusted; ``gdn_commit``, ``gdn_tree_verify_slots`` and ``causal_conv1d_commit`` with slots claim
-  their slots on the device whenever the host did not check them, even with ``validate=False`` and deferred checks off: requests that share a slot leave it
-  unchanged and :func:`check_errors` raises);
+  their slots on the device whenever the host did not check them, even with ``validate=False`` and deferred checks
+  off: requests that share a slot leave it unchanged and :func:`check_errors` raises);
 * ``cod_gather``, ``cod_gather_backward`` (with the CUDA message, "some element is out of range");
 * ``mask_dense``, ``mask_block``, ``mask_slice_dense``, ``mask_slice_block`` (bad anchors / depths are clamped into
   range for the kernels: the outputs of a bad call are garbage, never an out-of-bounds read);
