@@ -225,6 +225,44 @@ std::tuple<at::Tensor, at::Tensor> gdn_tree_verify_cpu(const at::Tensor& q, cons
   return {o, u};
 }
 
+// Whether gdn_tree_verify_slots' values pass check_slots_values (checks/gdn.h), in loops: parents in [-1, i), start
+// slots in [0, pool), written slots in [-1, pool), distinct, and none another request's start slot.
+bool slots_values_valid(const int64_t* parent, const int64_t* start, const int64_t* dest, int64_t batch, int64_t nodes,
+                        int64_t pool) {
+  for (int64_t e = 0; e < batch * nodes; ++e) {
+    if (parent[e] < -1 || parent[e] >= e % nodes || dest[e] < -1 || dest[e] >= pool) return false;
+  }
+  // (slot, request, writes) of every start slot and written slot, sorted by slot: a written slot must be alone in its
+  // run but for reads of its own request.
+  struct Use {
+    int64_t slot, request;
+    bool writes;
+  };
+  std::vector<Use> uses;
+  uses.reserve(batch * (nodes + 1));
+  for (int64_t b = 0; b < batch; ++b) {
+    if (start[b] < 0 || start[b] >= pool) return false;
+    uses.push_back({start[b], b, false});
+  }
+  for (int64_t e = 0; e < batch * nodes; ++e) {
+    if (dest[e] >= 0) uses.push_back({dest[e], e / nodes, true});
+  }
+  std::sort(uses.begin(), uses.end(), [](const Use& x, const Use& y) { return x.slot < y.slot; });
+  for (size_t lo = 0, hi = 0; lo < uses.size(); lo = hi) {
+    int64_t writes = 0, writer = -1;
+    bool foreign_read = false;
+    for (hi = lo; hi < uses.size() && uses[hi].slot == uses[lo].slot; ++hi) {
+      if (uses[hi].writes) {
+        ++writes;
+        writer = uses[hi].request;
+      }
+    }
+    for (size_t j = lo; j < hi; ++j) foreign_read = foreign_read || (!uses[j].writes && uses[j].request != writer);
+    if (writes > 1 || (writes == 1 && foreign_read)) return false;
+  }
+  return true;
+}
+
 at::Tensor gdn_tree_verify_slots_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                                      const at::Tensor& beta, const at::Tensor& parent, at::Tensor& state_cache,
                                      const at::Tensor& start_slots, const at::Tensor& state_slots,
@@ -232,15 +270,20 @@ at::Tensor gdn_tree_verify_slots_cpu(const at::Tensor& q, const at::Tensor& k, c
                                      bool /*validate: always on CPU*/) {
   const char* op = "gdn_tree_verify_slots";
   const GdnDims d = check_gdn_tree_verify_slots_args(q, k, v, g, beta, parent, state_cache, start_slots, state_slots);
-  check_slots_values(op, parent, start_slots, state_slots, d.pool);
+  const at::Tensor pc = parent.to(at::kLong).contiguous(), sc = start_slots.to(at::kLong).contiguous();
+  const at::Tensor dc = state_slots.to(at::kLong).contiguous();
+  // The serving path calls this once per GDN layer and step: plain loops find valid values in microseconds, and only
+  // a failure runs the shared checks (tensor ops), which name the error as both backends do.
+  if (!slots_values_valid(pc.data_ptr<int64_t>(), sc.data_ptr<int64_t>(), dc.data_ptr<int64_t>(), d.batch, d.nodes,
+                          d.pool)) {
+    check_slots_values(op, parent, start_slots, state_slots, d.pool);
+  }
   const int64_t B = d.batch, n = d.nodes, H = d.qk_heads, HV = d.value_heads, K = d.key_dim, V = d.value_dim;
   const float q_scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(K))));
   const at::Tensor qc = with_contiguous_rows(q), kc = with_contiguous_rows(k), vc = with_contiguous_rows(v);
   const gdn::RowStrides qs = row_strides(qc), ks = row_strides(kc), vs = row_strides(vc);
   const gdn::RowStrides cs = row_strides(state_cache);
   const at::Tensor gc = g.to(at::kFloat).contiguous(), bc = beta.to(at::kFloat).contiguous();
-  const at::Tensor pc = parent.to(at::kLong).contiguous(), sc = start_slots.to(at::kLong).contiguous();
-  const at::Tensor dc = state_slots.to(at::kLong).contiguous();
   at::Tensor o = at::empty({B, n, HV, V}, v.options());
   if (B == 0) return o;
   const int64_t* parent_ptr = pc.data_ptr<int64_t>();
