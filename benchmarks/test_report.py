@@ -33,7 +33,7 @@ RUN = {
     },
     "benchmarks": [
         bench("win", "peagle", 0.001, baselines={"slow": 0.1, "fast": 0.004}, note="why it wins"),
-        bench("win", "peagle-op", 0.002),
+        bench("win", "peagle-op", 0.002, floors={"copy": 0.0005}),
         bench("lose", "peagle", 0.006),
         bench("lose", "rival", 0.002),
     ],
@@ -46,6 +46,7 @@ def test_markdown_names_the_strongest_baseline_and_says_where_peagle_loses():
     win = rows["win"].split(" | ")
     assert win[2] == "peagle 1.000" and win[3] == "fast" and win[4] == "4.000" and win[5] == "4.0x faster"
     assert "slow 100.000 (100.0x)" in win[6]
+    assert "floor: copy 0.500 (peagle 2.00x it)" in win[6]  # a floor is shown, never the strongest baseline
     lose = rows["lose"].split(" | ")
     assert lose[3] == "rival" and "peagle loses: 3.0x slower" in lose[5]
     assert (

@@ -42,15 +42,24 @@ TORCH_LIBRARY(peagle, m) {
       "gdn_tree_verify(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor parent, Tensor state_pool, "
       "Tensor slots, float? scale=None, bool use_qk_l2norm=False, bool validate=True, bool tensor_cores=False) -> "
       "(Tensor o, Tensor u)");
+  // gdn_tree_verify_slots: verification that reads each request's start state from a state cache (float32 or q's
+  // dtype) at start_slots[b] and writes the state after every node i with state_slots[b, i] >= 0 into that slot, in
+  // place (vLLM's speculative GDN step keeps the state after each draft in its own slot). Returns the outputs.
+  m.def(
+      "gdn_tree_verify_slots(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor parent, "
+      "Tensor(a!) state_cache, Tensor start_slots, Tensor state_slots, float? scale=None, bool use_qk_l2norm=False, "
+      "bool validate=True) -> Tensor");
   m.def(
       "gdn_commit(Tensor k, Tensor g, Tensor u, Tensor parent, Tensor last_accepted, Tensor(a!) state_pool, "
       "Tensor slots, bool use_qk_l2norm=False, bool validate=True) -> ()");
+  // The conv pair's slots (optional): conv_state is then a cache [P, C, W - 1] whose row slots[b] request b reads
+  // and commits into, in place (no gathered copy of the conv states).
   m.def(
       "causal_conv1d_tree(Tensor x, Tensor parent, Tensor conv_state, Tensor weight, Tensor? bias=None, "
-      "str? activation=None, bool validate=True) -> Tensor");
+      "str? activation=None, bool validate=True, Tensor? slots=None) -> Tensor");
   m.def(
       "causal_conv1d_commit(Tensor x, Tensor parent, Tensor last_accepted, Tensor(a!) conv_state, "
-      "bool validate=True) -> ()");
+      "bool validate=True, Tensor? slots=None) -> ()");
 
   // Tree verification. A batch of draft trees padded to n_max nodes: parent/tokens [B, n_max], num_nodes [B],
   // target_probs (and draft_probs) [B, n_max, V] float32. Outputs: accepted path [B, n_max] (node indices from the

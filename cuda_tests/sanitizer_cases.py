@@ -75,6 +75,22 @@ def mask(generator):
         OPS.mask_slice_block(table, anchors, depths, docs, 32)
 
 
+@case("gdn_tree_verify_slots")
+def gdn_slots(generator):
+    # fp32 and q-dtype caches, two column tiles, a request writing its own start slot, -1 slots, and an unvalidated
+    # call whose device slot claims find a slot written twice (those requests are skipped).
+    for dtype, cache_dtype in [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)]:
+        x = random_gdn_inputs(generator, 3, 6, 2, 4, 24, 40, kind="random", dtype=dtype, pool_extra=0)
+        cache = torch.randn(25, 4, 24, 40, generator=generator).to(cache_dtype).to(DEVICE)
+        start = torch.tensor([20, 21, 22], device=DEVICE)
+        dest = torch.arange(18, device=DEVICE).view(3, 6)
+        dest[0, 0], dest[2, 5] = 20, -1
+        OPS.gdn_tree_verify_slots(*dev(*x[:6]), cache, start, dest, None, True, True)
+        if DEVICE.type == "cuda":  # the CPU validates every call: the conflict would raise there
+            dest[1, 2] = 3
+            OPS.gdn_tree_verify_slots(*dev(*x[:6]), cache, start, dest, None, True, False)
+
+
 @case("gdn_tree_verify", "gdn_commit", "causal_conv1d_tree", "causal_conv1d_commit")
 def gdn(generator):
     for kind, dtype in [("random", torch.float32), ("chain", torch.bfloat16)]:
@@ -92,6 +108,12 @@ def gdn(generator):
         weight = torch.randn(channels, width, generator=generator).to(DEVICE)
         OPS.causal_conv1d_tree(xs, parent, state, weight, None, "silu", True)
         OPS.causal_conv1d_commit(xs, parent, last, state, True)
+        cache = torch.randn(7, channels, width - 1, generator=generator).to(dtype).to(DEVICE)  # rows named by slots
+        rows = torch.tensor([5, 0, 2], device=DEVICE)
+        OPS.causal_conv1d_tree(xs, parent, cache, weight, None, "silu", True, rows)
+        OPS.causal_conv1d_commit(xs, parent, last, cache, True, rows)
+        if DEVICE.type == "cuda":  # unvalidated, two requests on one row: the device claims (the CPU would raise)
+            OPS.causal_conv1d_commit(xs, parent, last, cache, False, torch.tensor([5, 5, 2], device=DEVICE))
 
 
 @case("tree_verify_greedy", "tree_rejection_sample")

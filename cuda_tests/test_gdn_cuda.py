@@ -17,6 +17,7 @@ from peagle.ops import (
     gdn_recurrence_reference,
     gdn_tree_verify,
     gdn_tree_verify_reference,
+    gdn_tree_verify_slots,
 )
 from peagle.ops.gdn import tree_path
 from testkit import gdn_inputs_to, random_gdn_inputs, random_tree, strided_gdn_inputs
@@ -387,3 +388,134 @@ def test_tensor_core_projections_close_to_the_exact_path(generator, dtype, nodes
     assert rel_rms(o_tc, o) <= (3e-3 if dtype == torch.float32 else 6e-3), rel_rms(o_tc, o)
     strided_o, strided_u = gdn_tree_verify(*strided_gdn_inputs(x), use_qk_l2norm=True, tensor_cores=True)
     assert torch.equal(strided_o, o_tc) and torch.equal(strided_u, u_tc)  # deterministic, strides read in place
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# gdn_tree_verify_slots: the state cache read and written in place.
+
+
+def slots_inputs(generator, batch, nodes, kind, heads, dtype, cache_dtype, extra=5):
+    h, hv, kd, vd = heads
+    x = random_gdn_inputs(generator, batch, nodes, h, hv, kd, vd, kind=kind, dtype=dtype, pool_extra=0)
+    slots = batch * (nodes + 1) + extra
+    cache = (torch.randn(slots, hv, kd, vd, generator=generator) * 0.3).to(cache_dtype)
+    perm = torch.randperm(slots, generator=generator)
+    start, dest = perm[:batch], perm[batch : batch + batch * nodes].view(batch, nodes).clone()
+    dest[torch.rand(batch, nodes, generator=generator) < 0.25] = -1
+    dest[0, 0] = start[0]  # a request overwriting its own start state (vLLM: one accepted token)
+    return x, cache, start, dest
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("state", ["float32", "q"])
+@pytest.mark.parametrize("heads", [(1, 2, 16, 16), (2, 4, 40, 72), (4, 32, 128, 128)])
+def test_verify_slots_cuda_equals_cpu(generator, kind, dtype, state, heads):
+    """Outputs and every written state bit for bit as on the CPU (the CPU kernel equals verify + per-node commits),
+    slots not written untouched; several column tiles, K not a multiple of the staging chunk, a start slot written."""
+    cache_dtype = torch.float32 if state == "float32" else dtype
+    x, cache, start, dest = slots_inputs(generator, 3, 9, kind, heads, dtype, cache_dtype)
+    cpu_cache = cache.clone()
+    o = gdn_tree_verify_slots(*x[:6], cpu_cache, start, dest, use_qk_l2norm=True)
+    cuda_cache = cache.cuda()
+    o_cuda = gdn_tree_verify_slots(*to_cuda(x)[:6], cuda_cache, start.cuda(), dest.cuda(), use_qk_l2norm=True)
+    assert_same_bits(o_cuda, o, kind, dtype, state)
+    assert_same_bits(cuda_cache, cpu_cache, kind, dtype, state)
+    assert not torch.equal(cpu_cache, cache)
+
+
+def test_verify_slots_strided_cache_cuda(generator):
+    x, cache, start, dest = slots_inputs(generator, 2, 7, "chain", (2, 4, 16, 24), torch.bfloat16, torch.float32)
+    strided = strided_gdn_inputs(x._replace(state_pool=cache))
+    cpu_cache = cache.clone()
+    o = gdn_tree_verify_slots(*x[:6], cpu_cache, start, dest, use_qk_l2norm=True)
+    moved = to_cuda(strided)
+    o_cuda = gdn_tree_verify_slots(*moved[:6], moved.state_pool, start.cuda(), dest.cuda(), use_qk_l2norm=True)
+    assert_same_bits(o_cuda, o)
+    assert_same_bits(moved.state_pool, cpu_cache)
+    outside = torch.ones_like(moved.state_pool._base, dtype=torch.bool)
+    outside[:, 1, :, :, 2 : 2 + x.v.shape[3]] = False
+    assert torch.isnan(moved.state_pool._base[outside]).all()
+
+
+@pytest.mark.parametrize("error", ["start", "state", "shared", "foreign", "none"])
+def test_verify_slots_deferred_and_unvalidated_errors(generator, error):
+    """Deferred checks name the immediate check's error; without host checks the device claims the written slots:
+    requests in a conflict write nothing (NaN outputs), the others equal the CPU's."""
+    batch, nodes = 4, 5
+    x, cache, _, _ = slots_inputs(generator, batch, nodes, "chain", (1, 2, 16, 16), torch.float32, torch.float32)
+    start, dest = torch.tensor([20, 21, 22, 23]), torch.arange(20).view(batch, nodes)  # 29 slots: 24..28 unused
+    dest[0, 0] = 20
+    if error == "start":
+        start[2] = 29
+    elif error == "state":
+        dest[3, 4], dest[1, 2] = -2, 34
+    elif error == "shared":
+        dest[3, 1], dest[1, 4] = 25, 25
+    elif error == "foreign":
+        dest[1, 3] = 22
+    args = (*x[:6], cache.clone(), start, dest)
+    expected = None
+    try:
+        gdn_tree_verify_slots(*args)
+    except RuntimeError as e:
+        expected = str(e).splitlines()[0]
+    assert (expected is None) == (error == "none")
+    cuda_args = [a.cuda() for a in args]
+    check_errors()
+    with deferred_checks():
+        o = gdn_tree_verify_slots(*cuda_args)
+        if expected is None:
+            check_errors()
+        else:
+            with pytest.raises(RuntimeError) as raised:
+                check_errors()
+            assert str(raised.value).splitlines()[0] == expected
+    if error in ("shared", "foreign"):  # the conflicting requests were skipped, the others ran
+        skipped = {"shared": [1, 3], "foreign": [1, 2]}[error]
+        assert torch.isnan(o[skipped]).all()
+        ran = [b for b in range(batch) if b not in skipped]
+        cpu_cache = cache.clone()
+        sub = [t[ran] for t in x[:6]]
+        expected_o = gdn_tree_verify_slots(*sub, cpu_cache, start[ran], dest[ran])
+        assert_same_bits(o[ran], expected_o)
+
+
+def test_opcheck_slots_cuda(generator):
+    x, cache, start, dest = slots_inputs(generator, 2, 5, "random", (1, 2, 8, 4), torch.float32, torch.float32)
+    torch.library.opcheck(
+        torch.ops.peagle.gdn_tree_verify_slots.default,
+        (*to_cuda(x)[:6], cache.cuda(), start.cuda(), dest.cuda(), None, True),
+    )
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_conv_slots_cuda_equal_cpu(generator, deferred):
+    """The conv pair on a cache of conv states (slots) equals the CPU bit for bit; unvalidated commits claim their
+    slots on the device (a shared one is left unchanged and check_errors names it)."""
+    batch, nodes, channels, width, rows = 4, 9, 40, 4, 11
+    parent = torch.stack([random_tree(generator, nodes, "random") for _ in range(batch)])
+    x = torch.randn(batch, nodes, channels, generator=generator).bfloat16()
+    cache = torch.randn(rows, channels, width - 1, generator=generator).bfloat16()
+    weight, bias = torch.randn(channels, width, generator=generator), torch.randn(channels, generator=generator)
+    slots = torch.randperm(rows, generator=generator)[:batch]
+    last = torch.tensor([nodes - 1, 3, -1, 0])
+    out = causal_conv1d_tree(x, parent, cache, weight, bias, "silu", slots=slots)
+    out_cuda = causal_conv1d_tree(x.cuda(), parent.cuda(), cache.cuda(), weight.cuda(), bias.cuda(), "silu",
+                                  slots=slots.cuda())  # fmt: skip
+    assert_same_bits(out_cuda, out)
+    committed, committed_cuda = cache.clone(), cache.cuda()
+    causal_conv1d_commit(x, parent, last, committed, slots=slots)
+    causal_conv1d_commit(x.cuda(), parent.cuda(), last.cuda(), committed_cuda, slots=slots.cuda())
+    assert_same_bits(committed_cuda, committed)
+    shared = slots.clone()
+    shared[3] = shared[0]  # requests 0 and 3 both commit into one row
+    check_errors()
+    target = cache.cuda()
+    with deferred_checks(deferred):
+        causal_conv1d_commit(x.cuda(), parent.cuda(), last.cuda(), target, validate=deferred, slots=shared.cuda())
+        with pytest.raises(RuntimeError, match=rf"causal_conv1d_commit: slots of requests .* slot {int(shared[0])}"):
+            check_errors()
+    expected = cache.clone()
+    causal_conv1d_commit(x[1:3], parent[1:3], last[1:3], expected, slots=shared[1:3])
+    assert_same_bits(target, expected)  # the shared row unchanged, the others committed

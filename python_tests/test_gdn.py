@@ -16,6 +16,8 @@ from peagle.ops import (
     gdn_recurrence_reference,
     gdn_tree_verify,
     gdn_tree_verify_reference,
+    gdn_tree_verify_slots,
+    gdn_tree_verify_slots_reference,
 )
 from peagle.ops.gdn import tree_path
 from testkit import random_gdn_inputs, random_tree, strided_gdn_inputs
@@ -428,3 +430,281 @@ def test_cpu_validates_even_when_asked_not_to(generator):
         gdn_tree_verify(x.q, x.k, x.v, x.g, x.beta, bad, x.state_pool, x.slots, validate=False)
     with pytest.raises(RuntimeError, match=r"causal_conv1d_tree: parent\[0, 1\] must be in \[-1, 1\)"):
         causal_conv1d_tree(torch.randn(1, 4, 2), bad, torch.randn(1, 2, 2), torch.randn(2, 3), validate=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# gdn_tree_verify_slots: the start state read from a state cache, every node's state written into its own slot.
+
+
+def slots_case(generator, batch, nodes, kind, heads=(2, 4, 16, 12), dtype=torch.float32, extra=5):
+    """Inputs with a cache of batch * (nodes + 1) + extra states, random distinct start slots and written slots (some
+    -1), and request 0 writing its node 0 into its own start slot (vLLM's case of one accepted token)."""
+    h, hv, kd, vd = heads
+    x = random_gdn_inputs(generator, batch, nodes, h, hv, kd, vd, kind=kind, dtype=dtype, pool_extra=0)
+    slots = batch * (nodes + 1) + extra
+    cache = torch.randn(slots, hv, kd, vd, generator=generator) * 0.3
+    perm = torch.randperm(slots, generator=generator)
+    start = perm[:batch]
+    dest = perm[batch : batch + batch * nodes].view(batch, nodes).clone()
+    dest[torch.rand(batch, nodes, generator=generator) < 0.25] = -1
+    dest[0, 0] = start[0]
+    return x, cache, start, dest
+
+
+def step_states(x, u, cache, start, dest, l2norm):
+    """The state cache a chain of single-node gdn_commit calls leaves: node i's state from its parent's (the start
+    state for a root), written to dest[b, i] in the cache's dtype. The same fp32 steps as the op's, so equal to it bit
+    for bit."""
+    batch, nodes = x.parent.shape
+    root, zero = torch.full((1, 1), -1), torch.zeros(1, dtype=torch.long)
+    out = cache.clone()
+    for b in range(batch):
+        states = []
+        for i in range(nodes):
+            p = int(x.parent[b, i])
+            pool = (states[p] if p >= 0 else cache[int(start[b])].float()).clone()[None]
+            sl = (slice(b, b + 1), slice(i, i + 1))
+            gdn_commit(x.k[sl], x.g[sl], u[sl], root, zero, pool, torch.zeros(1, dtype=torch.long), l2norm)
+            states.append(pool[0])
+            if dest[b, i] >= 0:
+                out[int(dest[b, i])] = pool[0].to(cache.dtype)
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_verify_slots_matches_reference_and_the_verify_commit_path(generator, kind, l2norm):
+    batch, nodes = 3, 9
+    x, cache, start, dest = slots_case(generator, batch, nodes, kind)
+    written = cache.clone()
+    o = gdn_tree_verify_slots(x.q, x.k, x.v, x.g, x.beta, x.parent, written, start, dest, use_qk_l2norm=l2norm)
+    ref_o, ref_cache = gdn_tree_verify_slots_reference(
+        x.q, x.k, x.v, x.g, x.beta, x.parent, cache, start, dest, None, l2norm, compute_dtype=torch.float64
+    )
+    assert rel_rms(o, ref_o) <= 1e-5
+    targets = dest[dest >= 0]
+    assert rel_rms(written[targets], ref_cache[targets]) <= 1e-5
+    others = torch.ones(cache.shape[0], dtype=torch.bool)
+    others[targets] = False
+    assert others.sum() >= 5 and torch.equal(written[others], cache[others])  # start slots not written stay too
+    # Bit for bit: outputs as gdn_tree_verify's, states as single-node commits from the parent's state.
+    o_verify, u = gdn_tree_verify(x.q, x.k, x.v, x.g, x.beta, x.parent, cache, start, use_qk_l2norm=l2norm)
+    assert torch.equal(o, o_verify)
+    assert torch.equal(written, step_states(x, u, cache, start, dest, l2norm))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_verify_slots_half_cache_rounds_the_fp32_states(generator, dtype):
+    """A cache in q's dtype: the start state is read exactly and each written state is the fp32 result rounded to
+    nearest even (as .to(dtype) rounds it)."""
+    x, cache, start, dest = slots_case(generator, 4, 7, "random", dtype=dtype)
+    cache = cache.to(dtype)
+    half, full = cache.clone(), cache.float()
+    o_half = gdn_tree_verify_slots(x.q, x.k, x.v, x.g, x.beta, x.parent, half, start, dest, use_qk_l2norm=True)
+    o_full = gdn_tree_verify_slots(x.q, x.k, x.v, x.g, x.beta, x.parent, full, start, dest, use_qk_l2norm=True)
+    assert torch.equal(o_half, o_full)
+    assert torch.equal(half, full.to(dtype)) and not torch.equal(full, half.float())  # rounding happened
+
+
+def test_verify_slots_writes_nan_states_as_nan(generator):
+    x, cache, start, dest = slots_case(generator, 2, 4, "chain", dtype=torch.bfloat16)
+    cache = cache.bfloat16()
+    cache[int(start[1])] = float("nan")
+    gdn_tree_verify_slots(x.q, x.k, x.v, x.g, x.beta, x.parent, cache, start, dest)
+    assert torch.isnan(cache[dest[1][dest[1] >= 0]]).all() and not torch.isnan(cache[dest[0][dest[0] >= 0]]).any()
+
+
+def test_verify_slots_strided_cache_in_place(generator):
+    """A cache sliced from a larger buffer is read and written in place: the same results as the dense cache, and
+    nothing outside the view is touched."""
+    x, cache, start, dest = slots_case(generator, 3, 6, "random")
+    strided = strided_gdn_inputs(x._replace(state_pool=cache))
+    dense = cache.clone()
+    o = gdn_tree_verify_slots(x.q, x.k, x.v, x.g, x.beta, x.parent, dense, start, dest, use_qk_l2norm=True)
+    view = strided.state_pool
+    o_s = gdn_tree_verify_slots(
+        strided.q, strided.k, strided.v, x.g, x.beta, x.parent, view, start.int(), dest.int(), use_qk_l2norm=True
+    )
+    assert torch.equal(o_s, o) and torch.equal(view, dense)
+    outside = torch.ones_like(view._base, dtype=torch.bool)
+    outside[:, 1, :, :, 2 : 2 + x.v.shape[3]] = False
+    assert torch.isnan(view._base[outside]).all()
+
+
+def test_verify_slots_shared_start_slots_that_nobody_writes(generator):
+    x, cache, start, dest = slots_case(generator, 2, 3, "chain")
+    shared = int(start[1])
+    start = torch.tensor([shared, shared])
+    written = cache.clone()
+    o = gdn_tree_verify_slots(x.q, x.k, x.v, x.g, x.beta, x.parent, written, start, dest)
+    o_verify, _ = gdn_tree_verify(x.q, x.k, x.v, x.g, x.beta, x.parent, cache, start)
+    assert torch.equal(o, o_verify)
+    dest[0, 1] = shared  # request 0 would overwrite the start state request 1 reads too
+    with pytest.raises(RuntimeError, match=rf"state_slots\[0, 1\] = {shared} is the start slot of request 1"):
+        gdn_tree_verify_slots(x.q, x.k, x.v, x.g, x.beta, x.parent, written, start, dest)
+
+
+def test_verify_slots_errors(generator):
+    x, cache, start, dest = slots_case(generator, 2, 4, "chain", extra=0)
+    q, k, v, g, beta, parent = x[:6]
+    slots = cache.shape[0]
+
+    def call(cache=cache, start=start, dest=dest, q=q, k=k, v=v):
+        gdn_tree_verify_slots(q, k, v, g, beta, parent, cache.clone(), start, dest)
+
+    with pytest.raises(RuntimeError, match=rf"gdn_tree_verify_slots: start_slots must be in \[0, {slots}\), got -1"):
+        call(start=torch.tensor([int(start[0]), -1]))
+    bad = dest.clone()
+    bad[1, 2] = slots
+    with pytest.raises(RuntimeError, match=rf"state_slots must be in \[-1, {slots}\), got {slots} for request 1"):
+        call(dest=bad)
+    bad = dest.clone()
+    bad[1, 3] = bad[0, 1] = 7 if 7 not in start.tolist() else 8
+    with pytest.raises(RuntimeError, match=r"state_slots other than -1 must be distinct .* got slot (7|8) more than"):
+        call(dest=bad)
+    bad = dest.clone()
+    bad[0, 2] = start[1]
+    with pytest.raises(RuntimeError, match=rf"state_slots\[0, 2\] = {int(start[1])} is the start slot of request 1"):
+        call(dest=bad)
+    with pytest.raises(RuntimeError, match=r"state_cache must be float32 or q's dtype \(BFloat16\), got Half"):
+        call(cache=cache.half(), q=q.bfloat16(), k=k.bfloat16(), v=v.bfloat16())
+    with pytest.raises(RuntimeError, match=r"state_cache must be float32 or q's dtype \(Float\), got Double"):
+        call(cache=cache.double())
+    with pytest.raises(RuntimeError, match=r"state_cache must be \[P, HV, K, V\]"):
+        call(cache=cache[:, :, :3])
+    with pytest.raises(RuntimeError, match=r"state_cache must have contiguous rows"):
+        call(cache=cache.transpose(2, 3).contiguous().transpose(2, 3))
+    with pytest.raises(RuntimeError, match=r"state_slots must have shape \[B, n\]"):
+        call(dest=dest[:, :3])
+    with pytest.raises(RuntimeError, match=r"start_slots must be int32 or int64"):
+        call(start=start.float())
+    with pytest.raises(RuntimeError, match=r"gdn_tree_verify_slots: parent\[1, 2\] must be in \[-1, 2\)"):
+        bad_parent = parent.clone()
+        bad_parent[1, 2] = 3
+        gdn_tree_verify_slots(q, k, v, g, beta, bad_parent, cache.clone(), start, dest)
+    # An error leaves the cache as it was (the checks run before any write).
+    kept = cache.clone()
+    with pytest.raises(RuntimeError):
+        bad = dest.clone()
+        bad[1, 3] = slots
+        gdn_tree_verify_slots(q, k, v, g, beta, parent, kept, start, bad)
+    assert torch.equal(kept, cache)
+
+
+def test_verify_slots_opcheck_and_fake(generator):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x, cache, start, dest = slots_case(generator, 2, 5, "random", heads=(1, 2, 8, 4))
+    args = (*x[:6], cache.clone(), start, dest, None, True)
+    torch.library.opcheck(torch.ops.peagle.gdn_tree_verify_slots.default, args)
+    real = (x.q.bfloat16(), x.k.bfloat16(), x.v.bfloat16(), *x[3:6], cache.bfloat16(), start, dest)
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in real]
+        o = gdn_tree_verify_slots(*fake)
+        assert o.shape == x.v.shape and o.dtype == torch.bfloat16
+
+
+ISA_SCRIPT = """
+import hashlib, sys, torch
+import peagle
+from peagle.ops import gdn_tree_verify, gdn_tree_verify_slots
+from testkit import random_gdn_inputs
+gen = torch.Generator().manual_seed(int(sys.argv[1]))
+digest = hashlib.sha256()
+for dtype, (h, hv, kd, vd) in ((torch.float32, (2, 4, 64, 80)), (torch.bfloat16, (1, 2, 48, 128))):
+    x = random_gdn_inputs(gen, 3, 9, h, hv, kd, vd, kind="random", dtype=dtype, pool_extra=40)
+    o, u = gdn_tree_verify(*x, use_qk_l2norm=True)
+    cache = x.state_pool.to(dtype)
+    dest = torch.arange(3, 30).view(3, 9)
+    o2 = gdn_tree_verify_slots(*x[:6], cache, torch.tensor([40, 0, 41]), dest, use_qk_l2norm=True)
+    for t in (o, u, o2, cache):
+        digest.update(t.float().numpy().tobytes())
+logits = torch.randn(2, 5, 40001, generator=gen)
+logits[:, :, 17:40001:997] = logits.amax()  # ties: the first index wins
+logits[1, 2, 31000] = float("inf")
+out = peagle.ops.tree_verify_greedy(torch.arange(5).expand(2, 5) - 1, torch.zeros(2, 5, dtype=torch.long),
+                                    torch.tensor([5, 5]), logits)
+digest.update(out.emitted_tokens.numpy().tobytes())
+print(digest.hexdigest())
+"""
+
+
+def test_every_cpu_instruction_set_computes_the_same_bits(generator):
+    """The row loops (GDN projections and node states, the greedy row argmax) are compiled for baseline x86-64, AVX2
+    and AVX-512 and picked at run time; PEAGLE_CPU_ISA caps the pick. Every version must give the same bits (the
+    kernels promise bit-identical results across backends)."""
+    import os
+    import subprocess
+    import sys
+
+    seed = str(int(torch.randint(0, 2**31, (), generator=generator)))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digests = {}
+    for isa in ("generic", "avx2", "native"):
+        env = {**os.environ, "PEAGLE_CPU_ISA": isa, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        run = subprocess.run([sys.executable, "-c", ISA_SCRIPT, seed], env=env, capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-2000:]
+        digests[isa] = run.stdout.strip()
+    assert len(set(digests.values())) == 1, digests
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The conv pair on a cache of conv states (slots): read and committed in place.
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_slots_equal_the_gathered_rows(generator, kind, dtype):
+    """With slots, the ops read and commit rows of a larger cache in place: the same outputs and rows as the ops on
+    the gathered rows (then scattered back), bit for bit, and every other row untouched."""
+    batch, nodes, channels, width, rows = 4, 9, 6, 4, 11
+    parent = torch.stack([random_tree(generator, nodes, kind) for _ in range(batch)])
+    x = torch.randn(batch, nodes, channels, generator=generator).to(dtype)
+    cache = torch.randn(rows, channels, width - 1, generator=generator).to(dtype)
+    weight, bias = torch.randn(channels, width, generator=generator), torch.randn(channels, generator=generator)
+    slots = torch.randperm(rows, generator=generator)[:batch]
+    last = torch.randint(-1, nodes, (batch,), generator=generator)
+    last[0] = nodes - 1
+    gathered = cache[slots].clone()
+    expected = causal_conv1d_tree(x, parent, gathered, weight, bias, "silu")
+    out = causal_conv1d_tree(x, parent, cache, weight, bias, "silu", slots=slots)
+    assert torch.equal(out, expected)
+    reference = causal_conv1d_tree_reference(x, parent, cache, weight, bias, "silu", torch.float64, slots=slots)
+    assert rel_rms(out, reference) <= (1e-6 if dtype == torch.float32 else 4e-3)
+    causal_conv1d_commit(x, parent, last, gathered)
+    committed = cache.clone()
+    causal_conv1d_commit(x, parent, last, committed, slots=slots.int())
+    expected_cache = cache.clone()
+    expected_cache[slots] = gathered
+    assert torch.equal(committed, expected_cache)
+    assert torch.equal(committed, causal_conv1d_commit_reference(x, parent, last, cache, slots))
+    assert not torch.equal(committed, cache)
+
+
+def test_conv_slots_errors_and_opcheck(generator):
+    parent = random_tree(generator, 5, "random").unsqueeze(0).expand(2, 5).contiguous()
+    x = torch.randn(2, 5, 4, generator=generator)
+    cache = torch.randn(6, 4, 2, generator=generator)
+    weight = torch.randn(4, 3, generator=generator)
+    with pytest.raises(RuntimeError, match=r"causal_conv1d_tree: slots must be in \[0, 6\), got 6 for request 1"):
+        causal_conv1d_tree(x, parent, cache, weight, slots=torch.tensor([0, 6]))
+    with pytest.raises(RuntimeError, match=r"causal_conv1d_tree: conv_state must be \[P, C, W - 1\] with C = 4"):
+        causal_conv1d_tree(x, parent, cache[:, :3], weight, slots=torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match=r"causal_conv1d_tree: slots must be \[B\] with B = 2"):
+        causal_conv1d_tree(x, parent, cache, weight, slots=torch.tensor([0]))
+    with pytest.raises(RuntimeError, match=r"causal_conv1d_tree: slots must be int32 or int64"):
+        causal_conv1d_tree(x, parent, cache, weight, slots=torch.tensor([0.0, 1.0]))
+    kept = cache.clone()
+    with pytest.raises(RuntimeError, match=r"causal_conv1d_commit: slots of requests with last_accepted >= 0 must be"):
+        causal_conv1d_commit(x, parent, torch.tensor([1, 2]), kept, slots=torch.tensor([3, 3]))
+    assert torch.equal(kept, cache)
+    causal_conv1d_commit(x, parent, torch.tensor([1, -1]), kept, slots=torch.tensor([3, 3]))  # inactive may share
+    with pytest.raises(RuntimeError, match=r"causal_conv1d_commit: slots must be in \[0, 6\), got -2 for request 0"):
+        causal_conv1d_commit(x, parent, torch.tensor([1, -1]), kept, slots=torch.tensor([-2, 99]))
+    slots = torch.tensor([4, 1])
+    torch.library.opcheck(
+        torch.ops.peagle.causal_conv1d_tree.default, (x, parent, cache, weight, None, "silu", True, slots)
+    )
+    torch.library.opcheck(
+        torch.ops.peagle.causal_conv1d_commit.default, (x, parent, torch.tensor([3, 0]), cache.clone(), True, slots)
+    )

@@ -29,6 +29,8 @@ from peagle.ops import (
     gdn_commit_reference,
     gdn_tree_verify,
     gdn_tree_verify_reference,
+    gdn_tree_verify_slots,
+    gdn_tree_verify_slots_reference,
     kv_compact,
     kv_compact_reference,
     mask_block,
@@ -314,10 +316,10 @@ def test_kv_compact_fuzz(data):
 # recurrence path by path, so "equal" means close where the reference is finite, and non-finite where it is not.
 
 
-def assert_close_where_finite(got: Tensor, want: Tensor) -> None:
+def assert_close_where_finite(got: Tensor, want: Tensor, tolerance: float = 1e-3) -> None:
     finite = torch.isfinite(want)
     assert bool((~torch.isfinite(got[~finite])).all()), "a non-finite reference value came out finite"
-    torch.testing.assert_close(got[finite].double(), want[finite].double(), rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(got[finite].double(), want[finite].double(), rtol=tolerance, atol=tolerance)
 
 
 def tree_parents(draw, batch: int, nodes: int) -> Tensor:
@@ -359,6 +361,43 @@ def test_gdn_tree_verify_and_commit_fuzz(data):
     want = gdn_commit_reference(k, v, g, beta, parent, last, state_pool, slots, use_qk_l2norm=l2norm)
     assert_close_where_finite(pool_after, want)
     event("gdn: verified and committed")
+
+
+@FUZZ
+@given(data=st.data())
+def test_gdn_tree_verify_slots_fuzz(data):
+    """Slots drawn from a small cache, so that out-of-range, repeated and foreign (another request's start) slots all
+    occur; a call that does not raise leaves the outputs and the whole cache as the reference computes them."""
+    batch, nodes = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 5))
+    heads, group, dk, dv = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 2)), 4, 3
+    hv, pool = heads * group, data.draw(st.integers(1, 12))
+    special = data.draw(st.sampled_from([0.0, 0.05]))
+    q = data.draw(floats_tensor((batch, nodes, heads, dk), -1, 1, special))
+    k = data.draw(floats_tensor((batch, nodes, heads, dk), -1, 1, special))
+    v = data.draw(floats_tensor((batch, nodes, hv, dv), -1, 1, special))
+    g = data.draw(floats_tensor((batch, nodes, hv), -2, 0, special))
+    beta = data.draw(floats_tensor((batch, nodes, hv), 0, 1, special))
+    parent = tree_parents(data.draw, batch, nodes)
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    cache = data.draw(floats_tensor((pool, hv, dk, dv), -1, 1, 0.0)).to(dtype)
+    start = ints(data.draw, batch, -1, pool)
+    dest = torch.tensor([[data.draw(st.integers(-1, pool)) for _ in range(nodes)] for _ in range(batch)]).long()
+    dest = dest.reshape(batch, nodes)
+    l2norm = data.draw(st.booleans())
+    args = (q, k, v, g, beta, parent)
+    ours = cache.clone()
+    o = run_or_clear_error(
+        "gdn_tree_verify_slots",
+        lambda: gdn_tree_verify_slots(*args, ours, start, dest, use_qk_l2norm=l2norm),
+    )
+    if o is None:
+        assert torch.equal(ours, cache), "a call that raised wrote the cache"
+        return
+    want_o, want_cache = gdn_tree_verify_slots_reference(*args, cache, start, dest, use_qk_l2norm=l2norm)
+    assert_close_where_finite(o.float(), want_o)
+    # bf16 states: both round nearly equal fp32 states, so they may land one bf16 ulp (2^-7 relative) apart.
+    assert_close_where_finite(ours.float(), want_cache.float(), 1e-3 if dtype == torch.float32 else 2**-7)
+    event("gdn slots: verified and written")
 
 
 @FUZZ

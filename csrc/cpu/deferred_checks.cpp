@@ -24,6 +24,8 @@ const char* gdn_op_name(int64_t op) {
       return "gdn_tree_verify";
     case deferred::kGdnCommit:
       return "gdn_commit";
+    case deferred::kGdnTreeVerifySlots:
+      return "gdn_tree_verify_slots";
     case deferred::kCausalConv1dTree:
       return "causal_conv1d_tree";
     default:
@@ -38,7 +40,14 @@ const char* gdn_op_name(int64_t op) {
     case kGdnParent:
       raise_parent_value(op, r[kRow], r[kIndex], r[kDetail]);
     case kGdnSlots:
-      raise_index_value(op, "slots", r[kDim0], r[kDim1], r[kDetail], r[kRow]);
+      raise_index_value(op, r[kOp] == kGdnTreeVerifySlots ? "start_slots" : "slots", r[kDim0], r[kDim1], r[kDetail],
+                        r[kRow]);
+    case kGdnStateSlots:
+      raise_index_value(op, "state_slots", r[kDim0], r[kDim1], r[kDetail], r[kRow]);
+    case kGdnSharedStateSlot:
+      raise_shared_state_slot(op, r[kDetail]);
+    case kGdnForeignStartSlot:
+      raise_foreign_start_slot(op, r[kRow], r[kIndex], r[kDetail], r[kExtra]);
     case kGdnLastAccepted:
       raise_index_value(op, "last_accepted", r[kDim0], r[kDim1], r[kDetail], r[kRow]);
     case kGdnSharedSlot:
@@ -115,6 +124,7 @@ void raise_deferred_error(const int64_t* r) {
       TORCH_CHECK(false, "peagle.kv_compact: internal error: an error record without an error");
     }
     case kGdnTreeVerify:
+    case kGdnTreeVerifySlots:
     case kGdnCommit:
     case kCausalConv1dTree:
     case kCausalConv1dCommit:

@@ -7,13 +7,71 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "checks/gdn.h"
+#include "isa.h"
 #include "peagle/gdn.h"
 
 namespace peagle {
 namespace {
+
+// The row loops of gdn_rows.h for each instruction set (see isa.h).
+namespace rows_generic {
+#define PEAGLE_GDN_TARGET
+#define PEAGLE_GDN_BLOCK 0
+#define PEAGLE_GDN_STREAM 0
+#include "gdn_rows.h"  // NOLINT(build/include)
+#undef PEAGLE_GDN_TARGET
+#undef PEAGLE_GDN_BLOCK
+#undef PEAGLE_GDN_STREAM
+}  // namespace rows_generic
+
+#if defined(PEAGLE_CPU_X86)
+namespace rows_avx2 {
+#define PEAGLE_GDN_TARGET PEAGLE_CPU_AVX2
+#define PEAGLE_GDN_BLOCK 32
+#define PEAGLE_GDN_STREAM 0
+#include "gdn_rows.h"  // NOLINT(build/include)
+#undef PEAGLE_GDN_TARGET
+#undef PEAGLE_GDN_BLOCK
+#undef PEAGLE_GDN_STREAM
+}  // namespace rows_avx2
+
+namespace rows_avx512 {
+#define PEAGLE_GDN_TARGET PEAGLE_CPU_AVX512
+#define PEAGLE_GDN_BLOCK 64
+#define PEAGLE_GDN_STREAM 1
+#include "gdn_rows.h"  // NOLINT(build/include)
+#undef PEAGLE_GDN_TARGET
+#undef PEAGLE_GDN_BLOCK
+#undef PEAGLE_GDN_STREAM
+}  // namespace rows_avx512
+#endif
+
+#define PEAGLE_GDN_DISPATCH(call) PEAGLE_CPU_DISPATCH(rows_generic, rows_avx2, rows_avx512, call)
+
+void project_kq(const float* k, const float* fk, const float* q, const float* fq, const float* s0, int64_t row_stride,
+                int64_t n, int64_t K, int64_t V, float* out_k, float* out_q) {
+  PEAGLE_GDN_DISPATCH(project_kq(k, fk, q, fq, s0, row_stride, n, K, V, out_k, out_q))
+}
+
+template <typename state_t>
+void load_head(const state_t* head, int64_t row_stride, int64_t K, int64_t V, float* s0) {
+  PEAGLE_GDN_DISPATCH(load_head(head, row_stride, K, V, s0))
+}
+
+template <typename state_t>
+void node_states(const float* s0, int64_t n, const int64_t* parent, const char* needed, const float* decay,
+                 const float* row_coef, const float* u, state_t* const* dest, int64_t row_stride, int64_t K, int64_t V,
+                 float* rows, bool stream) {
+  PEAGLE_GDN_DISPATCH(node_states(s0, n, parent, needed, decay, row_coef, u, dest, row_stride, K, V, rows, stream))
+}
 
 // Raw fp32 rows of q and k of one (request, q/k head), their factors and normalised Gram matrices (peagle/gdn.h):
 // computed once and shared by the value heads of the group.
@@ -60,18 +118,62 @@ void qk_products(int64_t n, int64_t K, bool l2norm, float q_scale, QkProducts& p
   }
 }
 
-// Row i of out = (sum_r rows_i[r] S0[r, :]) * factor_i, every sum in increasing r.
-void projections(const float* rows, const float* factor, const float* s0, int64_t row_stride, int64_t n, int64_t K,
-                 int64_t V, float* out) {
-  std::fill(out, out + n * V, 0.0f);
+// Per-task buffers of the verification of one (request, q/k head) and its value heads.
+struct VerifyScratch {
+  QkProducts p;
+  std::vector<float> uf, of, gate, gate_sum, bet, root, self, a, b;
+  VerifyScratch(int64_t n, int64_t K, int64_t V)
+      : p(n, K),
+        uf(n * V),
+        of(n * V),
+        gate(n),
+        gate_sum(n),
+        bet(n),
+        root(n),
+        self(n),
+        a(std::max(gdn::triangle_size(static_cast<int>(n)), 1)),
+        b(a.size()) {}
+};
+
+// Loads request b's raw q/k rows of q/k head h and their products (shared by the head's group of value heads).
+template <typename scalar_t>
+void load_qk(const at::Tensor& q, const at::Tensor& k, gdn::RowStrides qs, gdn::RowStrides ks, const int64_t* parent,
+             int64_t b, int64_t h, int64_t n, int64_t K, bool l2norm, float q_scale, QkProducts& p) {
+  load_rows(q.data_ptr<scalar_t>(), qs, b, h, n, K, p.q.data());
+  load_rows(k.data_ptr<scalar_t>(), ks, b, h, n, K, p.k.data());
+  gdn::build_tree(parent, static_cast<int>(n), nullptr, 1, p.anc.data(), nullptr, nullptr);
+  qk_products(n, K, l2norm, q_scale, p);
+}
+
+// Delta values (w.uf) and outputs (w.of) of value head hv of request b from its committed state s0 (K rows of V floats,
+// row_stride apart); w.gate holds the head's raw log decays afterwards.
+template <typename scalar_t>
+void verify_value_head(VerifyScratch& w, const scalar_t* v, gdn::RowStrides vs, const float* g, const float* beta,
+                       const int64_t* parent, const float* s0, int64_t row_stride, int64_t b, int64_t hv, int64_t n,
+                       int64_t HV, int64_t K, int64_t V) {
+  QkProducts& p = w.p;
   for (int64_t i = 0; i < n; ++i) {
-    float* o = out + i * V;
-    for (int64_t r = 0; r < K; ++r) {
-      const float x = rows[i * K + r];
-      const float* srow = s0 + r * row_stride;
-      for (int64_t c = 0; c < V; ++c) o[c] = gdn::mac(o[c], x, srow[c]);
-    }
-    for (int64_t c = 0; c < V; ++c) o[c] = gdn::mul_rn(o[c], factor[i]);
+    w.gate[i] = g[(b * n + i) * HV + hv];
+    w.bet[i] = beta[(b * n + i) * HV + hv];
+  }
+  gdn::build_tree(parent, static_cast<int>(n), w.gate.data(), 1, p.anc.data(), nullptr, w.gate_sum.data());
+  gdn::tree_coefficients(static_cast<int>(n), p.anc.data(), w.gate_sum.data(), p.kk.data(), p.qk.data(), w.root.data(),
+                         w.a.data(), w.b.data(), w.self.data());
+  project_kq(p.k.data(), p.fk.data(), p.q.data(), p.fq.data(), s0, row_stride, n, K, V, w.uf.data(), w.of.data());
+  const auto v_at = [&](int i, int c) { return static_cast<float>(v[vs.at(b, i, hv) + c]); };
+  gdn::solve_delta_columns(static_cast<int>(n), p.anc.data(), w.root.data(), w.bet.data(), w.a.data(), v_at,
+                           w.uf.data(), V, 0, static_cast<int>(V));
+  for (int64_t i = 0; i < n; ++i) {
+    gdn::output_columns(static_cast<int>(i), p.anc.data(), w.root.data(), w.b.data(), w.self.data(), w.uf.data(), V,
+                        w.of.data() + i * V, 0, static_cast<int>(V));
+  }
+}
+
+template <typename scalar_t>
+void store_outputs(const VerifyScratch& w, scalar_t* o, int64_t b, int64_t hv, int64_t n, int64_t HV, int64_t V) {
+  for (int64_t i = 0; i < n; ++i) {
+    scalar_t* row = o + ((b * n + i) * HV + hv) * V;
+    for (int64_t c = 0; c < V; ++c) row[c] = static_cast<scalar_t>(w.of[i * V + c]);
   }
 }
 
@@ -95,8 +197,6 @@ std::tuple<at::Tensor, at::Tensor> gdn_tree_verify_cpu(const at::Tensor& q, cons
   at::Tensor u = at::empty({B, n, HV, V}, v.options().dtype(at::kFloat));
   if (B == 0) return {o, u};
   const float* pool = state_pool.data_ptr<float>();
-  const float* g_ptr = gc.data_ptr<float>();
-  const float* b_ptr = bc.data_ptr<float>();
   const int64_t* parent_ptr = pc.data_ptr<int64_t>();
   const int64_t* slot_ptr = sc.data_ptr<int64_t>();
   float* u_ptr = u.data_ptr<float>();
@@ -107,44 +207,147 @@ std::tuple<at::Tensor, at::Tensor> gdn_tree_verify_cpu(const at::Tensor& q, cons
     scalar_t* o_ptr = o.data_ptr<scalar_t>();
     // One task per (request, q/k head): its q/k products serve every value head of its group.
     at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-      QkProducts p(n, K);
-      const int tri = std::max(gdn::triangle_size(static_cast<int>(n)), 1);
-      std::vector<float> uf(n * V), of(n * V), gate(n), gate_sum(n), bet(n), root(n), self(n), a(tri), bc2(tri);
+      VerifyScratch w(n, K, V);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t b = task / H, h = task % H;
-        load_rows(qc.data_ptr<scalar_t>(), qs, b, h, n, K, p.q.data());
-        load_rows(kc.data_ptr<scalar_t>(), ks, b, h, n, K, p.k.data());
-        gdn::build_tree(parent_ptr + b * n, static_cast<int>(n), nullptr, 1, p.anc.data(), nullptr, nullptr);
-        qk_products(n, K, use_qk_l2norm, q_scale, p);
+        load_qk<scalar_t>(qc, kc, qs, ks, parent_ptr + b * n, b, h, n, K, use_qk_l2norm, q_scale, w.p);
         for (int64_t hv = h * group; hv < (h + 1) * group; ++hv) {
+          verify_value_head(w, v_ptr, vs, gc.data_ptr<float>(), bc.data_ptr<float>(), parent_ptr + b * n,
+                            pool + ps.at(slot_ptr[b], hv, 0), ps.inner, b, hv, n, HV, K, V);
+          store_outputs(w, o_ptr, b, hv, n, HV, V);
           for (int64_t i = 0; i < n; ++i) {
-            gate[i] = g_ptr[(b * n + i) * HV + hv];
-            bet[i] = b_ptr[(b * n + i) * HV + hv];
-          }
-          gdn::build_tree(parent_ptr + b * n, static_cast<int>(n), gate.data(), 1, p.anc.data(), nullptr,
-                          gate_sum.data());
-          gdn::tree_coefficients(static_cast<int>(n), p.anc.data(), gate_sum.data(), p.kk.data(), p.qk.data(),
-                                 root.data(), a.data(), bc2.data(), self.data());
-          const float* s0 = pool + ps.at(slot_ptr[b], hv, 0);
-          projections(p.k.data(), p.fk.data(), s0, ps.inner, n, K, V, uf.data());
-          projections(p.q.data(), p.fq.data(), s0, ps.inner, n, K, V, of.data());
-          const auto v_at = [&](int i, int c) { return static_cast<float>(v_ptr[vs.at(b, i, hv) + c]); };
-          gdn::solve_delta_columns(static_cast<int>(n), p.anc.data(), root.data(), bet.data(), a.data(), v_at,
-                                   uf.data(), V, 0, static_cast<int>(V));
-          for (int64_t i = 0; i < n; ++i) {
-            gdn::output_columns(static_cast<int>(i), p.anc.data(), root.data(), bc2.data(), self.data(), uf.data(), V,
-                                of.data() + i * V, 0, static_cast<int>(V));
-            const int64_t out = ((b * n + i) * HV + hv) * V;
-            for (int64_t c = 0; c < V; ++c) {
-              u_ptr[out + c] = uf[i * V + c];
-              o_ptr[out + c] = static_cast<scalar_t>(of[i * V + c]);
-            }
+            std::copy(w.uf.begin() + i * V, w.uf.begin() + (i + 1) * V, u_ptr + ((b * n + i) * HV + hv) * V);
           }
         }
       }
     });
   });
   return {o, u};
+}
+
+// Whether gdn_tree_verify_slots' values pass check_slots_values (checks/gdn.h), in loops: parents in [-1, i), start
+// slots in [0, pool), written slots in [-1, pool), distinct, and none another request's start slot.
+bool slots_values_valid(const int64_t* parent, const int64_t* start, const int64_t* dest, int64_t batch, int64_t nodes,
+                        int64_t pool) {
+  for (int64_t e = 0; e < batch * nodes; ++e) {
+    if (parent[e] < -1 || parent[e] >= e % nodes || dest[e] < -1 || dest[e] >= pool) return false;
+  }
+  // (slot, request, writes) of every start slot and written slot, sorted by slot: a written slot must be alone in its
+  // run but for reads of its own request.
+  struct Use {
+    int64_t slot, request;
+    bool writes;
+  };
+  std::vector<Use> uses;
+  uses.reserve(batch * (nodes + 1));
+  for (int64_t b = 0; b < batch; ++b) {
+    if (start[b] < 0 || start[b] >= pool) return false;
+    uses.push_back({start[b], b, false});
+  }
+  for (int64_t e = 0; e < batch * nodes; ++e) {
+    if (dest[e] >= 0) uses.push_back({dest[e], e / nodes, true});
+  }
+  std::sort(uses.begin(), uses.end(), [](const Use& x, const Use& y) { return x.slot < y.slot; });
+  for (size_t lo = 0, hi = 0; lo < uses.size(); lo = hi) {
+    int64_t writes = 0, writer = -1;
+    bool foreign_read = false;
+    for (hi = lo; hi < uses.size() && uses[hi].slot == uses[lo].slot; ++hi) {
+      if (uses[hi].writes) {
+        ++writes;
+        writer = uses[hi].request;
+      }
+    }
+    for (size_t j = lo; j < hi; ++j) foreign_read = foreign_read || (!uses[j].writes && uses[j].request != writer);
+    if (writes > 1 || (writes == 1 && foreign_read)) return false;
+  }
+  return true;
+}
+
+at::Tensor gdn_tree_verify_slots_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                     const at::Tensor& beta, const at::Tensor& parent, at::Tensor& state_cache,
+                                     const at::Tensor& start_slots, const at::Tensor& state_slots,
+                                     c10::optional<double> scale, bool use_qk_l2norm,
+                                     bool /*validate: always on CPU*/) {
+  const char* op = "gdn_tree_verify_slots";
+  const GdnDims d = check_gdn_tree_verify_slots_args(q, k, v, g, beta, parent, state_cache, start_slots, state_slots);
+  const at::Tensor pc = parent.to(at::kLong).contiguous(), sc = start_slots.to(at::kLong).contiguous();
+  const at::Tensor dc = state_slots.to(at::kLong).contiguous();
+  // The serving path calls this once per GDN layer and step: plain loops find valid values in microseconds, and only
+  // a failure runs the shared checks (tensor ops), which name the error as both backends do.
+  if (!slots_values_valid(pc.data_ptr<int64_t>(), sc.data_ptr<int64_t>(), dc.data_ptr<int64_t>(), d.batch, d.nodes,
+                          d.pool)) {
+    check_slots_values(op, parent, start_slots, state_slots, d.pool);
+  }
+  const int64_t B = d.batch, n = d.nodes, H = d.qk_heads, HV = d.value_heads, K = d.key_dim, V = d.value_dim;
+  const float q_scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(K))));
+  const at::Tensor qc = with_contiguous_rows(q), kc = with_contiguous_rows(k), vc = with_contiguous_rows(v);
+  const gdn::RowStrides qs = row_strides(qc), ks = row_strides(kc), vs = row_strides(vc);
+  const gdn::RowStrides cs = row_strides(state_cache);
+  const at::Tensor gc = g.to(at::kFloat).contiguous(), bc = beta.to(at::kFloat).contiguous();
+  at::Tensor o = at::empty({B, n, HV, V}, v.options());
+  if (B == 0) return o;
+  const int64_t* parent_ptr = pc.data_ptr<int64_t>();
+  const int64_t* start_ptr = sc.data_ptr<int64_t>();
+  const int64_t* dest_ptr = dc.data_ptr<int64_t>();
+  // needed[b, i]: node i's state is written, or is the parent state of one that is (children follow their parents).
+  std::vector<char> needed(B * n, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = n - 1; i >= 0; --i) {
+      char& mark = needed[b * n + i];
+      mark = mark || dest_ptr[b * n + i] >= 0;
+      if (mark && parent_ptr[b * n + i] >= 0) needed[b * n + parent_ptr[b * n + i]] = 1;
+    }
+  }
+  // Streaming stores (no read for ownership) pay off when the written states do not fit in a cache, and cost when
+  // they do (the next step would find them there): only calls writing more than kStreamBytes use them.
+  constexpr int64_t kStreamBytes = int64_t{16} << 20;
+  const int64_t written = std::count_if(dest_ptr, dest_ptr + B * n, [](int64_t slot) { return slot >= 0; });
+  const bool stream = written * HV * K * V * static_cast<int64_t>(state_cache.element_size()) > kStreamBytes;
+  const int64_t group = HV / H;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "gdn_tree_verify_slots_cpu", [&] {
+    using qkv_t = scalar_t;
+    const qkv_t* v_ptr = vc.data_ptr<qkv_t>();
+    qkv_t* o_ptr = o.data_ptr<qkv_t>();
+    const auto run = [&](auto state_tag) {
+      using state_t = decltype(state_tag);
+      state_t* cache = static_cast<state_t*>(state_cache.data_ptr());
+      at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+        VerifyScratch w(n, K, V);
+        std::vector<float> s0(K * V), rows((n + 1) * V), decay(n), row_coef(n * K);
+        std::vector<state_t*> dest(n);
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t b = task / H, h = task % H;
+          load_qk<qkv_t>(qc, kc, qs, ks, parent_ptr + b * n, b, h, n, K, use_qk_l2norm, q_scale, w.p);
+          for (int64_t i = 0; i < n; ++i) {
+            for (int64_t r = 0; r < K; ++r) row_coef[i * K + r] = gdn::mul_rn(w.p.fk[i], w.p.k[i * K + r]);
+          }
+          for (int64_t hv = h * group; hv < (h + 1) * group; ++hv) {
+            // The start state, read before any node state of this head is written (it may go to the start slot).
+            load_head(cache + cs.at(start_ptr[b], hv, 0), cs.inner, K, V, s0.data());
+            verify_value_head(w, v_ptr, vs, gc.data_ptr<float>(), bc.data_ptr<float>(), parent_ptr + b * n, s0.data(),
+                              V, b, hv, n, HV, K, V);
+            store_outputs(w, o_ptr, b, hv, n, HV, V);
+            for (int64_t i = 0; i < n; ++i) {
+              decay[i] = gdn::node_decay(w.gate[i]);
+              const int64_t slot = dest_ptr[b * n + i];
+              dest[i] = slot < 0 ? nullptr : cache + cs.at(slot, hv, 0);
+            }
+            node_states(s0.data(), n, parent_ptr + b * n, needed.data() + b * n, decay.data(), row_coef.data(),
+                        w.uf.data(), dest.data(), cs.inner, K, V, rows.data(), stream);
+          }
+        }
+      });
+    };
+    switch (state_cache.scalar_type()) {
+      case at::kFloat:
+        return run(float{});
+      case at::kBFloat16:
+        return run(c10::BFloat16{});
+      default:
+        return run(c10::Half{});
+    }
+  });
+  return o;
 }
 
 void gdn_commit_cpu(const at::Tensor& k, const at::Tensor& g, const at::Tensor& u, const at::Tensor& parent,
@@ -202,11 +405,15 @@ void gdn_commit_cpu(const at::Tensor& k, const at::Tensor& g, const at::Tensor& 
 
 at::Tensor causal_conv1d_tree_cpu(const at::Tensor& x, const at::Tensor& parent, const at::Tensor& conv_state,
                                   const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                                  c10::optional<c10::string_view> activation, bool /*validate: always on CPU*/) {
+                                  c10::optional<c10::string_view> activation, bool /*validate: always on CPU*/,
+                                  const c10::optional<at::Tensor>& slots) {
   const char* op = "causal_conv1d_tree";
-  const ConvDims d = check_causal_conv1d_tree_args(x, parent, conv_state, weight, bias);
+  const ConvDims d = check_causal_conv1d_tree_args(x, parent, conv_state, weight, bias, slots);
   const int act = check_activation(op, activation);
   check_parent_values(op, parent);
+  if (slots.has_value()) check_index_values(op, "slots", *slots, 0, d.rows);
+  const at::Tensor rows =
+      slots.has_value() ? slots->to(at::kLong).contiguous() : at::arange(d.batch, x.options().dtype(at::kLong));
   const int64_t B = d.batch, n = d.nodes, C = d.channels, W = d.width;
   const at::Tensor xc = x.contiguous(), stc = conv_state.contiguous();
   const at::Tensor wc = weight.to(at::kFloat).contiguous();
@@ -217,6 +424,7 @@ at::Tensor causal_conv1d_tree_cpu(const at::Tensor& x, const at::Tensor& parent,
   const float* w_ptr = wc.data_ptr<float>();
   const float* bias_ptr = biasc.data_ptr<float>();
   const int64_t* parent_ptr = pc.data_ptr<int64_t>();
+  const int64_t* row_ptr = rows.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "causal_conv1d_tree_cpu", [&] {
     const scalar_t* x_ptr = xc.data_ptr<scalar_t>();
     const scalar_t* st_ptr = stc.data_ptr<scalar_t>();
@@ -234,7 +442,7 @@ at::Tensor causal_conv1d_tree_cpu(const at::Tensor& x, const at::Tensor& parent,
             for (int64_t c = 0; c < C; ++c) acc[c] += w_ptr[c * W + w] * static_cast<float>(xr[c]);
           } else {
             const int64_t s = -src[w] - 1;
-            const scalar_t* sr = st_ptr + b * C * (W - 1) + s;
+            const scalar_t* sr = st_ptr + row_ptr[b] * C * (W - 1) + s;
             for (int64_t c = 0; c < C; ++c) acc[c] += w_ptr[c * W + w] * static_cast<float>(sr[c * (W - 1)]);
           }
         }
@@ -247,11 +455,19 @@ at::Tensor causal_conv1d_tree_cpu(const at::Tensor& x, const at::Tensor& parent,
 }
 
 void causal_conv1d_commit_cpu(const at::Tensor& x, const at::Tensor& parent, const at::Tensor& last_accepted,
-                              at::Tensor& conv_state, bool /*validate: always on CPU*/) {
+                              at::Tensor& conv_state, bool /*validate: always on CPU*/,
+                              const c10::optional<at::Tensor>& slots) {
   const char* op = "causal_conv1d_commit";
-  const ConvDims d = check_causal_conv1d_commit_args(x, parent, last_accepted, conv_state);
+  const ConvDims d = check_causal_conv1d_commit_args(x, parent, last_accepted, conv_state, slots);
   check_parent_values(op, parent);
   check_index_values(op, "last_accepted", last_accepted, -1, d.nodes);
+  if (slots.has_value()) {
+    check_active_slot_values(op, *slots, last_accepted, d.rows);
+    check_distinct_active_slots(op, *slots, last_accepted);
+  }
+  const at::Tensor rows =
+      slots.has_value() ? slots->to(at::kLong).contiguous() : at::arange(d.batch, x.options().dtype(at::kLong));
+  const int64_t* row_ptr = rows.data_ptr<int64_t>();
   const int64_t B = d.batch, n = d.nodes, C = d.channels, W = d.width;
   const at::Tensor xc = x.contiguous();
   const at::Tensor pc = parent.to(at::kLong).contiguous(), ac = last_accepted.to(at::kLong).contiguous();
@@ -269,7 +485,7 @@ void causal_conv1d_commit_cpu(const at::Tensor& x, const at::Tensor& parent, con
         // New state column s = window tap s + 1 of the last accepted node. A state tap read at column s reads an
         // older column s' > s of the old state, so updating s in increasing order is safe in place.
         for (int64_t c = 0; c < C; ++c) {
-          scalar_t* row = st_ptr + (b * C + c) * (W - 1);
+          scalar_t* row = st_ptr + (row_ptr[b] * C + c) * (W - 1);
           for (int64_t s = 0; s < W - 1; ++s) {
             const int t = src[s + 1];
             row[s] = t >= 0 ? x_ptr[(b * n + t) * C + c] : row[-t - 1];
@@ -285,6 +501,7 @@ void causal_conv1d_commit_cpu(const at::Tensor& x, const at::Tensor& parent, con
 
 TORCH_LIBRARY_IMPL(peagle, CPU, m) {
   m.impl("gdn_tree_verify", &peagle::gdn_tree_verify_cpu);
+  m.impl("gdn_tree_verify_slots", &peagle::gdn_tree_verify_slots_cpu);
   m.impl("gdn_commit", &peagle::gdn_commit_cpu);
   m.impl("causal_conv1d_tree", &peagle::causal_conv1d_tree_cpu);
   m.impl("causal_conv1d_commit", &peagle::causal_conv1d_commit_cpu);

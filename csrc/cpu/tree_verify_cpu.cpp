@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "checks/tree.h"
+#include "isa.h"
 #include "peagle/tree.h"
 
 namespace peagle {
@@ -80,57 +81,54 @@ Prepared prepare(const TreeShape& s, const at::Tensor& parent, const at::Tensor&
   return p;
 }
 
-// First index of the row maximum (the smallest id on ties) in one lane-parallel pass that the compiler vectorises:
-// each lane keeps its maximum and the first index reaching it. Returns false with the first NaN's index on NaN.
+// The row argmax of argmax_rows.h for each instruction set (see isa.h).
+namespace argmax_generic {
+#define PEAGLE_ARGMAX_TARGET
+#include "argmax_rows.h"  // NOLINT(build/include)
+#undef PEAGLE_ARGMAX_TARGET
+}  // namespace argmax_generic
+
+#if defined(PEAGLE_CPU_X86)
+namespace argmax_avx2 {
+#define PEAGLE_ARGMAX_TARGET PEAGLE_CPU_AVX2
+#include "argmax_rows.h"  // NOLINT(build/include)
+#undef PEAGLE_ARGMAX_TARGET
+}  // namespace argmax_avx2
+
+namespace argmax_avx512 {
+#define PEAGLE_ARGMAX_TARGET PEAGLE_CPU_AVX512
+#include "argmax_rows.h"  // NOLINT(build/include)
+#undef PEAGLE_ARGMAX_TARGET
+}  // namespace argmax_avx512
+#endif
+
 bool row_argmax(const float* row, int64_t vocab, int64_t* index) {
-  constexpr int kLanes = 16;
-  float lanes[kLanes];
-  int32_t lane_index[kLanes];
-  int32_t nan_lanes[kLanes];
-  for (int k = 0; k < kLanes; ++k) {
-    lanes[k] = -std::numeric_limits<float>::infinity();
-    lane_index[k] = 0;
-    nan_lanes[k] = 0;
-  }
-  const int64_t body = vocab - vocab % kLanes;
-  for (int64_t y = 0; y < body; y += kLanes) {
-    for (int k = 0; k < kLanes; ++k) {
-      const float value = row[y + k];
-      const bool greater = value > lanes[k];
-      lanes[k] = greater ? value : lanes[k];
-      lane_index[k] = greater ? static_cast<int32_t>(y + k) : lane_index[k];
-      nan_lanes[k] |= value != value;
-    }
-  }
-  float best = -std::numeric_limits<float>::infinity();
-  int64_t best_index = std::numeric_limits<int64_t>::max();
-  int32_t any_nan = 0;
-  for (int k = 0; k < kLanes; ++k) {
-    if (lanes[k] > best || (lanes[k] == best && lane_index[k] < best_index)) {
-      best = lanes[k];
-      best_index = lane_index[k];
-    }
-    any_nan |= nan_lanes[k];
-  }
-  for (int64_t y = body; y < vocab; ++y) {
-    if (row[y] > best) {
-      best = row[y];
-      best_index = y;
-    }
-    any_nan |= row[y] != row[y];
-  }
-  if (any_nan) {
-    int64_t y = 0;
-    while (row[y] == row[y]) ++y;
-    *index = y;
-    return false;
-  }
-  // A row of -inf only: no lane moved; the first index wins.
-  *index = best == -std::numeric_limits<float>::infinity() ? 0 : best_index;
-  return true;
+  PEAGLE_CPU_DISPATCH(argmax_generic, argmax_avx2, argmax_avx512, row_argmax(row, vocab, index))
 }
 
-void verify_greedy_request(const TreeView& v, const OutputView& out, int64_t b) {
+// Row argmaxes computed ahead of the walk (batches smaller than the thread count: one request per thread would leave
+// threads idle, so every row of the real nodes is reduced in parallel first). found[b * n_max + i] is node i's argmax
+// (or first NaN when nan[...] is set); only rows of nodes below num_nodes are read, and a row's NaN is an error only
+// if the walk visits it, as without the precomputation.
+struct RowArgmaxes {
+  std::vector<int64_t> found;
+  std::vector<char> nan;
+};
+
+RowArgmaxes all_row_argmaxes(const TreeView& v, int64_t batch) {
+  RowArgmaxes r{std::vector<int64_t>(batch * v.n_max, 0), std::vector<char>(batch * v.n_max, 0)};
+  at::parallel_for(0, batch * v.n_max, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end; ++e) {
+      const int64_t b = e / v.n_max, i = e % v.n_max;
+      if (i >= v.num_nodes[b]) continue;  // padding (or a bad num_nodes, which the walk reports) is never read
+      const float* row = v.target + b * v.target_batch_stride + i * v.vocab;
+      r.nan[e] = !row_argmax(row, v.vocab, &r.found[e]);
+    }
+  });
+  return r;
+}
+
+void verify_greedy_request(const TreeView& v, const OutputView& out, int64_t b, const RowArgmaxes* ahead) {
   const int64_t* parent = v.parent + b * v.n_max;
   const int64_t* tokens = v.tokens + b * v.n_max;
   const int64_t n = v.num_nodes[b];
@@ -144,8 +142,9 @@ void verify_greedy_request(const TreeView& v, const OutputView& out, int64_t b) 
   while (true) {
     const float* row = v.target + b * v.target_batch_stride + cur * v.vocab;
     int64_t best_index = 0;
-    if (!row_argmax(row, v.vocab, &best_index))
-      return tree::set_error(out.errors, b, tree::kTargetNaN, cur, best_index);
+    const bool ok = ahead != nullptr ? !ahead->nan[b * v.n_max + cur] : row_argmax(row, v.vocab, &best_index);
+    if (ahead != nullptr) best_index = ahead->found[b * v.n_max + cur];
+    if (!ok) return tree::set_error(out.errors, b, tree::kTargetNaN, cur, best_index);
     const int64_t accepted = tree::child_with_token(parent, tokens, n, cur, best_index);
     if (accepted < 0) {
       emitted[count] = best_index;
@@ -300,9 +299,14 @@ Outputs tree_verify_greedy_cpu(const at::Tensor& parent, const at::Tensor& token
   const char* op = "tree_verify_greedy";
   const TreeShape s = check_tree_args(op, parent, tokens, num_nodes, target_probs);
   Prepared p = prepare(s, parent, tokens, num_nodes, target_probs, c10::nullopt, c10::nullopt, 0, 0);
-  at::parallel_for(0, s.batch, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) verify_greedy_request(p.view, p.out, b);
-  });
+  if (s.batch < at::get_num_threads()) {  // fewer requests than threads: the rows are reduced in parallel first
+    const RowArgmaxes ahead = all_row_argmaxes(p.view, s.batch);
+    for (int64_t b = 0; b < s.batch; ++b) verify_greedy_request(p.view, p.out, b, &ahead);
+  } else {
+    at::parallel_for(0, s.batch, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) verify_greedy_request(p.view, p.out, b, nullptr);
+    });
+  }
   finish(op, p, parent, tokens, num_nodes, target_probs, c10::nullopt, c10::nullopt);
   return {p.path, p.num_accepted, p.emitted, p.last};
 }

@@ -186,13 +186,17 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename T, bool kTensorCores>
+// S: the state type of the pool / cache. gdn_tree_verify: S = float, state_slots == nullptr (the pool is only read).
+// gdn_tree_verify_slots: state_slots [B, n] (the cache is written there after the outputs' u is known; it may hold
+// the start slot, whose elements each thread reads before it writes them), u == nullptr, claims as in
+// gdn_kernels.h (nullable).
+template <typename T, typename S, bool kTensorCores>
 __global__ void __launch_bounds__(kThreads)
     gdn_tree_verify_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                            const float* __restrict__ g, const float* __restrict__ beta,
-                           const int64_t* __restrict__ parent, const float* __restrict__ state_pool,
-                           const int64_t* __restrict__ slots, GdnShape s, GdnStrides st,
-                           const float* __restrict__ scratch, T* __restrict__ o, float* __restrict__ u,
+                           const int64_t* __restrict__ parent, S* state_pool, const int64_t* __restrict__ slots,
+                           const int64_t* __restrict__ state_slots, const int32_t* __restrict__ claims, GdnShape s,
+                           GdnStrides st, const float* __restrict__ scratch, T* __restrict__ o, float* __restrict__ u,
                            int64_t batch_offset) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int n = static_cast<int>(s.nodes);
@@ -215,10 +219,23 @@ __global__ void __launch_bounds__(kThreads)
   float* coef_a = q_c;  // ... overlaid by the coefficients afterwards
   float* coef_b = coef_a + gdn::triangle_size(n);
   __shared__ int bad;
+  __shared__ float decay_s[gdn::kMaxNodes];  // node decays of the written states (gdn_tree_verify_slots)
+  __shared__ uint64_t needed;                // nodes whose state is written, or is a written node's ancestor
 
   if (tid == 0) {
     bad = slots[b] < 0 || slots[b] >= s.pool ||
           gdn::build_tree(parent + b * n, n, g + b * n * HV + hv, HV, anc, nullptr, gate_sum) >= 0;
+    needed = 0;
+    if (!bad && state_slots != nullptr) {
+      // A request with a written slot out of range, or a slot the device claims found contested (written twice,
+      // or another request's start slot), writes nothing (gdn_claim_state_slots_kernel, gdn_foreign_starts_kernel).
+      bad = claims != nullptr && claims[slots[b]] < 0;
+      for (int i = 0; i < n && !bad; ++i) {
+        const int64_t slot = state_slots[b * n + i];
+        bad = slot < -1 || slot >= s.pool || (slot >= 0 && claims != nullptr && claims[slot] < 0);
+        if (slot >= 0) needed |= anc[i];
+      }
+    }
   }
   for (int i = tid; i < n; i += blockDim.x) beta_s[i] = beta[(b * n + i) * HV + hv];
   __syncthreads();
@@ -227,7 +244,7 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t i = idx / kTile, c = col0 + idx % kTile;
       if (c >= V) continue;
       const int64_t out = ((b * n + i) * HV + hv) * V + c;
-      u[out] = __int_as_float(0x7fc00000);
+      if (u != nullptr) u[out] = __int_as_float(0x7fc00000);
       o[out] = from_acc<T>(__int_as_float(0x7fc00000));
     }
     return;
@@ -236,7 +253,7 @@ __global__ void __launch_bounds__(kThreads)
   const float *fq = products, *fk = products + n, *qk = products + 2 * n, *kk = qk + n * n;
 
   // Projections of the committed state's columns onto the raw k and q rows, every sum in increasing r.
-  const float* s0 = state_pool + st.pool.at(slots[b], hv, 0);
+  const S* s0 = state_pool + st.pool.at(slots[b], hv, 0);
   float pk[kNodesPerGroup] = {}, pq[kNodesPerGroup] = {};
 #if defined(PEAGLE_WITH_CUTLASS)
   float acc[kMmaColumnTiles][4] = {};
@@ -249,7 +266,7 @@ __global__ void __launch_bounds__(kThreads)
     stage_qk(q, k, st, b, h, n, r0, width, q_c, k_c);
     for (int idx = tid; idx < kChunk * kTile; idx += blockDim.x) {
       const int r = idx / kTile, c = idx % kTile;
-      s0_c[idx] = r < width && col0 + c < V ? s0[(r0 + r) * st.pool.inner + col0 + c] : 0.0f;
+      s0_c[idx] = r < width && col0 + c < V ? to_acc(s0[(r0 + r) * st.pool.inner + col0 + c]) : 0.0f;
     }
     __syncthreads();
 #if defined(PEAGLE_WITH_CUTLASS)
@@ -286,12 +303,32 @@ __global__ void __launch_bounds__(kThreads)
     const auto v_at = [&](int i, int c) { return to_acc(v_col[i * st.v.middle + c]); };
     gdn::solve_delta_columns(n, anc, root, beta_s, coef_a, v_at, u_s, kTile, lane, lane + 1);
   }
+  for (int i = tid; i < n && state_slots != nullptr; i += blockDim.x) {
+    decay_s[i] = gdn::node_decay(g[(b * n + i) * HV + hv]);
+  }
   __syncthreads();
   if (!active) return;
+  if (state_slots != nullptr) {
+    // The node states of this block's columns, one state row per warp at a time, each node from its parent's value
+    // (the start state's for a root): gdn::state_step with the u just solved. Every state element is read (its start
+    // value) and then written by this thread only, so a node written into the request's own start slot is safe.
+    for (int64_t r = group; r < K; r += kGroups) {
+      float node_value[gdn::kMaxNodes];
+      const float start = to_acc(s0[r * st.pool.inner + col]);
+      for (int i = 0; i < n; ++i) {
+        if (((needed >> i) & 1ull) == 0) continue;
+        const int64_t p = parent[b * n + i];
+        const float coef = gdn::mul_rn(fk[i], to_acc(k[st.k.at(b, i, h) + r]));
+        node_value[i] = gdn::state_step(p < 0 ? start : node_value[p], decay_s[i], coef, u_s[i * kTile + lane]);
+        const int64_t slot = state_slots[b * n + i];
+        if (slot >= 0) state_pool[st.pool.at(slot, hv, r) + col] = from_acc<S>(node_value[i]);
+      }
+    }
+  }
   for (int i = group; i < n; i += kGroups) {
     gdn::output_columns(i, anc, root, coef_b, self, u_s, kTile, o_s + i * kTile, lane, lane + 1);
     const int64_t out = ((b * n + i) * HV + hv) * V + col;
-    u[out] = u_s[i * kTile + lane];
+    if (u != nullptr) u[out] = u_s[i * kTile + lane];
     o[out] = from_acc<T>(o_s[i * kTile + lane]);
   }
 }
@@ -323,6 +360,77 @@ __global__ void gdn_claim_slots_kernel(const int64_t* __restrict__ last_accepted
   if (atomicCAS(&claims[slot], 0, 1) == 0) return;
   atomicExch(&claims[slot], 2);
   atomicMax(&claims[pool], static_cast<int32_t>(pool - slot));
+}
+
+// Slot claims of unvalidated gdn_tree_verify_slots calls, claims [pool + 2] int32 zero on entry: claims[s] becomes
+// b * n + i + 1 when node i of request b alone writes slot s, and -1 when several nodes do (claims[pool] = pool -
+// (smallest such slot), 0 when none). Out-of-range slots are left to the verification kernel (it skips the request).
+__global__ void gdn_claim_state_slots_kernel(const int64_t* __restrict__ state_slots, int64_t batch, int64_t nodes,
+                                             int64_t pool, int32_t* __restrict__ claims) {
+  const int64_t e = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (e >= batch * nodes) return;
+  const int64_t slot = state_slots[e];
+  if (slot < 0 || slot >= pool) return;
+  if (atomicCAS(&claims[slot], 0, static_cast<int32_t>(e + 1)) == 0) return;
+  atomicExch(&claims[slot], -1);
+  atomicMax(&claims[pool], static_cast<int32_t>(pool - slot));
+}
+
+// After the claims: a start slot that a node of another request writes is marked contested (-1), so neither that
+// request nor the readers of the slot run; claims[pool + 1] = batch * nodes - (the first such node b * n + i, in
+// row-major order, as the host check names it), 0 when none.
+__global__ void gdn_foreign_starts_kernel(const int64_t* __restrict__ start_slots, int64_t batch, int64_t nodes,
+                                          int64_t pool, int32_t* __restrict__ claims) {
+  const int64_t b = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (b >= batch) return;
+  const int64_t slot = start_slots[b];
+  if (slot < 0 || slot >= pool) return;
+  const int32_t claim = atomicAdd(&claims[slot], 0);
+  if (claim <= 0) return;
+  const int64_t e = claim - 1;
+  if (e / nodes == b) {  // the request writes its own start slot: fine unless another request reads it too
+    bool shared = false;
+    for (int64_t other = 0; other < batch && !shared; ++other) shared = other != b && start_slots[other] == slot;
+    if (!shared) return;
+  }
+  atomicMax(&claims[pool + 1], static_cast<int32_t>(batch * nodes - e));
+  atomicExch(&claims[slot], -1);
+}
+
+// The host check's error of contested claims, recorded by one thread: the smallest slot written twice first, then
+// the first node (row-major) that writes another request's start slot, with the reader the host names (the first
+// reader other than the writer, else the last).
+__device__ void record_slot_claims(const int32_t* claims, const int64_t* start_slots, const int64_t* state_slots,
+                                   int64_t batch, int64_t nodes, int64_t pool, int64_t* record) {
+  if (claims[pool] != 0) {
+    record_gdn_error(record, deferred::kGdnTreeVerifySlots, deferred::kGdnSharedStateSlot, 0, 0, pool - claims[pool], 0,
+                     pool);
+    return;
+  }
+  if (claims[pool + 1] == 0) return;
+  const int64_t e = batch * nodes - claims[pool + 1], b = e / nodes, slot = state_slots[e];
+  int64_t first = -1, last = -1;
+  for (int64_t other = 0; other < batch; ++other) {
+    if (start_slots[other] != slot) continue;
+    if (first < 0) first = other;
+    last = other;
+  }
+  const int64_t reader = first != b ? first : last;
+  auto* claimed = reinterpret_cast<unsigned long long*>(record + deferred::kClaimed);
+  if (atomicCAS(claimed, 0ULL, 1ULL) != 0ULL) return;
+  record[deferred::kOp] = deferred::kGdnTreeVerifySlots;
+  record[deferred::kCode] = deferred::kGdnForeignStartSlot;
+  record[deferred::kRow] = b;
+  record[deferred::kIndex] = e % nodes;
+  record[deferred::kDetail] = slot;
+  record[deferred::kExtra] = reader;
+}
+
+__global__ void gdn_record_slot_claims_kernel(const int32_t* __restrict__ claims, const int64_t* start_slots,
+                                              const int64_t* state_slots, int64_t batch, int64_t nodes, int64_t pool,
+                                              int64_t* record) {
+  if (blockIdx.x == 0 && threadIdx.x == 0)
+    record_slot_claims(claims, start_slots, state_slots, batch, nodes, pool, record);
 }
 
 // One block per (tile of K x V state elements, value head, request); each thread rebuilds its state elements. With
@@ -381,20 +489,22 @@ constexpr int kConvThreads = 128;
 template <typename T>
 __global__ void __launch_bounds__(kConvThreads)
     conv_tree_kernel(const T* __restrict__ x, const int64_t* __restrict__ parent, const T* __restrict__ conv_state,
-                     const float* __restrict__ weight, const float* __restrict__ bias, int64_t nodes, int64_t channels,
-                     int width, int activation, T* __restrict__ out, int64_t batch_offset) {
+                     const int64_t* __restrict__ slots, int64_t rows, const float* __restrict__ weight,
+                     const float* __restrict__ bias, int64_t nodes, int64_t channels, int width, int activation,
+                     T* __restrict__ out, int64_t batch_offset) {
   const int64_t b = batch_offset + blockIdx.z, i = blockIdx.y;
   const int64_t c = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   if (c >= channels) return;
+  const int64_t row = slots == nullptr ? b : slots[b];
   int src[gdn::kMaxConvWidth];
-  if (!gdn::conv_window(parent + b * nodes, static_cast<int>(i), width, src)) {
+  if (row < 0 || row >= rows || !gdn::conv_window(parent + b * nodes, static_cast<int>(i), width, src)) {
     out[(b * nodes + i) * channels + c] = from_acc<T>(__int_as_float(0x7fc00000));
     return;
   }
   float acc = bias == nullptr ? 0.0f : bias[c];
   for (int w = 0; w < width; ++w) {
     const float value = src[w] >= 0 ? to_acc(x[(b * nodes + src[w]) * channels + c])
-                                    : to_acc(conv_state[(b * channels + c) * (width - 1) + (-src[w] - 1)]);
+                                    : to_acc(conv_state[(row * channels + c) * (width - 1) + (-src[w] - 1)]);
     acc += weight[c * width + w] * value;
   }
   out[(b * nodes + i) * channels + c] = from_acc<T>(activation == 1 ? gdn::silu(acc) : acc);
@@ -403,15 +513,23 @@ __global__ void __launch_bounds__(kConvThreads)
 template <typename T>
 __global__ void __launch_bounds__(kConvThreads)
     conv_commit_kernel(const T* __restrict__ x, const int64_t* __restrict__ parent,
-                       const int64_t* __restrict__ last_accepted, T* __restrict__ conv_state, int64_t nodes,
-                       int64_t channels, int width, int64_t batch_offset) {
+                       const int64_t* __restrict__ last_accepted, T* __restrict__ conv_state,
+                       const int64_t* __restrict__ slots, int64_t rows, const int32_t* __restrict__ claims,
+                       int64_t* __restrict__ record, int64_t nodes, int64_t channels, int width, int64_t batch_offset) {
+  if (claims != nullptr && record != nullptr && batch_offset == 0 && blockIdx.x == 0 && blockIdx.y == 0 &&
+      threadIdx.x == 0 && claims[rows] != 0) {
+    record_gdn_error(record, deferred::kCausalConv1dCommit, deferred::kGdnSharedSlot, 0, 0, rows - claims[rows], 0,
+                     rows);
+  }
   const int64_t b = batch_offset + blockIdx.y;
   const int64_t c = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   const int64_t a = last_accepted[b];
   if (c >= channels || a < 0 || a >= nodes) return;
+  const int64_t state_row = slots == nullptr ? b : slots[b];
+  if (state_row < 0 || state_row >= rows || (claims != nullptr && claims[state_row] != 1)) return;
   int src[gdn::kMaxConvWidth];
   if (!gdn::conv_window(parent + b * nodes, static_cast<int>(a), width, src)) return;
-  T* row = conv_state + (b * channels + c) * (width - 1);
+  T* row = conv_state + (state_row * channels + c) * (width - 1);
   // Column s reads an older column s' > s of the old state: increasing s is safe in place (see the CPU kernel).
   for (int s = 0; s < width - 1; ++s) {
     const int t = src[s + 1];
@@ -485,11 +603,58 @@ cudaError_t gdn_tree_verify(GdnType type, const void* q, const void* k, const vo
     if (err != cudaSuccess) return err;
     return over_batch(shape.batch, [&](int64_t offset, unsigned requests) {
       const dim3 grid(column_tiles, grid_dim(shape.value_heads), requests);
-      auto kernel = mma ? gdn_tree_verify_kernel<T, true> : gdn_tree_verify_kernel<T, false>;
+      auto kernel = mma ? gdn_tree_verify_kernel<T, float, true> : gdn_tree_verify_kernel<T, float, false>;
+      // The pool is only read here (no state slots): the kernel's pointer is not const because the slots op writes.
       kernel<<<grid, kThreads, verify_smem_bytes(shape.nodes), stream>>>(
-          static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), g, beta, parent, state_pool,
-          slots, shape, strides, scratch, static_cast<T*>(o), u, offset);
+          static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), g, beta, parent,
+          const_cast<float*>(state_pool), slots, nullptr, nullptr, shape, strides, scratch, static_cast<T*>(o), u,
+          offset);
     });
+  });
+}
+
+cudaError_t gdn_tree_verify_slots(GdnType type, GdnType state_type, const void* q, const void* k, const void* v,
+                                  const float* g, const float* beta, const int64_t* parent, void* state_cache,
+                                  const int64_t* start_slots, const int64_t* state_slots, GdnShape shape,
+                                  GdnStrides strides, float scale, bool use_qk_l2norm, float* scratch, void* o,
+                                  int32_t* claims, int64_t* record, cudaStream_t stream) {
+  if (shape.batch == 0) return cudaSuccess;
+  if (claims != nullptr) {
+    constexpr int kClaimThreads = 256;
+    const int64_t entries = shape.batch * shape.nodes;
+    gdn_claim_state_slots_kernel<<<grid_dim((entries + kClaimThreads - 1) / kClaimThreads), kClaimThreads, 0, stream>>>(
+        state_slots, shape.batch, shape.nodes, shape.pool, claims);
+    gdn_foreign_starts_kernel<<<grid_dim((shape.batch + kClaimThreads - 1) / kClaimThreads), kClaimThreads, 0,
+                                stream>>>(start_slots, shape.batch, shape.nodes, shape.pool, claims);
+    if (record != nullptr) {
+      gdn_record_slot_claims_kernel<<<1, 32, 0, stream>>>(claims, start_slots, state_slots, shape.batch, shape.nodes,
+                                                          shape.pool, record);
+    }
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  const unsigned column_tiles = grid_dim((shape.value_dim + kTile - 1) / kTile);
+  return dispatch(type, [&](auto tag) {
+    using T = decltype(tag);
+    const cudaError_t err = over_batch(shape.batch, [&](int64_t offset, unsigned requests) {
+      const dim3 grid(grid_dim(shape.qk_heads), requests);
+      gdn_qk_kernel<T><<<grid, kThreads, qk_smem_bytes(shape.nodes), stream>>>(
+          static_cast<const T*>(q), static_cast<const T*>(k), parent, shape, strides, scale, use_qk_l2norm, scratch,
+          offset);
+    });
+    if (err != cudaSuccess) return err;
+    // The cache holds float32 states or states in q's dtype (the launcher checks it).
+    const auto launch = [&](auto state_tag) {
+      using S = decltype(state_tag);
+      return over_batch(shape.batch, [&](int64_t offset, unsigned requests) {
+        const dim3 grid(column_tiles, grid_dim(shape.value_heads), requests);
+        gdn_tree_verify_kernel<T, S, false><<<grid, kThreads, verify_smem_bytes(shape.nodes), stream>>>(
+            static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), g, beta, parent,
+            static_cast<S*>(state_cache), start_slots, state_slots, claims, shape, strides, scratch, static_cast<T*>(o),
+            nullptr, offset);
+      });
+    };
+    return state_type == GdnType::kFloat32 ? launch(float{}) : launch(T{});
   });
 }
 
@@ -519,31 +684,39 @@ cudaError_t gdn_commit(GdnType type, const void* k, const float* g, const float*
 }
 
 cudaError_t causal_conv1d_tree(GdnType type, const void* x, const int64_t* parent, const void* conv_state,
-                               const float* weight, const float* bias, int64_t batch, int64_t nodes, int64_t channels,
-                               int64_t width, int activation, void* out, cudaStream_t stream) {
+                               const int64_t* slots, int64_t rows, const float* weight, const float* bias,
+                               int64_t batch, int64_t nodes, int64_t channels, int64_t width, int activation, void* out,
+                               cudaStream_t stream) {
   if (batch == 0 || channels == 0) return cudaSuccess;
   return dispatch(type, [&](auto tag) {
     using T = decltype(tag);
     return over_batch(batch, [&](int64_t offset, unsigned requests) {
       const dim3 grid(grid_dim((channels + kConvThreads - 1) / kConvThreads), grid_dim(nodes), requests);
       conv_tree_kernel<T><<<grid, kConvThreads, 0, stream>>>(
-          static_cast<const T*>(x), parent, static_cast<const T*>(conv_state), weight, bias, nodes, channels,
-          static_cast<int>(width), activation, static_cast<T*>(out), offset);
+          static_cast<const T*>(x), parent, static_cast<const T*>(conv_state), slots, rows, weight, bias, nodes,
+          channels, static_cast<int>(width), activation, static_cast<T*>(out), offset);
     });
   });
 }
 
 cudaError_t causal_conv1d_commit(GdnType type, const void* x, const int64_t* parent, const int64_t* last_accepted,
-                                 void* conv_state, int64_t batch, int64_t nodes, int64_t channels, int64_t width,
-                                 cudaStream_t stream) {
+                                 void* conv_state, const int64_t* slots, int64_t rows, int32_t* claims, int64_t* record,
+                                 int64_t batch, int64_t nodes, int64_t channels, int64_t width, cudaStream_t stream) {
   if (batch == 0 || channels == 0) return cudaSuccess;
+  if (claims != nullptr) {
+    constexpr int kClaimThreads = 256;
+    gdn_claim_slots_kernel<<<grid_dim((batch + kClaimThreads - 1) / kClaimThreads), kClaimThreads, 0, stream>>>(
+        last_accepted, slots, batch, rows, claims);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
   return dispatch(type, [&](auto tag) {
     using T = decltype(tag);
     return over_batch(batch, [&](int64_t offset, unsigned requests) {
       const dim3 grid(grid_dim((channels + kConvThreads - 1) / kConvThreads), requests);
       conv_commit_kernel<T><<<grid, kConvThreads, 0, stream>>>(static_cast<const T*>(x), parent, last_accepted,
-                                                               static_cast<T*>(conv_state), nodes, channels,
-                                                               static_cast<int>(width), offset);
+                                                               static_cast<T*>(conv_state), slots, rows, claims, record,
+                                                               nodes, channels, static_cast<int>(width), offset);
     });
   });
 }
@@ -558,14 +731,18 @@ constexpr unsigned long long kNoError = ~0ULL;
 // the first check that failed. Shared slots are not checked here: gdn_commit's slot claims (gdn_claim_slots_kernel)
 // find the smallest one and record it after this kernel on the same stream, so an earlier error here still wins.
 __global__ void __launch_bounds__(kValidateThreads)
-    gdn_validate_kernel(const int64_t* parent, const int64_t* last_accepted, const int64_t* slots, int64_t batch,
-                        int64_t nodes, int64_t pool, int64_t op, int64_t* record) {
-  __shared__ unsigned long long first_parent, first_last, first_slot;
-  if (threadIdx.x == 0) first_parent = first_last = first_slot = kNoError;
+    gdn_validate_kernel(const int64_t* parent, const int64_t* last_accepted, const int64_t* slots,
+                        const int64_t* state_slots, int64_t batch, int64_t nodes, int64_t pool, int64_t op,
+                        int64_t* record) {
+  __shared__ unsigned long long first_parent, first_last, first_slot, first_state;
+  if (threadIdx.x == 0) first_parent = first_last = first_slot = first_state = kNoError;
   __syncthreads();
   for (int64_t e = threadIdx.x; e < batch * nodes; e += blockDim.x) {
     const int64_t p = parent[e];
     if (p < -1 || p >= e % nodes) atomicMin(&first_parent, static_cast<unsigned long long>(e));
+    if (state_slots != nullptr && (state_slots[e] < -1 || state_slots[e] >= pool)) {
+      atomicMin(&first_state, static_cast<unsigned long long>(e));
+    }
   }
   for (int64_t b = threadIdx.x; b < batch; b += blockDim.x) {
     if (last_accepted != nullptr && (last_accepted[b] < -1 || last_accepted[b] >= nodes)) {
@@ -589,16 +766,22 @@ __global__ void __launch_bounds__(kValidateThreads)
   }
   if (first_slot != kNoError) {
     const auto b = static_cast<int64_t>(first_slot);
-    record_gdn_error(record, op, deferred::kGdnSlots, b, 0, slots[b], 0, pool);
+    return record_gdn_error(record, op, deferred::kGdnSlots, b, 0, slots[b], 0, pool);
+  }
+  if (first_state != kNoError) {
+    const auto e = static_cast<int64_t>(first_state);
+    record_gdn_error(record, op, deferred::kGdnStateSlots, e / nodes, e % nodes, state_slots[e], -1, pool);
   }
 }
 
 }  // namespace
 
-cudaError_t gdn_validate(const int64_t* parent, const int64_t* last_accepted, const int64_t* slots, int64_t batch,
-                         int64_t nodes, int64_t pool, int64_t op, int64_t* record, cudaStream_t stream) {
+cudaError_t gdn_validate(const int64_t* parent, const int64_t* last_accepted, const int64_t* slots,
+                         const int64_t* state_slots, int64_t batch, int64_t nodes, int64_t pool, int64_t op,
+                         int64_t* record, cudaStream_t stream) {
   if (batch == 0) return cudaSuccess;
-  gdn_validate_kernel<<<1, kValidateThreads, 0, stream>>>(parent, last_accepted, slots, batch, nodes, pool, op, record);
+  gdn_validate_kernel<<<1, kValidateThreads, 0, stream>>>(parent, last_accepted, slots, state_slots, batch, nodes, pool,
+                                                          op, record);
   return cudaGetLastError();
 }
 

@@ -40,6 +40,20 @@ cudaError_t gdn_tree_verify(GdnType type, const void* q, const void* k, const vo
                             GdnShape shape, GdnStrides strides, float scale, bool use_qk_l2norm, bool tensor_cores,
                             float* scratch, void* o, float* u, cudaStream_t stream);
 
+// gdn_tree_verify_slots: o [B, n, HV, V] (type) as gdn_tree_verify's, from the start states
+// state_cache[start_slots[b]] ([P, HV, K, V] in state_type, strides.pool), and the state after node i of request b
+// written into state_cache[state_slots[b, i]] when >= 0 (gdn::state_step from its parent's, rounded to state_type).
+// scratch as for gdn_tree_verify. Slot claim, for unvalidated slots: with claims ([pool + 2] int32, zeroed by the
+// caller) the written slots are claimed on the device first; a request whose written slot is contested (written twice)
+// or whose start slot another request writes is skipped (NaN outputs, nothing written), and the host check's error
+// (shared slot first, then the first foreign start slot) is recorded in `record` (nullable). claims == nullptr: the
+// host checked the slots.
+cudaError_t gdn_tree_verify_slots(GdnType type, GdnType state_type, const void* q, const void* k, const void* v,
+                                  const float* g, const float* beta, const int64_t* parent, void* state_cache,
+                                  const int64_t* start_slots, const int64_t* state_slots, GdnShape shape,
+                                  GdnStrides strides, float scale, bool use_qk_l2norm, float* scratch, void* o,
+                                  int32_t* claims, int64_t* record, cudaStream_t stream);
+
 // True when peagle was built with the CUTLASS (CuTe) headers and the current device has TF32 tensor cores (sm_80+).
 bool gdn_tensor_cores_available();
 
@@ -53,23 +67,29 @@ cudaError_t gdn_commit(GdnType type, const void* k, const float* g, const float*
                        GdnStrides strides, bool use_qk_l2norm, int32_t* claims, int64_t* record, cudaStream_t stream);
 
 // out [B, n, C] = act(bias + sum_w weight[c, w] * window_w) over each node's (committed state, ancestors, self) window.
-// x, conv_state [B, C, W - 1] and out in `type`; weight [C, W] and bias [C] (nullable) fp32; activation 1 = silu.
+// x, conv_state [rows, C, W - 1] and out in `type`; request b's state is row slots[b] (slots nullable: row b; a slot
+// outside [0, rows) gives NaN outputs); weight [C, W] and bias [C] (nullable) fp32; activation 1 = silu.
 cudaError_t causal_conv1d_tree(GdnType type, const void* x, const int64_t* parent, const void* conv_state,
-                               const float* weight, const float* bias, int64_t batch, int64_t nodes, int64_t channels,
-                               int64_t width, int activation, void* out, cudaStream_t stream);
+                               const int64_t* slots, int64_t rows, const float* weight, const float* bias,
+                               int64_t batch, int64_t nodes, int64_t channels, int64_t width, int activation, void* out,
+                               cudaStream_t stream);
 
-// conv_state[b] <- last W - 1 inputs of (conv_state[b], path root..last_accepted[b]); skipped when < 0.
+// conv_state[row b] <- last W - 1 inputs of (conv_state[row b], path root..last_accepted[b]); skipped when < 0. Rows
+// as for causal_conv1d_tree (a slot outside [0, rows) is skipped); claims and record as for gdn_commit (claims
+// [rows + 1] int32 zeroed, nullptr when the slots are known distinct or there are none).
 cudaError_t causal_conv1d_commit(GdnType type, const void* x, const int64_t* parent, const int64_t* last_accepted,
-                                 void* conv_state, int64_t batch, int64_t nodes, int64_t channels, int64_t width,
-                                 cudaStream_t stream);
+                                 void* conv_state, const int64_t* slots, int64_t rows, int32_t* claims, int64_t* record,
+                                 int64_t batch, int64_t nodes, int64_t channels, int64_t width, cudaStream_t stream);
 
 // Deferred checks: the value checks of the launcher's validation (checks/gdn.h, same order, same first error) run on
 // the device by one block and record the first error as op `op` in the error record (peagle/deferred.h).
-// last_accepted and slots may be null (not checked); slots are checked only for requests with last_accepted >= 0
-// when last_accepted is given. That those slots are distinct is gdn_commit's slot claims' check (they run after this,
-// so its errors come first, as on the host).
-cudaError_t gdn_validate(const int64_t* parent, const int64_t* last_accepted, const int64_t* slots, int64_t batch,
-                         int64_t nodes, int64_t pool, int64_t op, int64_t* record, cudaStream_t stream);
+// last_accepted, slots and state_slots may be null (not checked); slots are checked only for requests with
+// last_accepted >= 0 when last_accepted is given; state_slots [batch, nodes] (gdn_tree_verify_slots) in [-1, pool),
+// after the slots. That slots are distinct is the slot claims' check of gdn_commit and gdn_tree_verify_slots (they run
+// after this, so its errors come first, as on the host).
+cudaError_t gdn_validate(const int64_t* parent, const int64_t* last_accepted, const int64_t* slots,
+                         const int64_t* state_slots, int64_t batch, int64_t nodes, int64_t pool, int64_t op,
+                         int64_t* record, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace peagle

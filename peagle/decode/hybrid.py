@@ -6,7 +6,8 @@ the paged KV cache, and its GDN layers come here. Each request owns one row of e
 :func:`peagle.ops.gdn_tree_verify` from the committed states (node i from its parent's state, the root from the
 committed one) and keeps what commit needs; :meth:`GdnStates.commit` then makes the state after each request's last
 accepted node the committed one through ``gdn_commit`` / ``causal_conv1d_commit``. Requests accept paths of any
-lengths: both ops commit per request.
+lengths: both ops commit per request. Every op reads and writes the request's rows of the pools in place (``slots``),
+so no state is gathered or scattered.
 
 The Hugging Face modules' weights and sub-modules (projections, norms, gates) are reused, so the only new arithmetic is
 the tree-structured token mixing.
@@ -53,8 +54,9 @@ class GdnStates:
         query, key, value, z, b, a = gdn.fix_query_key_value_ordering(gdn.in_proj_qkvz(hidden), gdn.in_proj_ba(hidden))
         mixed = torch.cat([t.reshape(batch, nodes, -1) for t in (query, key, value)], dim=-1)  # [b, n, C]
         conv_weight = gdn.conv1d.weight.squeeze(1)
-        conv_state = self.conv_states[index][rows]
-        mixed_out = causal_conv1d_tree(mixed, parent, conv_state, conv_weight, gdn.conv1d.bias, gdn.activation)
+        mixed_out = causal_conv1d_tree(
+            mixed, parent, self.conv_states[index], conv_weight, gdn.conv1d.bias, gdn.activation, slots=rows
+        )
         query, key, value = torch.split(mixed_out, [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
         query = query.reshape(batch, nodes, -1, gdn.head_k_dim).contiguous()
         key = key.reshape(batch, nodes, -1, gdn.head_k_dim).contiguous()
@@ -73,9 +75,7 @@ class GdnStates:
         last_node = last_node.long()
         for index, (mixed, key, g, u) in self.pending.items():
             gdn_commit(key, g, u, self.parent, last_node, self.state_pools[index], rows, True)
-            conv_state = self.conv_states[index][rows]
-            causal_conv1d_commit(mixed, self.parent, last_node, conv_state)
-            self.conv_states[index][rows] = conv_state
+            causal_conv1d_commit(mixed, self.parent, last_node, self.conv_states[index], slots=rows)
         self.pending = {}
         self.parent = None
 

@@ -19,6 +19,8 @@ from peagle.ops.gdn import (
     gdn_recurrence_reference,
     gdn_tree_verify,
     gdn_tree_verify_reference,
+    gdn_tree_verify_slots,
+    gdn_tree_verify_slots_reference,
 )
 from peagle.ops.harness import (
     HarnessState,
@@ -112,6 +114,8 @@ __all__ = [
     "gdn_recurrence_reference",
     "gdn_tree_verify",
     "gdn_tree_verify_reference",
+    "gdn_tree_verify_slots",
+    "gdn_tree_verify_slots_reference",
     "harness_decide",
     "harness_decide_reference",
     "harness_edge_observe",

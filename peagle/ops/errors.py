@@ -11,11 +11,12 @@ Ops with a deferred mode on CUDA (:data:`DEFERRED_OPS`):
 
 * ``tree_verify_greedy``, ``tree_rejection_sample``;
 * ``kv_compact`` (as in immediate mode, it changes nothing when a request is bad);
-* ``gdn_tree_verify``, ``gdn_commit``, ``causal_conv1d_tree``, ``causal_conv1d_commit`` with ``validate=True`` (their
-  kernels guard themselves as with ``validate=False``: bad requests get NaN outputs or are not committed; the check
-  is one more kernel of one block, so keep ``validate=False`` where speed matters and the inputs are trusted;
-  ``gdn_commit`` claims its slots on the device whenever the host did not check them, even with ``validate=False``
-  and deferred checks off: requests that share a slot leave it unchanged and :func:`check_errors` raises);
+* ``gdn_tree_verify``, ``gdn_tree_verify_slots``, ``gdn_commit``, ``causal_conv1d_tree``, ``causal_conv1d_commit``
+  with ``validate=True`` (their kernels guard themselves as with ``validate=False``: bad requests get NaN outputs or
+  are not committed; the check is one more kernel of one block, so keep ``validate=False`` where speed matters and
+  the inputs are trusted; ``gdn_commit``, ``gdn_tree_verify_slots`` and ``causal_conv1d_commit`` with slots claim
+  their slots on the device whenever the host did not check them, even with ``validate=False`` and deferred checks
+  off: requests that share a slot leave it unchanged and :func:`check_errors` raises);
 * ``cod_gather``, ``cod_gather_backward`` (with the CUDA message, "some element is out of range");
 * ``mask_dense``, ``mask_block``, ``mask_slice_dense``, ``mask_slice_block`` (bad anchors / depths are clamped into
   range for the kernels: the outputs of a bad call are garbage, never an out-of-bounds read);
@@ -47,6 +48,7 @@ DEFERRED_OPS = (
     "tree_rejection_sample",
     "kv_compact",
     "gdn_tree_verify",
+    "gdn_tree_verify_slots",
     "gdn_commit",
     "causal_conv1d_tree",
     "causal_conv1d_commit",

@@ -38,6 +38,8 @@ __all__ = [
     "gdn_recurrence_reference",
     "gdn_tree_verify",
     "gdn_tree_verify_reference",
+    "gdn_tree_verify_slots",
+    "gdn_tree_verify_slots_reference",
     "tree_path",
 ]
 
@@ -93,6 +95,49 @@ def gdn_tree_verify(
     return GdnVerifyOutput(o, u)
 
 
+def gdn_tree_verify_slots(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    parent: Tensor,
+    state_cache: Tensor,
+    start_slots: Tensor,
+    state_slots: Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    validate: bool = True,
+) -> Tensor:
+    """Verification that reads and writes a state cache in place: the outputs of every node, and the state after each
+    node written into its own slot (vLLM's speculative GDN step: the state after draft t goes to slot t, and the next
+    step resumes from the slot of the last accepted draft).
+
+    Args:
+        q, k, v, g, beta, parent, scale, use_qk_l2norm: as in :func:`gdn_tree_verify`.
+        state_cache: [P, HV, K, V], float32 or q's dtype (vLLM's bfloat16 caches), updated in place: contiguous rows
+            of V and non-overlapping outer strides (a slice of a larger cache is fine; it is never copied).
+        start_slots: [B] int, request b starts from ``state_cache[start_slots[b]]`` (read as fp32).
+        state_slots: [B, n] int, the state after node i of request b goes to ``state_cache[state_slots[b, i]]``
+            (rounded to the cache's dtype); -1 writes nothing. The slots written must be distinct, and none may be
+            another request's start slot (a request may overwrite its own: its start state is read first).
+        validate: as in :func:`gdn_tree_verify`; on CUDA without the host checks (validate=False, or deferred checks)
+            the slots are claimed on the device: a request whose start slot or written slots another request also
+            writes is skipped (NaN outputs, nothing written), and :func:`peagle.ops.check_errors` raises the host
+            check's error.
+
+    Node states follow the recurrence node by node from the parent's state with the verification's delta values,
+    ``S_i = exp(g_i) S_parent + f_i k_i u_i^T`` in fp32 (the start state converted exactly), so a chain's states equal
+    :func:`gdn_commit` applied to one node after another, and the outputs equal :func:`gdn_tree_verify`'s bit for bit.
+
+    Returns:
+        o [B, n, HV, V] in v's dtype.
+    """
+    return torch.ops.peagle.gdn_tree_verify_slots(
+        q, k, v, g, beta, parent, state_cache, start_slots, state_slots, scale, use_qk_l2norm, validate
+    )
+
+
 def gdn_commit(
     k: Tensor,
     g: Tensor,
@@ -126,29 +171,38 @@ def causal_conv1d_tree(
     bias: Tensor | None = None,
     activation: str | None = None,
     validate: bool = True,
+    slots: Tensor | None = None,
 ) -> Tensor:
     """Depthwise causal conv1d over a draft tree: node i's window is (committed state, ancestors of i, i).
 
     Args:
         x: [B, n, C] inputs of the tree nodes; parent: [B, n] as in :func:`gdn_tree_verify`.
-        conv_state: [B, C, W - 1] x's dtype, the last W - 1 committed inputs (column W - 2 is the newest).
+        conv_state: [B, C, W - 1] x's dtype, the last W - 1 committed inputs (column W - 2 is the newest); with
+            ``slots``, a cache [P, C, W - 1] whose row slots[b] is request b's (read in place, no gathered copy).
         weight: [C, W] (tap W - 1 multiplies the newest input); bias: [C] or None.
         activation: None / "none" / "identity", or "silu" / "swish".
-        validate: as in :func:`gdn_tree_verify` (bad trees give NaN outputs when False on CUDA).
+        validate: as in :func:`gdn_tree_verify` (bad trees or slots give NaN outputs when False on CUDA).
+        slots: [B] int in [0, P), or None.
 
     Returns:
         [B, n, C] in x's dtype (accumulated in fp32).
     """
-    return torch.ops.peagle.causal_conv1d_tree(x, parent, conv_state, weight, bias, activation, validate)
+    return torch.ops.peagle.causal_conv1d_tree(x, parent, conv_state, weight, bias, activation, validate, slots)
 
 
 def causal_conv1d_commit(
-    x: Tensor, parent: Tensor, last_accepted: Tensor, conv_state: Tensor, validate: bool = True
+    x: Tensor,
+    parent: Tensor,
+    last_accepted: Tensor,
+    conv_state: Tensor,
+    validate: bool = True,
+    slots: Tensor | None = None,
 ) -> None:
     """Commits, in place, the conv state after each request's last accepted node (the last W - 1 inputs of
-    committed state + accepted path). last_accepted[b] = -1 leaves request b unchanged. validate: as in
-    :func:`gdn_commit`."""
-    torch.ops.peagle.causal_conv1d_commit(x, parent, last_accepted, conv_state, validate)
+    committed state + accepted path). last_accepted[b] = -1 leaves request b unchanged. With ``slots`` ([B] int),
+    conv_state is a cache [P, C, W - 1] and request b commits into its row slots[b]; the committing requests' slots
+    must be in [0, P) and distinct (as :func:`gdn_commit`'s). validate: as in :func:`gdn_commit`."""
+    torch.ops.peagle.causal_conv1d_commit(x, parent, last_accepted, conv_state, validate, slots)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -162,18 +216,25 @@ def _gdn_tree_verify_fake(
     return v.new_empty(v.shape), v.new_empty(v.shape, dtype=torch.float32)
 
 
+@torch.library.register_fake("peagle::gdn_tree_verify_slots")
+def _gdn_tree_verify_slots_fake(
+    q, k, v, g, beta, parent, state_cache, start_slots, state_slots, scale=None, use_qk_l2norm=False, validate=True
+):
+    return v.new_empty(v.shape)
+
+
 @torch.library.register_fake("peagle::gdn_commit")
 def _gdn_commit_fake(k, g, u, parent, last_accepted, state_pool, slots, use_qk_l2norm=False, validate=True):
     return None
 
 
 @torch.library.register_fake("peagle::causal_conv1d_tree")
-def _causal_conv1d_tree_fake(x, parent, conv_state, weight, bias=None, activation=None, validate=True):
+def _causal_conv1d_tree_fake(x, parent, conv_state, weight, bias=None, activation=None, validate=True, slots=None):
     return x.new_empty(x.shape)
 
 
 @torch.library.register_fake("peagle::causal_conv1d_commit")
-def _causal_conv1d_commit_fake(x, parent, last_accepted, conv_state, validate=True):
+def _causal_conv1d_commit_fake(x, parent, last_accepted, conv_state, validate=True, slots=None):
     return None
 
 
@@ -259,6 +320,39 @@ def gdn_tree_verify_reference(
     return o
 
 
+def gdn_tree_verify_slots_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    parent: Tensor,
+    state_cache: Tensor,
+    start_slots: Tensor,
+    state_slots: Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[Tensor, Tensor]:
+    """(o [B, n, HV, V] in ``compute_dtype``, new state cache): every node by the sequential recurrence along its
+    root-to-node path from ``state_cache[start_slots[b]]``; the state after node i goes into a copy of the cache at
+    ``state_slots[b, i]`` (>= 0), in the cache's dtype. Start states are all read before any slot is written."""
+    batch, nodes = q.shape[:2]
+    o = torch.empty(batch, nodes, v.shape[2], v.shape[3], dtype=compute_dtype, device=v.device)
+    starts = [state_cache[int(start_slots[b])].to(compute_dtype) for b in range(batch)]
+    cache = state_cache.clone()
+    for b in range(batch):
+        for i in range(nodes):
+            p = tree_path(parent[b], i)
+            out, state = gdn_recurrence_reference(
+                q[b, p], k[b, p], v[b, p], g[b, p], beta[b, p], starts[b], scale, use_qk_l2norm
+            )
+            o[b, i] = out[-1]
+            if int(state_slots[b, i]) >= 0:
+                cache[int(state_slots[b, i])] = state.to(cache.dtype)
+    return o, cache
+
+
 def gdn_commit_reference(
     k: Tensor,
     v: Tensor,
@@ -299,8 +393,12 @@ def causal_conv1d_tree_reference(
     bias: Tensor | None = None,
     activation: str | None = None,
     compute_dtype: torch.dtype = torch.float32,
+    slots: Tensor | None = None,
 ) -> Tensor:
-    """Per node: the causal conv over (committed state, root-to-node path inputs); [B, n, C] in ``compute_dtype``."""
+    """Per node: the causal conv over (committed state, root-to-node path inputs); [B, n, C] in ``compute_dtype``.
+    With ``slots``, request b's committed state is conv_state[slots[b]]."""
+    if slots is not None:
+        conv_state = conv_state[slots.long()]
     batch, nodes, channels = x.shape
     width = weight.shape[1]
     w = weight.to(compute_dtype)
@@ -317,12 +415,16 @@ def causal_conv1d_tree_reference(
     return out
 
 
-def causal_conv1d_commit_reference(x: Tensor, parent: Tensor, last_accepted: Tensor, conv_state: Tensor) -> Tensor:
-    """New conv state (a copy): the last W - 1 inputs of (committed state, accepted path)."""
+def causal_conv1d_commit_reference(
+    x: Tensor, parent: Tensor, last_accepted: Tensor, conv_state: Tensor, slots: Tensor | None = None
+) -> Tensor:
+    """New conv state (a copy): the last W - 1 inputs of (committed state, accepted path); with ``slots``, request b's
+    row of the cache is slots[b]."""
     new_state = conv_state.clone()
     width = conv_state.shape[2] + 1
     for b in range(x.shape[0]):
         a = int(last_accepted[b])
+        row = b if slots is None else int(slots[b])
         if a >= 0:
-            new_state[b] = _conv_window(x[b], conv_state[b], tree_path(parent[b], a), width - 1)
+            new_state[row] = _conv_window(x[b], conv_state[row], tree_path(parent[b], a), width - 1)
     return new_state

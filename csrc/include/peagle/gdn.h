@@ -211,6 +211,17 @@ PEAGLE_HD float commit_coefficient(float gate_a, float gate_j, float factor_k) {
 }
 PEAGLE_HD float commit_step(float acc, float coef, float k, float u) { return add_rn(acc, mul_rn(mul_rn(coef, k), u)); }
 
+// Node states written into slots (gdn_tree_verify_slots): the state after node i from its parent's state S_p (S0 for
+// a root), one step of the recurrence with the u the verification solved,
+//   S_i[r, c] = exp(g_i) S_p[r, c] + (f^k_i k_i[r]) u_i[c],
+// i.e. exactly gdn_commit of the single node i on S_p (its root decay exp(G) with G = the summed log decay of g_i,
+// its coefficient exp(0) f^k_i = f^k_i), so a chain written node by node equals one gdn_commit per position.
+PEAGLE_HD float node_decay(float g) { return exp_rn(summed_log_decay(g)); }
+// row_coef = mul_rn(f^k_i, k_i[r]), computed once per row.
+PEAGLE_HD float state_step(float parent_state, float decay, float row_coef, float u) {
+  return add_rn(mul_rn(decay, parent_state), mul_rn(row_coef, u));
+}
+
 // Window of a causal conv1d of width W at `node` of a tree: src[w] for w in [0, W) (oldest first) is the node whose
 // input sits there (>= 0), or -(s + 1) for column s of the committed conv state [.., W - 1] (s = W - 2 is the newest).
 // Returns false (src incomplete) when a parent on the way breaks parent[i] in [-1, i): callers that skipped the host

@@ -1,0 +1,158 @@
+// The hot row loops of the CPU GDN kernels (state projections, node-state steps, state cache conversions), compiled
+// once per x86 instruction set and picked at run time (isa.h: gdn_cpu.cpp includes this file in several namespaces,
+// each time with PEAGLE_GDN_TARGET set to a target attribute). Every version computes the same bits (peagle/gdn.h's
+// operation order).
+//
+// Only raw-pointer code here, with internal linkage: a template of the standard library or ATen instantiated under a
+// target attribute could be shared by the linker with code that runs on any CPU. No include guard: included on purpose
+// once per instruction set.
+
+// out_k[i, c] = (sum_r k[i, r] S0[r, c]) f^k_i and out_q[i, c] = (sum_r q[i, r] S0[r, c]) f^q_i, every sum in
+// increasing r (as gdn.h's projections); S0 rows row_stride apart. Columns go in blocks of kBlock held in registers,
+// and each S0 row of a block serves the k and q rows of a node.
+static PEAGLE_GDN_TARGET void project_kq(const float* k, const float* fk, const float* q, const float* fq,
+                                         const float* s0, int64_t row_stride, int64_t n, int64_t K, int64_t V,
+                                         float* out_k, float* out_q) {
+  constexpr int64_t kBlock = PEAGLE_GDN_BLOCK;
+  if (kBlock == 0) {  // narrow vectors: whole rows, accumulated in memory (keeps the baseline build as fast as before)
+    for (int64_t i = 0; i < n; ++i) {
+      float* ok = out_k + i * V;
+      float* oq = out_q + i * V;
+      for (int64_t c = 0; c < V; ++c) ok[c] = oq[c] = 0.0f;
+      for (int64_t r = 0; r < K; ++r) {
+        const float kr = k[i * K + r], qr = q[i * K + r];
+        const float* srow = s0 + r * row_stride;
+        for (int64_t c = 0; c < V; ++c) ok[c] = gdn::mac(ok[c], kr, srow[c]);
+        for (int64_t c = 0; c < V; ++c) oq[c] = gdn::mac(oq[c], qr, srow[c]);
+      }
+      for (int64_t c = 0; c < V; ++c) ok[c] = gdn::mul_rn(ok[c], fk[i]);
+      for (int64_t c = 0; c < V; ++c) oq[c] = gdn::mul_rn(oq[c], fq[i]);
+    }
+    return;
+  }
+  constexpr int64_t kArray = kBlock > 0 ? kBlock : 1;
+  for (int64_t i = 0; i < n; ++i) {
+    const float* ki = k + i * K;
+    const float* qi = q + i * K;
+    for (int64_t c0 = 0; c0 < V; c0 += kBlock) {
+      float acc_k[kArray], acc_q[kArray];
+      for (int64_t j = 0; j < kBlock; ++j) acc_k[j] = acc_q[j] = 0.0f;
+      if (c0 + kBlock <= V) {
+        for (int64_t r = 0; r < K; ++r) {
+          const float kr = ki[r], qr = qi[r];
+          const float* srow = s0 + r * row_stride + c0;
+          for (int64_t j = 0; j < kBlock; ++j) {
+            acc_k[j] = gdn::mac(acc_k[j], kr, srow[j]);
+            acc_q[j] = gdn::mac(acc_q[j], qr, srow[j]);
+          }
+        }
+      } else {
+        const int64_t width = V - c0;
+        for (int64_t r = 0; r < K; ++r) {
+          const float kr = ki[r], qr = qi[r];
+          const float* srow = s0 + r * row_stride + c0;
+          for (int64_t j = 0; j < width; ++j) {
+            acc_k[j] = gdn::mac(acc_k[j], kr, srow[j]);
+            acc_q[j] = gdn::mac(acc_q[j], qr, srow[j]);
+          }
+        }
+      }
+      const int64_t width = c0 + kBlock <= V ? kBlock : V - c0;
+      for (int64_t j = 0; j < width; ++j) {
+        out_k[i * V + c0 + j] = gdn::mul_rn(acc_k[j], fk[i]);
+        out_q[i * V + c0 + j] = gdn::mul_rn(acc_q[j], fq[i]);
+      }
+    }
+  }
+}
+
+static PEAGLE_GDN_TARGET void to_float_row(const float* src, int64_t V, float* dst) {
+  for (int64_t c = 0; c < V; ++c) dst[c] = src[c];
+}
+
+// bf16 -> fp32 from the bits: exact.
+static PEAGLE_GDN_TARGET void to_float_row(const c10::BFloat16* src, int64_t V, float* dst) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);  // c10::BFloat16 is its 16 bits
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t c = 0; c < V; ++c) out[c] = static_cast<uint32_t>(bits[c]) << 16;
+}
+
+static PEAGLE_GDN_TARGET void to_float_row(const c10::Half* src, int64_t V, float* dst) {
+  for (int64_t c = 0; c < V; ++c) dst[c] = static_cast<float>(src[c]);
+}
+
+static PEAGLE_GDN_TARGET void from_float_row(const float* src, int64_t V, float* dst) {
+  for (int64_t c = 0; c < V; ++c) dst[c] = src[c];
+}
+
+// fp32 -> bf16 bits, rounded to nearest even, NaN to the quiet NaN 0x7FC0 (as c10::BFloat16 and torch's .to round).
+static PEAGLE_GDN_TARGET void from_float_row(const float* src, int64_t V, c10::BFloat16* dst) {
+  const uint32_t* in = reinterpret_cast<const uint32_t*>(src);
+  uint16_t* out = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t c = 0; c < V; ++c) {
+    const uint32_t bits = in[c];
+    const bool nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
+    out[c] = static_cast<uint16_t>(nan ? 0x7FC0u : (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+  }
+}
+
+static PEAGLE_GDN_TARGET void from_float_row(const float* src, int64_t V, c10::Half* dst) {
+  for (int64_t c = 0; c < V; ++c) dst[c] = static_cast<c10::Half>(src[c]);
+}
+
+// A state row into the cache. With PEAGLE_GDN_STREAM (AVX-512) and `stream` (the call writes more than a cache holds),
+// rows of whole aligned cache lines go out as streaming stores: the written slots are not read first (no read for
+// ownership), which halves the memory traffic of the writes; node_states fences (stream_fence) before returning.
+template <typename state_t>
+static PEAGLE_GDN_TARGET void store_state_row(const float* src, int64_t V, state_t* dst, bool stream) {
+#if PEAGLE_GDN_STREAM
+  constexpr int64_t kPerLine = 64 / sizeof(state_t);
+  if (stream && reinterpret_cast<uintptr_t>(dst) % 64 == 0 && V % kPerLine == 0) {
+    for (int64_t c0 = 0; c0 < V; c0 += kPerLine) {
+      alignas(64) state_t line[kPerLine];
+      from_float_row(src + c0, kPerLine, line);
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + c0), _mm512_load_si512(line));
+    }
+    return;
+  }
+#else
+  (void)stream;
+#endif
+  from_float_row(src, V, dst);
+}
+
+static PEAGLE_GDN_TARGET void stream_fence() {
+#if PEAGLE_GDN_STREAM
+  _mm_sfence();
+#endif
+}
+
+// The start state of one value head as fp32 rows of V: s0[r, :] = head[r * row_stride, :].
+template <typename state_t>
+static PEAGLE_GDN_TARGET void load_head(const state_t* head, int64_t row_stride, int64_t K, int64_t V, float* s0) {
+  for (int64_t r = 0; r < K; ++r) to_float_row(head + r * row_stride, V, s0 + r * V);
+}
+
+// The node states of one value head, row by row (gdn::state_step from the parent's row; the start state's row for a
+// root), for the nodes marked `needed`; node i's row goes to dest[i] + r * row_stride when dest[i] is not null.
+// row_coef [n, K] = f^k_i k_i[r]; u [n, V]; rows: (n + 1) x V floats of scratch; stream: see store_state_row.
+template <typename state_t>
+static PEAGLE_GDN_TARGET void node_states(const float* s0, int64_t n, const int64_t* parent, const char* needed,
+                                          const float* decay, const float* row_coef, const float* u,
+                                          state_t* const* dest, int64_t row_stride, int64_t K, int64_t V, float* rows,
+                                          bool stream) {
+  float* start = rows + n * V;
+  for (int64_t r = 0; r < K; ++r) {
+    for (int64_t c = 0; c < V; ++c) start[c] = s0[r * V + c];
+    for (int64_t i = 0; i < n; ++i) {
+      if (!needed[i]) continue;
+      const float* from = parent[i] < 0 ? start : rows + parent[i] * V;
+      const float d = decay[i], a = row_coef[i * K + r];
+      const float* ui = u + i * V;
+      float* to = rows + i * V;
+      for (int64_t c = 0; c < V; ++c) to[c] = gdn::state_step(from[c], d, a, ui[c]);
+      if (dest[i] != nullptr) store_state_row(to, V, dest[i] + r * row_stride, stream);
+    }
+  }
+  stream_fence();
+}
