@@ -7,13 +7,15 @@ import json
 
 import pytest
 import torch
-from test_train import one_thread, read_metrics, work  # noqa: F401 (module fixtures of the tiny target)
+from test_train import read_metrics, work  # noqa: F401 (a module fixture of the tiny target)
 
 from peagle.model import DrafterConfig, PEagleDrafter, from_pretrained
 from peagle.ops import cod_sample
 from peagle.train.dataset import TrainRow
 from peagle.train.trainer import OPTION_STATS, TrainArgs, Trainer, new_stats, train_row
 from testkit import random_packed_row
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _row_gradients(moe_balance_weight: float, lm_head_kl_weight: float) -> tuple[dict, dict]:
