@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -312,7 +313,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from peagle.vllm.serve import format_command, serve_command
 
-    argv = serve_command(args.drafter, args.target, args.num_speculative_tokens, args.vllm_args)
+    argv = serve_command(args.drafter, args.target, args.num_speculative_tokens, args.vllm_args, args.harness)
     print(format_command(argv, args.peagle_verify), flush=True)
     if args.dry_run:
         return 0
@@ -393,24 +394,54 @@ def add_bench_parser(commands) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    """Profile the target's verify time and the drafter's time per depth and width on this machine (a cost table
-    for `SpeculativeDecoder(mode="harness", cost_table=...)`)."""
-    from peagle.decode.harness.profile import profile_costs
+    """Profile the target's verify time and the drafter's time on this machine: a cost table for the harness, of
+    peagle's engine (`SpeculativeDecoder(mode="harness", cost_table=...)`) or, with --backend vllm, of vLLM serving the
+    pair (its speculative config's "peagle_harness", `peagle serve --harness`)."""
+    engine_only = {"--nodes": args.nodes, "--widths": args.widths, "--depths": args.depths, "--device": args.device}
+    vllm_only = {"--num-speculative-tokens": args.num_speculative_tokens, "--steps": args.steps,
+                 "--llm-args": args.llm_args}  # fmt: skip
+    wrong = engine_only if args.backend == "vllm" else vllm_only
+    given = [flag for flag, value in wrong.items() if value is not None]
+    if given:
+        other = "peagle" if args.backend == "vllm" else "vllm"
+        raise ValueError(f"{', '.join(given)}: for --backend {other}, not --backend {args.backend}")
+    if args.backend == "vllm":
+        from peagle.vllm.profile import profile_vllm
 
-    table = profile_costs(
-        args.target,
-        args.drafter,
-        batch_sizes=_ints(args.batch_sizes, "--batch-sizes"),
-        contexts=_ints(args.contexts, "--contexts"),
-        verify_nodes=_ints(args.nodes, "--nodes"),
-        draft_widths=_ints(args.widths, "--widths"),
-        depths=args.depths,
-        repeats=args.repeats,
-        device=args.device,
-        progress=not args.quiet,
-    )
+        try:
+            llm_args = json.loads(args.llm_args or "{}")
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--llm-args must be a JSON object of vllm.LLM arguments: {error}") from None
+        if not isinstance(llm_args, dict):
+            raise ValueError(f"--llm-args must be a JSON object of vllm.LLM arguments, got {args.llm_args}")
+        table = profile_vllm(
+            args.target,
+            args.drafter,
+            num_speculative_tokens=args.num_speculative_tokens,
+            batch_sizes=_ints(args.batch_sizes or "1,2,4,8,16,32", "--batch-sizes"),
+            contexts=_ints(args.contexts, "--contexts"),
+            repeats=args.repeats,
+            steps=12 if args.steps is None else args.steps,
+            llm_args=llm_args,
+            progress=not args.quiet,
+        )
+    else:
+        from peagle.decode.harness.profile import profile_costs
+
+        table = profile_costs(
+            args.target,
+            args.drafter,
+            batch_sizes=_ints(args.batch_sizes or "1,4,16", "--batch-sizes"),
+            contexts=_ints(args.contexts, "--contexts"),
+            verify_nodes=_ints(args.nodes or "1,2,4,8,16,32", "--nodes"),
+            draft_widths=_ints(args.widths or "1,2,4", "--widths"),
+            depths=6 if args.depths is None else args.depths,
+            repeats=args.repeats,
+            device=args.device,
+            progress=not args.quiet,
+        )
     path = table.save(args.out)
-    print(f"cost table (version {table.version}) written: {path}")
+    print(f"cost table (version {table.version}, {table.backend}) written: {path}")
     return 0
 
 
@@ -420,13 +451,28 @@ def add_profile_parser(commands) -> None:
     prof.add_argument("--target", required=True, help="the target model directory (Hugging Face format)")
     prof.add_argument("--drafter", required=True, help="the drafter checkpoint directory")
     prof.add_argument("--out", default="peagle-costs.json", help="the cost table to write (default peagle-costs.json)")
-    prof.add_argument("--batch-sizes", default="1,4,16", help="batch-size buckets (default 1,4,16)")
+    prof.add_argument(
+        "--backend",
+        choices=("peagle", "vllm"),
+        default="peagle",
+        help="what is timed: peagle's engine (default) or vLLM serving the pair (its whole step, as it serves)",
+    )
+    prof.add_argument(
+        "--batch-sizes", default=None, help="batch-size buckets (default 1,4,16; --backend vllm: 1,2,4,8,16,32)"
+    )
     prof.add_argument("--contexts", default="64", help="context interval starts in tokens (default 64)")
-    prof.add_argument("--nodes", default="1,2,4,8,16,32", help="verified nodes per request (default 1,2,4,8,16,32)")
-    prof.add_argument("--widths", default="1,2,4", help="drafted nodes per depth (default 1,2,4)")
-    prof.add_argument("--depths", type=int, default=6, help="autoregressive draft depths to time (default 6)")
     prof.add_argument("--repeats", type=int, default=5, help="timed calls per point; the fastest counts (default 5)")
-    prof.add_argument("--device", default=None, help="torch device (default: the target's)")
+    prof.add_argument("--nodes", default=None, help="peagle: verified nodes per request (default 1,2,4,8,16,32)")
+    prof.add_argument("--widths", default=None, help="peagle: drafted nodes per depth (default 1,2,4)")
+    prof.add_argument("--depths", type=int, default=None, help="peagle: autoregressive draft depths (default 6)")
+    prof.add_argument("--device", default=None, help="peagle: torch device (default: the target's)")
+    prof.add_argument(
+        "--num-speculative-tokens", type=int, default=None, help="vllm: the served K (default: the drafter's depths)"
+    )
+    prof.add_argument("--steps", type=int, default=None, help="vllm: decode steps timed per call (default 12)")
+    prof.add_argument(
+        "--llm-args", default=None, help="vllm: JSON of further vllm.LLM arguments, as served (dtype, parallelism, ...)"
+    )
     prof.add_argument("--quiet", action="store_true", help="no progress bar")
     prof.set_defaults(func=cmd_profile)
 
@@ -592,6 +638,12 @@ def add_serve_parser(commands) -> None:
     sv.add_argument("--target", default=None, help="target model (default: the verifier named in the drafter)")
     sv.add_argument("--num-speculative-tokens", type=int, default=None, help="K (default: the drafter's depths)")
     sv.add_argument("--peagle-verify", action="store_true", help="verify drafts with peagle's kernels (vLLM plugin)")
+    sv.add_argument(
+        "--harness",
+        default=None,
+        metavar="COSTS.json",
+        help="choose each request's draft length every step from this cost table (`peagle profile --backend vllm`)",
+    )
     sv.add_argument("--dry-run", action="store_true", help="print the command only")
     sv.add_argument("vllm_args", nargs=argparse.REMAINDER, help="further `vllm serve` arguments, after --")
     sv.set_defaults(func=cmd_serve)

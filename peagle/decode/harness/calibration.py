@@ -102,8 +102,13 @@ class EdgeCalibration:
         """(path, q, kind) [B, N] of candidate trees: each node's predicted acceptance (the product of its path's
         calibrated edges; 1 at the root, -1 on padding), its edge probability and its kind of edge (-1: root,
         padding)."""
+        return self.tree_scores(spec.scores, spec.parent, spec.num_nodes)
+
+    def tree_scores(self, scores: Tensor, parent: Tensor, num_nodes: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`scores` of trees given by their path scores (products of draft probabilities), parents and node
+        counts alone."""
         prior, thresholds = edge_constants(self.table.device)
-        return harness_edge_scores(spec.scores.double(), spec.parent, spec.num_nodes, self.table, prior, thresholds)
+        return harness_edge_scores(scores.double(), parent, num_nodes, self.table, prior, thresholds)
 
     def observe(
         self,

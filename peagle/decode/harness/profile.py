@@ -27,28 +27,18 @@ import functools
 import os
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from peagle.decode.drafting import Eagle3Drafting, NodeSteps, PEagleDrafting, Sampling
-from peagle.decode.harness.cost import CostTable, machine_identity
+from peagle.decode.harness.cost import ENGINE_BACKEND, CostTable, machine_identity, model_identity, monotone
 from peagle.decode.sampling import target_probs, uniforms
 from peagle.decode.target import TargetRunner
 from peagle.model import PEagleDrafter, from_pretrained
 from peagle.ops import ancestor_mask, tree_rejection_sample, tree_verify_greedy
 
 __all__ = ["profile_costs"]
-
-
-def _monotone(row: list[float]) -> list[float]:
-    """The row made non-decreasing by lowering each point to the smallest point at or after it."""
-    out, low = [], float("inf")
-    for value in reversed(row):
-        low = min(low, value)
-        out.append(low)
-    return out[::-1]
 
 
 def _timer(device: torch.device, repeats: int, bar) -> Callable[[list[Callable[[], object]]], list[float]]:
@@ -80,7 +70,7 @@ def _timer(device: torch.device, repeats: int, bar) -> Callable[[list[Callable[[
 
 def _identity(source) -> dict[str, object]:
     if isinstance(source, (str, os.PathLike)):
-        return {"path": str(Path(source).resolve())}
+        return model_identity(source)
     config = getattr(source, "config", None)
     return {"class": type(source).__name__, "config": config.to_dict() if hasattr(config, "to_dict") else repr(config)}
 
@@ -127,17 +117,17 @@ def profile_costs(
         rows = [
             _verify_times(runner, batch, max(c, 2), table_axes["verify_nodes"], measure) for c in table_axes["contexts"]
         ]
-        grids["verify_s"].append([_monotone(greedy) for greedy, _ in rows])
-        grids["sampled_verify_s"].append([_monotone(sampled) for _, sampled in rows])
+        grids["verify_s"].append([monotone(greedy) for greedy, _ in rows])
+        grids["sampled_verify_s"].append([monotone(sampled) for _, sampled in rows])
         draft = _draft_times(runner, model, batch, table_axes["draft_widths"], depths, measure)
-        grids["draft_s"].append([_monotone(row) for row in draft])
-        grids["pass_s"].append(_monotone(_pass_times(runner, model, batch, passes, measure, sampled=False)))
-        grids["sampled_pass_s"].append(_monotone(_pass_times(runner, model, batch, passes, measure, sampled=True)))
+        grids["draft_s"].append([monotone(row) for row in draft])
+        grids["pass_s"].append(monotone(_pass_times(runner, model, batch, passes, measure, sampled=False)))
+        grids["sampled_pass_s"].append(monotone(_pass_times(runner, model, batch, passes, measure, sampled=True)))
     bar.close()
     return CostTable(
         **table_axes,
         **grids,
-        machine=machine_identity(runner.device),
+        machine={**machine_identity(runner.device), "backend": ENGINE_BACKEND},
         target=_identity(target),
         drafter=_identity(drafter),
     )

@@ -1,0 +1,218 @@
+"""The harness over a server's steps (continuous batching, as vLLM serves): after each step's drafter pass, how many
+of each request's K drafted tokens the next target forward verifies.
+
+A server that batches continuously has no generate call whose rounds a policy could plan (:mod:`peagle.decode.harness.
+rounds`): requests join and leave between steps, the pass always drafts the served K (vLLM's proposer lays out K
+slots per request), and the target verifies each request's own drafts, without padding the batch to the longest. So
+the decision is per step, over the live batch, with the pieces of policy the engine's P-EAGLE harness uses:
+
+* **Each draft's predicted acceptance.** The chain's path score with its edges calibrated by kind
+  (:class:`~peagle.decode.harness.calibration.EdgeCalibration`; one table for greedy and one for sampled requests,
+  which accept the same drafts at different rates), times the request's own scale (decayed sums of its accepted and
+  predicted drafts, :data:`~peagle.decode.harness.pass_harness.PATH_SCALE_DECAY`).
+* **The step's budget.** The best drafts of the whole batch taken together, as many as maximise the step's tokens per
+  second (:func:`~peagle.decode.harness.budget.ragged_chain_lengths`): the batch emits one token per request plus the
+  accepted drafts, in the cost table's seconds of the pass of the served K (paid whatever is kept) and of the
+  forward verifying that many drafts (:meth:`~peagle.decode.harness.cost.CostTable.ragged_verify_row`). A request
+  whose drafts do not pay keeps none: it decodes plainly this step. In a small batch a draft costs the forward little
+  and long chains pay; in a large one the forward is compute-bound and only the likeliest drafts do.
+* **Learning.** The step's verification folds into the edge table and the request's scale
+  (:meth:`EdgeCalibration.observe`), as the engine's rounds do.
+
+No wall clock enters: the decisions follow from the drafts, the acceptance observed, the live batch size and the
+table, so a run repeats. A request marked ``fixed`` keeps every draft: a seeded sampled request's tokens depend on how
+many drafts each of its steps verified (its random stream is drawn per verified position), so they would depend on
+the batch it shared; with the K it asked for, they depend on its seed alone.
+
+Draft lengths chosen from the drafter's own probabilities keep verification lossless: a length fixed before the
+step's verification draws, from what the context determines, changes which tokens are verified, not the distribution
+of what is emitted (greedy: the target's argmax; sampled: the target's distribution).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from peagle.decode.harness.budget import ragged_chain_lengths
+from peagle.decode.harness.calibration import EdgeCalibration
+from peagle.decode.harness.cost import CostTable
+from peagle.decode.harness.pass_harness import PATH_SCALE_DECAY
+from peagle.ops import calibration_scale
+
+__all__ = ["StepHarness"]
+
+_CONFIDENCE_FLOOR = 1e-12  # a draft probability of 0 (underflow) would make its edge's bin undefined
+
+
+class StepHarness:
+    """Per-step draft lengths for a continuously batched server (see the module doc).
+
+    Per step: :meth:`decide` (after the pass: the lengths each request keeps), then, after the next forward verified
+    them, :meth:`observe` (how many each request had verified and accepted); :meth:`finish` forgets finished requests.
+    Requests are named by the server's ids; their state lives in slots of small CPU tensors.
+
+    Args:
+        table: the cost table of this server, target, drafter and device.
+        depth: the drafts the pass makes per request (the served K).
+    """
+
+    def __init__(self, table: CostTable, depth: int, capacity: int = 64) -> None:
+        if depth < 1:
+            raise ValueError(f"StepHarness: depth must be >= 1, got {depth}")
+        self.table, self.depth = table, depth
+        self.edges = {False: EdgeCalibration.start(), True: EdgeCalibration.start()}  # by sampled
+        nodes = depth + 1
+        self.parent = torch.arange(nodes) - 1  # a chain: node i's parent is i - 1, the root's -1
+        self.index = torch.arange(nodes)
+        self.slots: dict[str, int] = {}
+        self.free: list[int] = []
+        self.calibration = torch.zeros(0, 2, dtype=torch.float64)
+        # The chain each request was last given: its nodes' edge probability, kind and calibrated path (the root at
+        # node 0), and whether its table is the sampled one.
+        self.pending_q = torch.zeros(0, nodes, dtype=torch.float64)
+        self.pending_kind = torch.zeros(0, nodes, dtype=torch.long)
+        self.pending_path = torch.zeros(0, nodes, dtype=torch.float64)
+        self.pending_sampled = torch.zeros(0, dtype=torch.bool)
+        self._grow(capacity)
+        self._costs: dict[tuple, tuple[Tensor, float]] = {}  # (verify row, pass seconds) by the decision's shape
+        self.lengths: dict[int, Counter[int]] = {}  # {live batch size: Counter of the lengths chosen}
+
+    def _grow(self, capacity: int) -> None:
+        old = self.calibration.shape[0]
+        if capacity <= old:
+            return
+        extra = capacity - old
+        nodes = self.depth + 1
+        self.calibration = torch.cat([self.calibration, torch.zeros(extra, 2, dtype=torch.float64)])
+        self.pending_q = torch.cat([self.pending_q, torch.zeros(extra, nodes, dtype=torch.float64)])
+        self.pending_kind = torch.cat([self.pending_kind, torch.full((extra, nodes), -1, dtype=torch.long)])
+        self.pending_path = torch.cat([self.pending_path, torch.full((extra, nodes), -1.0, dtype=torch.float64)])
+        self.pending_sampled = torch.cat([self.pending_sampled, torch.zeros(extra, dtype=torch.bool)])
+        self.free.extend(range(capacity - 1, old - 1, -1))
+
+    def _slot(self, request: str) -> int:
+        slot = self.slots.get(request)
+        if slot is None:
+            if not self.free:
+                self._grow(2 * self.calibration.shape[0])
+            slot = self.slots[request] = self.free.pop()
+        return slot
+
+    def decide(
+        self,
+        requests: Sequence[str],
+        confidence: Tensor,
+        sampled: Sequence[bool],
+        fixed: Sequence[bool],
+        context: int,
+    ) -> list[int]:
+        """The drafts each request keeps this step (0 .. K).
+
+        Args:
+            requests: the live batch's request ids, in the order of ``confidence``'s rows.
+            confidence: [B, K] the drafter's probability of each drafted token (its distribution's top-1 probability
+                at each depth: what the context determines, whatever was drawn), on any device.
+            sampled: per request, whether its tokens are sampled (verified by rejection sampling).
+            fixed: per request, whether it keeps every draft (a seeded sampled request).
+            context: the batch's context length (its cost table interval).
+        """
+        batch = len(requests)
+        q = confidence.detach().to("cpu", torch.float64).clamp(_CONFIDENCE_FLOOR, 1.0)
+        if q.dim() != 2 or q.shape[0] != batch or not 1 <= q.shape[1] <= self.depth:
+            raise ValueError(
+                f"StepHarness.decide: confidence must be [B, K] for B = {batch} requests and K in 1 .. {self.depth}, "
+                f"got {list(q.shape)}"
+            )
+        if batch == 0:
+            return []
+        drafts = q.shape[1]
+        slots = torch.tensor([self._slot(r) for r in requests], dtype=torch.long)
+        is_sampled = torch.tensor(list(sampled), dtype=torch.bool)
+        is_fixed = torch.tensor(list(fixed), dtype=torch.bool)
+        nodes = drafts + 1
+        raw = torch.cat([torch.ones(batch, 1, dtype=torch.float64), torch.cumprod(q, 1)], 1)
+        parent = self.parent[:nodes].expand(batch, nodes).contiguous()
+        count = torch.full((batch,), nodes, dtype=torch.long)
+        path, edge_q, kind = self.edges[False].tree_scores(raw, parent, count)
+        if bool(is_sampled.any()):
+            scores = self.edges[True].tree_scores(raw, parent, count)
+            greedy = (path, edge_q, kind)
+            path, edge_q, kind = (torch.where(is_sampled[:, None], s, g) for s, g in zip(scores, greedy, strict=True))
+        scale = calibration_scale(self.calibration[slots])
+        acceptance = torch.clamp(scale[:, None] * path[:, 1:], max=1.0)
+        free = ~is_fixed
+        verify, pass_time = self._step_costs(batch, context, drafts, int(is_fixed.sum()), bool(is_sampled.any()))
+        lengths = torch.full((batch,), drafts, dtype=torch.long)
+        lengths[free] = ragged_chain_lengths(acceptance[free], batch, pass_time, verify)
+        self.pending_q[slots, :nodes] = edge_q
+        self.pending_kind[slots] = -1
+        self.pending_kind[slots, :nodes] = kind
+        self.pending_path[slots, :nodes] = path
+        self.pending_sampled[slots] = is_sampled
+        chosen = lengths.tolist()
+        self.lengths.setdefault(batch, Counter()).update(chosen)
+        return chosen
+
+    def _step_costs(self, batch: int, context: int, drafts: int, fixed: int, sampled: bool) -> tuple[Tensor, float]:
+        """The verify row and pass seconds of a step (kept per batch, context interval, drafts and kind: a server
+        repeats few of them)."""
+        key = (batch, self.table.context_index(context), drafts, fixed, sampled)
+        costs = self._costs.get(key)
+        if costs is None:
+            free = drafts * (batch - fixed)
+            verify = self.table.ragged_verify_row(batch, context, free, sampled, fixed=drafts * fixed)
+            costs = self._costs[key] = (verify, self.table.pass_time(batch, self.depth, sampled))
+        return costs
+
+    def observe(self, requests: Sequence[str], verified: Sequence[int], accepted: Sequence[int]) -> None:
+        """Folds a step's verification into the calibration: request ``requests[i]`` had the first ``verified[i]`` of
+        the drafts :meth:`decide` last gave it verified and ``accepted[i]`` of them accepted. Requests that verified
+        no draft, or that :meth:`decide` never saw, are skipped."""
+        rows = [
+            (self.slots[r], min(max(v, 0), self.depth), a)
+            for r, v, a in zip(requests, verified, accepted, strict=True)
+            if v > 0 and r in self.slots
+        ]
+        if not rows:
+            return
+        slots = torch.tensor([s for s, _, _ in rows], dtype=torch.long)
+        count = torch.tensor([v for _, v, _ in rows], dtype=torch.long)
+        num_accepted = torch.minimum(torch.tensor([max(a, 0) for _, _, a in rows], dtype=torch.long), count)
+        drafted = (self.index[None, :] >= 1) & (self.index[None, :] <= count[:, None])
+        kind = torch.where(drafted, self.pending_kind[slots], -1)
+        path = torch.where(drafted, self.pending_path[slots], -1.0)
+        q = torch.where(drafted, self.pending_q[slots], 0.0)
+        parent = self.parent.expand(len(rows), -1).contiguous()
+        accepted_path = torch.where(self.index[None, :] <= num_accepted[:, None], self.index[None, :], -1)
+        is_sampled = self.pending_sampled[slots]
+        for flag in (False, True):
+            part = (is_sampled == flag).nonzero().flatten()
+            if part.numel():
+                self.edges[flag].observe(
+                    self.calibration,
+                    (q[part], kind[part], path[part]),
+                    parent[part],
+                    accepted_path[part],
+                    num_accepted[part],
+                    slots[part],
+                    PATH_SCALE_DECAY,
+                )
+
+    def finish(self, requests: Iterable[str]) -> None:
+        """Forgets finished requests (their slots start afresh for the next ones)."""
+        for request in requests:
+            slot = self.slots.pop(request, None)
+            if slot is not None:
+                self.calibration[slot] = 0.0
+                self.pending_kind[slot] = -1
+                self.free.append(slot)
+
+    def take_lengths(self) -> dict[int, dict[int, int]]:
+        """{live batch size: {draft length: steps x requests}} chosen since the last call (then reset)."""
+        out = {batch: dict(sorted(counts.items())) for batch, counts in sorted(self.lengths.items())}
+        self.lengths = {}
+        return out
