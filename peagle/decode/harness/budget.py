@@ -57,21 +57,22 @@ def harness_budget(scores: Tensor, calibration: Tensor, draft_time: Tensor | flo
     return budget_ratios(scores, calibration, draft_time, verify_cost).argmax(1) + 1
 
 
-def ragged_chain_lengths(acceptance: Tensor, batch: int, draft_time: float, verify_cost: Tensor) -> Tensor:
+def ragged_chain_lengths(acceptance: Tensor, emitted: float, draft_time: float, verify_cost: Tensor) -> Tensor:
     """Drafts to keep per chain of a batch that the target verifies without padding (a vLLM step: each request's own
-    drafts are its own tokens in the forward), maximising the step's tokens per second (``batch`` + S) / (T_draft +
+    drafts are its own tokens in the forward), maximising the step's tokens per second (``emitted`` + S) / (T_draft +
     V[n]): S the predicted accepted drafts of the n - 1 kept, the best of all the chains' drafts taken together.
 
     The batch is one tree of chains below a shared root, so its budget is the harness's verify budget of that tree
     (the ``harness_pass_decide`` op, as :func:`harness_budget`: one pass of one depth) with the scores divided by
-    ``batch`` ((1 + S / batch) / (T + V) has the argmax of (batch + S) / (T + V)), and a chain keeps the drafts of it
+    ``emitted`` ((1 + S / e) / (T + V) has the argmax of (e + S) / (T + V)), and a chain keeps the drafts of it
     that the budget's best nodes hold: a prefix, since a draft's acceptance never exceeds its parent's (ties go to
     the smaller index: the shallower draft).
 
     Args:
         acceptance: [R, K] float64 each draft's predicted acceptance (calibrated path scores, already scaled per
             request, in [0, 1], non-increasing along a row; < 0 = no draft).
-        batch: the requests of the step (R of them draft; the rest verify what they verify anyway, in V).
+        emitted: the tokens the step emits whatever is kept: one per request of the batch, plus the predicted
+            accepted drafts of requests whose drafts are all verified anyway (their cost is in V).
         draft_time: seconds of the step's drafting.
         verify_cost: [R * K + 2] float64, V[n]: the step's target forward when n - 1 of these drafts are kept.
 
@@ -83,7 +84,7 @@ def ragged_chain_lengths(acceptance: Tensor, batch: int, draft_time: float, veri
     if rows * depth == 0:
         return torch.zeros(rows, dtype=torch.long, device=device)
     flat = acceptance.double().reshape(1, -1)
-    scores = torch.cat([torch.ones_like(flat[:, :1]), torch.where(flat >= 0, flat / batch, -1.0)], 1)
+    scores = torch.cat([torch.ones_like(flat[:, :1]), torch.where(flat >= 0, flat / emitted, -1.0)], 1)
     nodes = scores.shape[1]
     levels = (torch.arange(nodes, device=device) > 0).long()[None, :]  # one depth below the shared root
     count = torch.full((1,), nodes, dtype=torch.long, device=device)

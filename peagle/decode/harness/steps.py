@@ -147,7 +147,8 @@ class StepHarness:
         free = ~is_fixed
         verify, pass_time = self._step_costs(batch, context, drafts, int(is_fixed.sum()), bool(is_sampled.any()))
         lengths = torch.full((batch,), drafts, dtype=torch.long)
-        lengths[free] = ragged_chain_lengths(acceptance[free], batch, pass_time, verify)
+        emitted = batch + float(acceptance[is_fixed].sum())  # fixed requests' drafts count, chosen or not
+        lengths[free] = ragged_chain_lengths(acceptance[free], emitted, pass_time, verify)
         self.pending_q[slots, :nodes] = edge_q
         self.pending_kind[slots] = -1
         self.pending_kind[slots, :nodes] = kind

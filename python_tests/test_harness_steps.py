@@ -1,0 +1,177 @@
+"""The harness over a server's steps (:mod:`peagle.decode.harness.steps`, the per-step draft lengths of vLLM's plugin):
+the batch's budget against a brute-force optimum, the verify row of an unpadded batch, what a decision does with the
+batch size, the drafter's confidence, fixed requests and the acceptance it observes; cost tables' identity checks
+and tables of P-EAGLE passes only (what ``peagle profile --backend vllm`` writes)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from peagle.decode.harness import CostTable
+from peagle.decode.harness.budget import ragged_chain_lengths
+from peagle.decode.harness.cost import model_identity, monotone
+from peagle.decode.harness.steps import StepHarness
+
+K = 4
+
+
+def step_table(per_token_ms: dict[int, float], base_ms: float = 10.0, pass_ms: float = 1.0) -> CostTable:
+    """A table of P-EAGLE passes only: a step of b requests verifying i nodes each costs base + per_token[b] * b *
+    (i - 1) milliseconds (a compute-bound forward grows with the batch's tokens), the pass ``pass_ms``."""
+    batches, nodes = sorted(per_token_ms), list(range(1, K + 2))
+    return CostTable(
+        batch_sizes=batches,
+        contexts=[0],
+        verify_nodes=nodes,
+        verify_s=[[[(base_ms + per_token_ms[b] * b * (n - 1)) * 1e-3 for n in nodes]] for b in batches],
+        draft_widths=[1],
+        draft_s=[],
+        pass_s=[[pass_ms * 1e-3] * K for _ in batches],
+        machine={"backend": "vllm 0.32.0", "device": "cpu", "processor": "x86_64"},
+    )
+
+
+def chain_rows(generator: torch.Generator, rows: int, depth: int) -> torch.Tensor:
+    """[rows, depth] predicted acceptances, non-increasing along a row (products of random edges), with ties and
+    zeros now and then."""
+    edges = torch.rand(rows, depth, generator=generator, dtype=torch.float64)
+    edges = torch.where(torch.rand(rows, depth, generator=generator) < 0.2, 1.0, edges)  # ties along a row
+    edges = torch.where(torch.rand(rows, depth, generator=generator) < 0.1, 0.0, edges)
+    return torch.cumprod(edges, 1)
+
+
+def best_ratio(acceptance: torch.Tensor, batch: int, draft_time: float, verify: torch.Tensor) -> float:
+    """The best (batch + S) / (T + V[n]) over every choice of a prefix per chain (brute force)."""
+    rows, depth = acceptance.shape
+    best = -1.0
+    for lengths in itertools.product(range(depth + 1), repeat=rows):
+        gain = sum(float(acceptance[r, :length].sum()) for r, length in enumerate(lengths))
+        best = max(best, (batch + gain) / (draft_time + float(verify[1 + sum(lengths)])))
+    return best
+
+
+def test_the_step_budget_is_the_best_choice_of_prefixes(generator):
+    chosen = set()
+    for case in range(60):
+        rows, depth = 1 + case % 3, 1 + (case // 3) % 3
+        acceptance = chain_rows(generator, rows, depth)
+        batch = rows + int(torch.randint(0, 3, (1,), generator=generator))
+        # V[n]: flat to steep, concave or convex in the drafts kept.
+        slope = float(torch.rand(1, generator=generator)) * (0.3 if case % 2 else 0.02)
+        power = 0.5 + 1.5 * float(torch.rand(1, generator=generator))
+        n = torch.arange(rows * depth + 2, dtype=torch.float64).clamp(min=1) - 1
+        verify = 0.01 + slope * 0.01 * n**power
+        draft_time = 0.002 * float(torch.rand(1, generator=generator))
+        lengths = ragged_chain_lengths(acceptance, batch, draft_time, verify)
+        assert lengths.shape == (rows,) and bool(((lengths >= 0) & (lengths <= depth)).all())
+        gain = sum(float(acceptance[r, : int(length)].sum()) for r, length in enumerate(lengths))
+        ratio = (batch + gain) / (draft_time + float(verify[1 + int(lengths.sum())]))
+        assert ratio == pytest.approx(best_ratio(acceptance, batch, draft_time, verify), rel=1e-12), case
+        chosen.add(tuple(lengths.tolist()) == (depth,) * rows)
+    assert chosen == {True, False}  # power: neither "keep every draft" nor a shorter constant choice passes
+
+
+def test_ragged_verify_rows_read_the_table_at_the_mean_node_count():
+    table = step_table({1: 0.05, 4: 0.3})
+    row = table.verify_row(4, 0, K + 1)
+    ragged = table.ragged_verify_row(4, 0, 4 * K, fixed=0)
+    assert ragged[0] == ragged[1] == row[1]
+    for drafts in range(0, 4 * K + 1, 4):  # 4 requests, drafts / 4 each: the table's own points
+        assert float(ragged[1 + drafts]) == pytest.approx(float(row[1 + drafts // 4]), rel=1e-12)
+    assert float(ragged[3]) == pytest.approx(float(row[1] + row[2]) / 2, rel=1e-12)  # 2 drafts: half a node each
+    fixed = table.ragged_verify_row(4, 0, 8, fixed=4)  # 4 drafts verified whatever is chosen
+    assert float(fixed[1]) == pytest.approx(float(row[2]), rel=1e-12)
+
+
+def test_large_batches_keep_fewer_drafts_where_the_forward_grows_with_them():
+    # 0.05 ms a token at batch 1 (latency-bound), 0.5 ms a token at batch 16 (compute-bound).
+    table = step_table({1: 0.05, 16: 0.5})
+    confidence = torch.tensor([0.95, 0.9, 0.8, 0.6]).repeat(16, 1)
+    alone = StepHarness(table, K).decide(["a"], confidence[:1], [False], [False], 64)
+    assert alone == [K]
+    busy = StepHarness(table, K).decide([str(i) for i in range(16)], confidence, [False] * 16, [False] * 16, 64)
+    assert max(busy) < K and sum(busy) < 16 * K
+    steep = step_table({1: 5.0, 16: 5.0})  # every draft costs half a step: plain decoding for all
+    assert StepHarness(steep, K).decide(["a", "b"], confidence[:2], [False] * 2, [False] * 2, 64) == [0, 0]
+
+
+def test_fixed_requests_keep_every_draft_and_others_are_budgeted_around_them():
+    table = step_table({1: 20.0, 4: 20.0})
+    harness = StepHarness(table, K)
+    confidence = torch.full((4, K), 0.9)
+    lengths = harness.decide(list("abcd"), confidence, [True, True, False, False], [True, False, False, True], 64)
+    assert lengths[0] == K and lengths[3] == K and lengths[1] == lengths[2] == 0
+
+
+def test_the_observed_acceptance_moves_a_request_s_lengths():
+    table = step_table({1: 1.5, 2: 1.5})
+    harness = StepHarness(table, K)
+    confidence = torch.tensor([[0.6, 0.5, 0.4, 0.3], [0.6, 0.5, 0.4, 0.3]])
+    first = harness.decide(["easy", "hard"], confidence, [False] * 2, [False] * 2, 64)
+    assert first[0] == first[1] and 0 < first[0] < K
+    for _ in range(12):
+        lengths = harness.decide(["easy", "hard"], confidence, [False] * 2, [False] * 2, 64)
+        harness.observe(["easy", "hard"], lengths, [lengths[0], 0])  # the easy text accepts all, the hard none
+    easy, hard = harness.decide(["easy", "hard"], confidence, [False] * 2, [False] * 2, 64)
+    assert easy > first[0] >= hard and hard < first[1]
+    slot = harness.slots["easy"]
+    assert float(harness.calibration[slot, 0]) > 0 and float(harness.calibration[harness.slots["hard"], 0]) == 0
+    # Sampled requests learn in a table of their own: the greedy table's experience does not move them.
+    fresh = StepHarness(table, K).decide(["new"], confidence[:1], [True], [False], 64)
+    assert harness.decide(["new"], confidence[:1], [True], [False], 64) == fresh
+
+
+def test_requests_come_and_go_in_slots():
+    harness = StepHarness(step_table({1: 0.05, 8: 0.05}), K, capacity=2)
+    names = [f"r{i}" for i in range(5)]
+    lengths = harness.decide(names, torch.full((5, K), 0.9), [False] * 5, [False] * 5, 64)
+    assert len(lengths) == 5 and len(set(harness.slots.values())) == 5
+    harness.observe([*names, "unknown"], [*lengths, 2], [1] * 6)  # unknown requests are skipped
+    harness.observe(names, [0] * 5, [0] * 5)  # nothing verified: nothing observed
+    harness.finish(names[:3])
+    assert set(harness.slots) == set(names[3:]) and len(harness.free) >= 3
+    assert bool((harness.calibration[[s for s in range(harness.calibration.shape[0]) if s not in
+                                      harness.slots.values()]] == 0).all())  # fmt: skip
+    counts = harness.take_lengths()
+    assert sum(counts[5].values()) == 5 and harness.take_lengths() == {}
+    with pytest.raises(
+        ValueError, match=r"confidence must be \[B, K\] for B = 2 requests and K in 1 .. 4, got \[2, 5\]"
+    ):
+        harness.decide(["a", "b"], torch.ones(2, 5), [False] * 2, [False] * 2, 64)
+
+
+def test_cost_tables_name_what_differs_from_what_is_served(tmp_path):
+    for name in ("t", "t2", "d"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"x" * (10 if name != "t2" else 11))
+        (tmp_path / name / "config.json").write_text('{"layers": 1}')
+    target, drafter = model_identity(tmp_path / "t"), {**model_identity(tmp_path / "d"), "num_speculative_tokens": 4}
+    machine = {"backend": "vllm 0.32.0", "device": "cpu", "processor": "x86_64"}
+    table = step_table({1: 0.05})
+    table.target, table.drafter, table.machine = target, drafter, machine
+    assert table.identity_mismatches(target, drafter, dict(machine)) == []
+    copied = tmp_path / "copy"
+    (tmp_path / "t").rename(copied)  # the same model elsewhere
+    assert table.identity_mismatches(model_identity(copied), drafter, machine) == []
+    other = table.identity_mismatches(model_identity(tmp_path / "t2"), {**drafter, "num_speculative_tokens": 3},
+                                      {**machine, "device": "cuda:0", "gpu": "NVIDIA H200"})  # fmt: skip
+    assert [line.split(":")[0] for line in other] == ["device", "target", "drafter"]
+    assert "profiled on cpu (x86_64), served on cuda (NVIDIA H200)" in other[0]
+    assert "num_speculative_tokens 4" in other[2] and "num_speculative_tokens 3" in other[2]
+    engine = table.identity_mismatches(target, drafter, {**machine, "backend": "peagle"})
+    assert engine == ["backend: profiled with vllm 0.32.0, served by peagle"]
+    assert table.identity_mismatches(target, drafter, {**machine, "backend": "vllm 0.33.1"}) == []  # its version
+
+
+def test_tables_of_p_eagle_passes_only_round_trip(tmp_path):
+    table = step_table({1: 0.05, 4: 0.1})
+    loaded = CostTable.load(table.save(tmp_path / "costs.json"))
+    assert loaded == table and loaded.max_depth == K and loaded.backend == "vllm 0.32.0"
+    with pytest.raises(ValueError, match="times P-EAGLE passes only"):
+        loaded.draft_row(1, 1)
+    with pytest.raises(ValueError, match="draft_s or pass_s must hold timings"):
+        CostTable(batch_sizes=[1], contexts=[0], verify_nodes=[1], verify_s=[[[1.0]]], draft_widths=[1], draft_s=[])
+    assert monotone([3.0, 1.0, 2.0, 2.5, 2.4]) == [1.0, 1.0, 2.0, 2.4, 2.4]
