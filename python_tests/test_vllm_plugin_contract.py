@@ -178,7 +178,12 @@ def test_sampled_corrections_follow_the_target_distribution(sampler):
 def unpatched(monkeypatch):
     """vLLM's module state, restored after the test whatever register() did; the plugin enabled."""
     from vllm import _custom_ops
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    # The harness's hooks (register() installs them whether or not verification is on).
+    monkeypatch.setattr(EngineArgs, "create_speculative_config", EngineArgs.create_speculative_config)
+    monkeypatch.setattr(GPUModelRunner, "__init__", GPUModelRunner.__init__)
     monkeypatch.setattr(rejection_sampler, "rejection_sample", VLLM_REJECTION_SAMPLE)
     monkeypatch.setattr(rejection_sampler, "expand_batch_to_tokens", rejection_sampler.expand_batch_to_tokens)
     name = "fused_sigmoid_gating_delta_rule_update_spec_cpu"

@@ -3,6 +3,11 @@ a fresh process per configuration keeps plugin state, environment and memory apa
 
     python vllm_runner.py CONFIG_JSON   ->  writes {"runs": [{"outputs", "metrics", "seconds"}, ...]} to result_file
 
+A run may give "concurrency" C (its prompts go to LLM.generate C at a time, so at most C requests share a step) and
+"harness": true (the engine then loads the harness's worker extension, and the run records the draft lengths the
+harness chose, ``llm.collective_rpc("peagle_harness")``); its "sampling" may be a list, one per prompt. "llm_args" are
+further LLM arguments.
+
 Tests call :func:`run_vllm` (this file's directory is on sys.path under pytest).
 """
 
@@ -41,6 +46,8 @@ if __name__ == "__main__":
     os.environ.update(config.get("env", {}))
     from vllm import LLM, SamplingParams
 
+    harness = any(run.get("harness") for run in config["runs"])
+    extension = {"worker_extension_cls": "peagle.vllm.harness.HarnessControl"} if harness else {}
     llm = LLM(
         model=config["model"],
         dtype=config.get("dtype", "float32"),
@@ -52,19 +59,29 @@ if __name__ == "__main__":
         seed=config.get("seed", 0),
         enable_prefix_caching=config.get("enable_prefix_caching", None),
         **({"speculative_config": config["speculative_config"]} if config.get("speculative_config") else {}),
+        **extension,
+        **config.get("llm_args", {}),
     )
     runs = []
     for run in config["runs"]:
-        params = SamplingParams(ignore_eos=True, **run["sampling"])
+        sampling = run["sampling"]  # one dict for every prompt, or a list of one per prompt
+        params = [SamplingParams(ignore_eos=True, **s) for s in sampling] if isinstance(sampling, list) else (
+            [SamplingParams(ignore_eos=True, **sampling)] * len(run["prompts"]))  # fmt: skip
         prompts = [{"prompt_token_ids": ids} for ids in run["prompts"]]
+        if run.get("harness"):
+            llm.collective_rpc("peagle_harness")  # the lengths chosen so far belong to earlier runs
+        step = run.get("concurrency") or len(prompts)
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = []
+        for first in range(0, len(prompts), step):
+            outputs += llm.generate(prompts[first : first + step], params[first : first + step], use_tqdm=False)
         seconds = time.perf_counter() - start
         metrics = {}  # cumulative over the engine's life
         for metric in llm.get_metrics():
             if "spec_decode" in metric.name:
                 metrics[metric.name] = metric.value if hasattr(metric, "value") else list(metric.values)
+        lengths = llm.collective_rpc("peagle_harness")[0] if run.get("harness") else None
         runs.append({"outputs": [[list(c.token_ids) for c in o.outputs] for o in outputs], "metrics": metrics,
-                     "seconds": seconds})  # fmt: skip
+                     "seconds": seconds, "harness": lengths})  # fmt: skip
     with open(config["result_file"], "w") as f:
         json.dump({"runs": runs}, f)

@@ -497,12 +497,15 @@ def train_tiny_drafter(
     lr: float = 3e-3,
     draft_vocab_size: int | None = None,
     layer_ids: list[int] | None = None,
+    num_heads: int = 4,
+    head_dim: int = 16,
     **options,
 ):
     """A tiny drafter (K = ``num_depths``; 1 = EAGLE-3) trained for ``steps`` steps on ``rows``
     (:func:`self_distilled_rows`): COD elements, KL to the target, as ``peagle train`` does. ``options`` are further
     DrafterConfig fields (the EAGLE-4 options; an efficient LM head starts from the SVD weighted by the rows' token
-    counts and learns with the KL to the full head)."""
+    counts and learns with the KL to the full head). vLLM's CPU attention takes ``head_dim`` 64, not the default 16
+    (``num_heads`` 2 x 64 = the target's hidden size 128)."""
     from peagle.model import DrafterConfig, PEagleDrafter
     from peagle.ops import cod_sample
     from peagle.train.trainer import new_stats, train_row
@@ -513,9 +516,9 @@ def train_tiny_drafter(
         hidden_size=config.hidden_size,
         vocab_size=vocab,
         num_layers=num_layers,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
+        num_heads=num_heads,
+        num_kv_heads=max(num_heads // 2, 1),
+        head_dim=head_dim,
         intermediate_size=2 * config.hidden_size,
         aux_layer_ids=layer_ids or [1, config.num_hidden_layers // 2, config.num_hidden_layers],
         mask_token_id=vocab - 1,

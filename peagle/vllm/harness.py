@@ -10,8 +10,9 @@ Opt in with a cost table of this vLLM, target, drafter and device (``peagle prof
 
 Without that key vLLM runs exactly as before (the plugin's hooks only look for it). In the process that builds the
 engine's configuration the plugin takes the key out of the speculative config (vLLM's own refuses unknown keys),
-loads the table, refuses one profiled for another target, drafter, K, backend or device (naming what differs), and
-hands the table to the workers in ``additional_config["peagle_harness"]``.
+loads the table, refuses one profiled for another target, drafter, K, backend or device (naming what differs), turns
+async scheduling off where it was left to vLLM (see below), and hands the table to the workers in
+``additional_config["peagle_harness"]`` (where a user may also give it, as a path, instead).
 
 Where the decision runs, and why there: on the CPU of the worker, in ``take_draft_token_ids``, after vLLM's own wait
 for the drafted tokens. vLLM's synchronous scheduler takes the next step's drafts as host lists
@@ -56,6 +57,7 @@ __all__ = [
     "drop_option",
     "harness_config",
     "install",
+    "lacks_per_request_lengths",
     "served_identity",
 ]
 
@@ -133,12 +135,21 @@ def install() -> None:
                 spec = dict(self.speculative_config)
                 option = spec.pop(HARNESS_KEY)
                 self.speculative_config = spec
-            elif isinstance(self.additional_config, dict):
-                option = self.additional_config.get(HARNESS_KEY)
+            elif isinstance(self.additional_config, dict) and HARNESS_KEY in self.additional_config:
+                option = self.additional_config[HARNESS_KEY]
+                self.additional_config = {k: v for k, v in self.additional_config.items() if k != HARNESS_KEY}
             speculative = create(self, target_model_config, target_parallel_config)
-            if option is not None:
-                config = harness_config(option, str(target_model_config.model), speculative)
-                self.additional_config = {**(self.additional_config or {}), HARNESS_KEY: config}
+            if option is None:
+                return speculative
+            missing = lacks_per_request_lengths()
+            if missing is not None:
+                _log.warning("peagle: the harness cannot choose draft lengths in this vLLM (%s); serving with the "
+                             "fixed K", missing)  # fmt: skip
+                return speculative
+            config = harness_config(option, str(target_model_config.model), speculative)
+            if self.async_scheduling is None:  # left to vLLM, which would pick async scheduling on a GPU
+                self.async_scheduling = False
+            self.additional_config = {**(self.additional_config or {}), HARNESS_KEY: config}
             return speculative
 
         create_speculative_config._peagle = True
@@ -185,28 +196,42 @@ def _parameters(function: Callable) -> tuple[str, ...] | None:
         return None
 
 
+def lacks_per_request_lengths() -> str | None:
+    """What this vLLM lacks for per-request draft lengths (None: nothing): a scheduler that takes a draft list per
+    request, and the model runner's and proposer's methods the harness wraps, with the parameters it knows."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    update = getattr(Scheduler, "update_draft_token_ids", None)
+    if getattr(update, "__isabstractmethod__", False) or _parameters(update) != ("draft_token_ids",):
+        return "its scheduler takes no per-request draft lists (Scheduler.update_draft_token_ids)"
+    for name, params in _RUNNER_METHODS.items():
+        if _parameters(getattr(GPUModelRunner, name, None)) != params:
+            return f"its model runner has no {name}{params}"
+    for name, params in _PROPOSER_METHODS.items():
+        found = _parameters(getattr(SpecDecodeBaseProposer, name, None))
+        if found is None or (params is not None and found != params):
+            return f"its proposer has no {name} the harness knows"
+    return None
+
+
 def _why_not(runner) -> str | None:
     """Why the harness cannot run in this model runner (None: it can)."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-
     spec = runner.speculative_config
     if spec is None:
         return "no speculative decoding is configured"
-    if not callable(getattr(Scheduler, "update_draft_token_ids", None)):
-        return "this vLLM's scheduler takes no per-request draft lists (Scheduler.update_draft_token_ids)"
+    missing = lacks_per_request_lengths()
+    if missing is not None:
+        return f"this vLLM: {missing}"
     if getattr(runner, "use_async_scheduling", False):
         return ("async scheduling keeps the drafts on the device and schedules K slots for every request; serve "
                 "with --no-async-scheduling for per-request lengths")  # fmt: skip
-    for name, params in _RUNNER_METHODS.items():
-        if _parameters(getattr(runner, name, None)) != params:
-            return f"this vLLM's model runner has no {name}{params} (per-request draft lists)"
     if not spec.use_eagle():
         return f"draft lengths come from EAGLE / P-EAGLE drafters' probabilities, not method {spec.method!r}"
     drafter = getattr(runner, "drafter", None)
-    for name, params in _PROPOSER_METHODS.items():
-        found = _parameters(getattr(drafter, name, None))
-        if found is None or (params is not None and found != params):
-            return f"this vLLM's proposer has no {name} the harness knows"
+    if not all(callable(getattr(drafter, name, None)) for name in _PROPOSER_METHODS):
+        return f"its proposer ({type(drafter).__name__}) is not vLLM's EAGLE proposer"
     if getattr(drafter, "use_local_argmax_reduction", False):
         return "the proposer reduces its argmax on the device (use_local_argmax_reduction): no draft probabilities"
     return None

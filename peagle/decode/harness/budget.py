@@ -6,6 +6,8 @@ round's acceptance into the calibration (derivation: ``csrc/include/peagle/harne
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -83,16 +85,27 @@ def ragged_chain_lengths(acceptance: Tensor, emitted: float, draft_time: float, 
     device = acceptance.device
     if rows * depth == 0:
         return torch.zeros(rows, dtype=torch.long, device=device)
-    flat = acceptance.double().reshape(1, -1)
-    scores = torch.cat([torch.ones_like(flat[:, :1]), torch.where(flat >= 0, flat / emitted, -1.0)], 1)
-    nodes = scores.shape[1]
-    levels = (torch.arange(nodes, device=device) > 0).long()[None, :]  # one depth below the shared root
-    count = torch.full((1,), nodes, dtype=torch.long, device=device)
-    unscaled = torch.zeros(1, 2, dtype=torch.float64, device=device)  # scale 1: the rows carry their own
+    levels, count, unscaled, index = _one_level(rows * depth + 1, device)
+    scores = torch.empty(1, rows * depth + 1, dtype=torch.float64, device=device)
+    scores[:, 0] = 1.0
+    torch.div(acceptance.reshape(1, -1), emitted, out=scores[:, 1:])
     seconds = torch.full((1,), float(draft_time), dtype=torch.float64, device=device)
-    budget, _, _ = harness_pass_decide(scores, levels, count, unscaled, seconds, verify_cost.double(), 1)
-    keep = best_candidates(scores, scores >= 0, budget)
-    return keep[0, 1:].view(rows, depth).sum(1)
+    budget, _, _ = harness_pass_decide(scores, levels, count, unscaled, seconds, verify_cost, 1)
+    # The budget's drafts: the best budget - 1 by score, ties to the smaller index (as best_candidates keeps them).
+    order = torch.sort(scores[0, 1:], descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(0, order, index)
+    return (rank < budget - 1).view(rows, depth).sum(1)
+
+
+@functools.cache
+def _one_level(nodes: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(depths [1, nodes]: the root, then every node one level below it; the node count [1]; calibration sums [1, 2]
+    of scale 1; the drafts' ranks 0 .. nodes - 2) of :func:`ragged_chain_lengths`' one-level tree (kept per size: a
+    server repeats few)."""
+    levels = (torch.arange(nodes, device=device) > 0).long()[None, :]
+    count = torch.full((1,), nodes, dtype=torch.long, device=device)
+    index = torch.arange(nodes - 1, device=device)
+    return levels, count, torch.zeros(1, 2, dtype=torch.float64, device=device), index
 
 
 def pass_budget(

