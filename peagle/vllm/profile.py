@@ -116,7 +116,9 @@ def _run_engine(request: dict[str, Any]) -> dict[str, Any]:
                 env=env,
             )
         if proc.returncode != 0 or not out.exists():
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+            lines = log.read_text(errors="replace").splitlines()
+            causes = [x for x in lines if "Error: " in x][:3]  # vLLM's workers report the root cause before the rest
+            tail = "\n".join([*causes, "...", *lines[-20:]])
             raise RuntimeError(f"profile (vLLM) K = {request['depth']} failed (exit {proc.returncode}):\n{tail}")
         return json.loads(out.read_text())
 
