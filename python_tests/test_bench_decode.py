@@ -90,6 +90,12 @@ def test_bench_decode_rejects_bad_arguments(models, capsys):
     with pytest.raises(SystemExit):
         main([*base, "--prompts", str(root / "missing.jsonl"), "--out", str(root / "bad")])
     assert "prompts file" in capsys.readouterr().err
+    # Past the target's positions (4096): refused before any configuration runs, naming the flag.
+    with pytest.raises(SystemExit) as err:
+        main([*base, "--max-new-tokens", "4090", "--out", str(root / "bad")])
+    message = capsys.readouterr().err
+    assert err.value.code == 2 and "--max-new-tokens = 4090 asks for 4090 more" in message
+    assert "max_position_embeddings = 4096" in message and not (root / "bad" / "bench.json").exists()
 
 
 class _RecordingDecoder:

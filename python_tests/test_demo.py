@@ -152,6 +152,20 @@ def test_demo_rejects_half_a_user_setup(tmp_path):
         run_demo(workdir=tmp_path, target=str(tmp_path / "nope"), data=str(tmp_path / "x.jsonl"), progress=False)
 
 
+def test_demo_refuses_a_user_target_too_short_for_its_continuations(tmp_path):
+    from peagle.demo import run_demo
+
+    tok = tiny_tokenizer(tmp_path / "target")
+    tiny_llama(tmp_path / "target", vocab_size=len(tok) + 4)
+    config = json.loads((tmp_path / "target" / "config.json").read_text())
+    (tmp_path / "target" / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
+    tiny_chat_jsonl(tmp_path / "chats.jsonl", 40)
+    with pytest.raises(ValueError, match=r"the demo's continuation length = 96 .* max_position_embeddings = 64"):
+        run_demo(workdir=tmp_path / "work", quick=True, target=str(tmp_path / "target"),
+                 data=str(tmp_path / "chats.jsonl"), serve=False, progress=False)  # fmt: skip
+    assert not list((tmp_path / "work").glob("demo-user-*/data-*/distill/done.json"))
+
+
 def test_split_prompts_text_chats_and_record_split(tmp_path):
     from peagle.demo.distill import split_prompts
 

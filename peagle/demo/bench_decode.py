@@ -31,7 +31,7 @@ from peagle.decode import GenerateMetrics, RequestStats, SpeculativeDecoder
 from peagle.demo.tables import HARNESS, format_table, plot_rows, served_acceptance
 from peagle.io import atomic_write_bytes, atomic_write_json
 from peagle.model import from_pretrained
-from peagle.model.target import load_target
+from peagle.model.target import check_context, context_limit, load_target
 
 __all__ = [
     "Call",
@@ -401,6 +401,7 @@ def bench_decode(
         drafters["eagle3"] = from_pretrained(eagle3, dtype=torch.float32)
     if not isinstance(prompts, list):
         prompts = load_prompts(prompts, num_prompts, model.config.vocab_size)
+    check_context([len(p) for p in prompts], max_new_tokens, context_limit(model.config), "--max-new-tokens")
     depth = drafters["peagle"].config.num_depths
     configs = engine_configs(depth, drafters["peagle"].config.draft_vocab_size, budgets, eagle3 is not None)
     configs.append(_harness_config(model, drafters["peagle"], prompts, batch_size, out))

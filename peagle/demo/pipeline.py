@@ -163,7 +163,10 @@ def _self_distill(
 ) -> dict[str, Any]:
     """Prompts from each split and the target's greedy continuations of them -> ``out/{split}.jsonl`` token-id
     records (train / heldout) and ``done.json``."""
+    from transformers import AutoConfig
+
     from peagle.demo.distill import generate_hf, split_prompts, write_records
+    from peagle.model.target import check_context, context_limit
     from peagle.train.data import load_tokenizer
 
     tokenizer = load_tokenizer(target_dir)
@@ -174,6 +177,8 @@ def _self_distill(
         for split, (source, kw) in sources.items()
     }
     everything = prompts["train"] + prompts["heldout"]
+    limit = context_limit(AutoConfig.from_pretrained(str(target_dir)))
+    check_context([len(p) for p in everything], spec.completion_tokens, limit, "the demo's continuation length")
     start = time.perf_counter()
     completions = generate_hf(
         target_dir, everything, spec.completion_tokens, ignore_eos=ignore_eos, device=device, progress=progress
