@@ -215,8 +215,20 @@ def cmd_plot_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_sampling(temperatures: Sequence[float], top_p: float, flag: str = "--temperature") -> None:
+    """Refuses a temperature below 0 (or not finite) and a top-p outside (0, 1], naming the option."""
+    import math
+
+    for t in temperatures:
+        if not math.isfinite(t) or t < 0:
+            raise ValueError(f"{flag} must be finite numbers >= 0 (0 = greedy), got {t:g}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1] (1 = off), got {top_p:g}")
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
-    """Step 4: offline acceptance (Pos 1..K conditional acceptance, acceptance length) and per-depth accuracy."""
+    """Step 4: offline acceptance (Pos 1..K conditional acceptance, acceptance length with its 95% interval) and
+    per-depth accuracy, greedy or sampled (--temperature, --top-p: the expected acceptance of sampled drafts)."""
     import json
 
     from peagle.model import from_pretrained
@@ -225,6 +237,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     for flag, value in (("--max-rows", args.max_rows), ("--depths", args.depths)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be at least 1 (or left out), got {value}")
+    check_sampling([args.temperature], args.top_p)
     model = from_pretrained(args.checkpoint, dtype=torch.float32)
     rows = list(range(args.max_rows)) if args.max_rows else None
     if rows is not None:
@@ -232,8 +245,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
         rows = rows[: len(ExtractedData(args.data))]
     result = evaluate(
-        model, args.data, rows, args.depths, args.autoregressive, tree_budget=args.tree_budget, tree_topk=args.tree_topk
-    )
+        model, args.data, rows, args.depths, args.autoregressive, tree_budget=args.tree_budget,
+        tree_topk=args.tree_topk, temperature=args.temperature, top_p=args.top_p,
+    )  # fmt: skip
     print(format_table(result))
     if args.json:
         from peagle.io import atomic_write_json
@@ -484,6 +498,14 @@ def add_eval_parser(commands) -> None:
         default=None,
         help="the trees' children per node: K, or K,K,.. one per depth",
     )
+    ev.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0: greedy drafts and verification (default); above 0: drafts sampled from the drafter at this "
+        "temperature and verified by rejection sampling against the target's (expected acceptance)",
+    )
+    ev.add_argument("--top-p", type=float, default=1.0, help="the target's top-p when sampling (default 1: off)")
     ev.add_argument("--json", default=None, help="also write the result to this JSON file")
     ev.set_defaults(func=cmd_eval)
 
