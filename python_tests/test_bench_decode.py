@@ -91,6 +91,7 @@ def test_bench_decode_end_to_end(models, capsys):
     fixed = max(["target alone", "P-EAGLE chain", *trees], key=lambda n: rows[n]["tokens_per_second"])
     assert group["best_fixed"] == fixed
     mixed = ratios["batch 2, T=0, mixed"]
+
     def speed(name: str) -> float:  # over both categories
         members = [groups[2, 0.0, c][name] for c in "ab"]
         return sum(m["generated_tokens"] for m in members) / sum(m["seconds"] for m in members)

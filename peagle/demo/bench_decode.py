@@ -21,7 +21,7 @@ Sampled groups (temperature > 0) add, at the first batch size:
 * the lossless check, a two-sample test (:func:`peagle.stats.two_sample_test`): ``lossless_draws`` draws per prompt
   of the first tokens with each configuration against as many with the target alone; a configuration passes when
   p >= 0.001. Its power is shown in the same run: the P-EAGLE chain with a verifier that is biased on purpose
-  (the target's distribution at half the temperature) must fail it (``lossless_power``).
+  (the target's distribution at four times the temperature) must fail it (``lossless_power``).
 
 Greedy groups check that every configuration's output equals the target alone's. Every request generates exactly
 ``max_new_tokens`` tokens (no EOS stop), so all rows decode the same amount of text. Writes ``bench.json``,
@@ -460,16 +460,18 @@ def first_token_draws(
 
 @contextlib.contextmanager
 def biased_verifier() -> Iterator[None]:
-    """Within the block, the engine verifies sampled rounds against the target's distribution at half the temperature:
-    a verifier that is wrong on purpose, which the two-sample test must reject (its power check)."""
+    """Within the block, the engine verifies sampled rounds against the target's distribution at four times the
+    temperature: a verifier that is wrong on purpose, which the two-sample test must reject (its power check).
+    Flattening (not sharpening) the distribution changes even a peaked target's first tokens: the mass off its top
+    token grows."""
     import peagle.decode.engine as engine
 
     original = engine.target_probs
 
-    def sharpened(logits, temperature: float, top_k: int = 0, top_p: float = 1.0):
-        return original(logits, temperature / 2, top_k, top_p)
+    def flattened(logits, temperature: float, top_k: int = 0, top_p: float = 1.0):
+        return original(logits, 4 * temperature, top_k, top_p)
 
-    engine.target_probs = sharpened
+    engine.target_probs = flattened
     try:
         yield
     finally:
@@ -512,7 +514,7 @@ def power_check(
         drawn = first_token_draws(decoders[chain], prompts, draws, tokens, temperature, top_p, first_seed=draws)
     result = two_sample_test(drawn, reference)
     return {
-        "config": f"{chain}, verifier biased (half the temperature)",
+        "config": f"{chain}, verifier biased (four times the temperature)",
         "temperature": temperature,
         "p_value": result.p_value,
         "df": result.df,
