@@ -568,8 +568,8 @@ def _group_ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
     eagle3 = [r for r in rows if r["config"].startswith("EAGLE-3")]
     best_eagle3 = max(eagle3, key=lambda r: r["tokens_per_second"], default=None)
     harness = by.get(HARNESS)
-    # The fixed configurations the harness chooses among: P-EAGLE chains and trees, and plain decoding (width 0).
-    fixed = max([target, *peagle], key=lambda r: r["tokens_per_second"])
+    # The fixed configurations the harness chooses among: its drafter's chains and trees, and plain decoding.
+    fixed = max([target, *(r for r in peagle if r.get("drafter") == "peagle")], key=lambda r: r["tokens_per_second"])
     best_tree_al = max(trees, key=lambda r: r["acceptance_length"], default=None)
     return {
         "harness_tps_over_best_fixed_tps": harness["tokens_per_second"] / fixed["tokens_per_second"]
@@ -614,7 +614,7 @@ def _mixed_ratio(rows: list[dict[str, Any]]) -> dict[str, Any]:
     (tokens and seconds summed over the categories: one configuration for all of them, as a user would pick)."""
     totals: dict[str, list[float]] = {}
     for r in rows:
-        if r["config"] == TARGET_ALONE or (r["config"].startswith("P-EAGLE") and not r["config"].startswith("vLLM")):
+        if r["config"] == TARGET_ALONE or r.get("drafter") == "peagle":
             total = totals.setdefault(r["config"], [0.0, 0.0])
             total[0] += r["generated_tokens"]
             total[1] += r["seconds"]
@@ -762,12 +762,15 @@ def bench_decode(
     acceptance_prompts: dict[str, list[list[int]]] | None = None,
     acceptance_requests: int = 0,
     lossless_draws: int = 0,
+    deep: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """Runs every configuration on the same prompts (token-id lists; {category: prompts}; or the first ``num_prompts``
     of each category of a file, or of seeded random ones: :func:`load_category_prompts`) at each batch size and
     temperature (see the module docstring); writes ``out/bench.json``, ``out/bench.md`` and ``out/decode.png``;
     returns the report (rows, ratios, goals, settings). ``acceptance_prompts``: per category, the prompts the sampled
-    acceptance pass draws from (default: the category's prompts)."""
+    acceptance pass draws from (default: the category's prompts). ``deep``: a second P-EAGLE drafter (more layers),
+    whose chain is a row of its own (the comparison at equal drafting cost); the harness and the fixed
+    configurations it is measured against use ``drafter``."""
     from tqdm import tqdm
 
     budgets = list(budgets)
@@ -783,12 +786,17 @@ def bench_decode(
     drafters = {"peagle": from_pretrained(drafter, dtype=torch.float32)}
     if eagle3 is not None:
         drafters["eagle3"] = from_pretrained(eagle3, dtype=torch.float32)
+    if deep is not None:
+        drafters["peagle-deep"] = from_pretrained(deep, dtype=torch.float32)
     grouped = _category_prompts(prompts, num_prompts, model.config.vocab_size, categories)
     pool = {c: (acceptance_prompts or {}).get(c) or ps for c, ps in grouped.items()}
     everything = [p for ps in (*grouped.values(), *pool.values()) for p in ps]
     check_context([len(p) for p in everything], max_new_tokens, context_limit(model.config), "--max-new-tokens")
     depth = drafters["peagle"].config.num_depths
     configs = engine_configs(depth, drafters["peagle"].config.draft_vocab_size, budgets, eagle3 is not None)
+    if deep is not None:
+        layers = drafters["peagle-deep"].config.num_layers
+        configs.append(EngineConfig(f"P-EAGLE {layers}-layer chain", "peagle-deep", "chain"))
     calls_per_group = sum(-(-len(ps) // b) for ps in grouped.values() for b in batch_sizes) * len(temperatures)
     runs = (len(configs) + 1 + (eagle3 is not None)) * calls_per_group * repeats  # + the harness and EAGLE-3 tree
     bar = tqdm(total=runs, desc="bench decode", unit="call", disable=not progress)
@@ -799,7 +807,9 @@ def bench_decode(
     def decoder(c: EngineConfig) -> SpeculativeDecoder:
         return SpeculativeDecoder(model, drafters.get(c.drafter), c.mode, **c.options)
 
-    def run(decoders: dict[str, SpeculativeDecoder], batch: int, first: bool) -> None:
+    def run(decoders: dict[str, SpeculativeDecoder], batch: int, first: bool, only: str | None = None) -> None:
+        """Every group of this batch size; ``only``: record that configuration's rows alone (the others run beside
+        it as references: the target alone for the lossless test)."""
         for temperature in temperatures:
             for category, ps in grouped.items():
                 bar.set_postfix_str(f"b{batch} T={temperature:g} {category}")
@@ -808,18 +818,19 @@ def bench_decode(
                 machine = _machine(before)
                 every_call = every_call_speed(calls)
                 results = groups.setdefault((batch, temperature, category), {})
-                for name in decoders:
+                for name in decoders if only is None else [only]:
                     row = _engine_row(calls, name, repeats, greedy=temperature == 0)
                     if name == "P-EAGLE chain":  # its rounds, for the oracle bound of the harness
                         row["traces"] = [c.accepted for c in fastest_calls(calls, name, range(repeats))]
                     config = configs_by_name[name]
                     results[name] = {**row, "every_call_tokens_per_second": every_call[name], **machine,
-                                     "mode": config.mode, "options": config.options}  # fmt: skip
+                                     "drafter": config.drafter, "mode": config.mode,
+                                     "options": config.options}  # fmt: skip
                 if temperature > 0 and first:
-                    _sampled_extras(decoders, results, ps, pool[category], temperature)
+                    _sampled_extras(decoders, results, ps, pool[category], temperature, only)
 
-    def _sampled_extras(decoders, results, ps, pooled, temperature) -> None:
-        drafting = {n: d for n, d in decoders.items() if n not in (TARGET_ALONE, HARNESS)}
+    def _sampled_extras(decoders, results, ps, pooled, temperature, only: str | None) -> None:
+        drafting = {n: d for n, d in decoders.items() if n not in (TARGET_ALONE, HARNESS) and only in (None, n)}
         if acceptance_requests:
             for name, d in drafting.items():
                 requests = acceptance_pass(d, pooled, acceptance_requests, max_new_tokens, temperature, top_p,
@@ -828,7 +839,8 @@ def bench_decode(
                 results[name].update({**figures, "acceptance_from": "acceptance pass (untimed, batched)"})
         if lossless_draws:
             for name, test in _lossless_tests(decoders, ps, lossless_draws, temperature, top_p).items():
-                results[name]["lossless_p"] = test["p_value"]
+                if only in (None, name):
+                    results[name]["lossless_p"] = test["p_value"]
 
     configs_by_name = {c.name: c for c in configs}
     for index, batch in enumerate(batch_sizes):
@@ -853,7 +865,7 @@ def bench_decode(
             budget = max(trees, key=speed).options["num_nodes"]
             tree = EngineConfig(f"EAGLE-3 tree {budget} nodes", "eagle3", "tree", {"depth": depth, "num_nodes": budget})
             configs_by_name[tree.name] = tree
-            run({TARGET_ALONE: decoders[TARGET_ALONE], tree.name: decoder(tree)}, batch, first=index == 0)
+            run({TARGET_ALONE: decoders[TARGET_ALONE], tree.name: decoder(tree)}, batch, index == 0, only=tree.name)
         table = CostTable.load(harness.options["cost_table"])
         for temperature in temperatures:
             traces = [t for (b, tt, _), g in groups.items() if (b, tt) == (batch, temperature)

@@ -291,6 +291,7 @@ def _engine_lines(engine: dict[str, Any] | None, rows: list[dict[str, Any]]) -> 
         "",
         format_table(rows),
     ]
+    lines += _drafting_cost_lines(engine["rows"])
     for check in engine.get("lossless_power", []):
         verdict = "rejected, as it must be" if check["rejected"] else "**not rejected: the test lacks power here**"
         lines += [
@@ -301,6 +302,35 @@ def _engine_lines(engine: dict[str, Any] | None, rows: list[dict[str, Any]]) -> 
     if engine.get("goals"):
         lines += ["", "### Serving goals (this run)", "", format_goals(engine["goals"])]
     return lines
+
+
+def drafting_costs(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Each chain's drafting time per round in ms (greedy groups of the first batch size, categories pooled): what a
+    round's drafts cost each drafter (P-EAGLE: one pass; EAGLE-3: K passes)."""
+    if not rows:
+        return {}
+    batch = rows[0]["batch_size"]
+    chains = [r for r in rows if r["batch_size"] == batch and r["temperature"] == 0 and r["config"].endswith("chain")]
+    costs: dict[str, list[float]] = {}
+    for r in chains:
+        if r["config"].startswith("vLLM") or "draft_s" not in r or not r.get("rounds"):
+            continue
+        total = costs.setdefault(r["config"], [0.0, 0.0])
+        total[0] += r["draft_s"]
+        total[1] += r["rounds"]
+    return {name: 1e3 * seconds / rounds for name, (seconds, rounds) in costs.items() if rounds}
+
+
+def _drafting_cost_lines(rows: list[dict[str, Any]]) -> list[str]:
+    costs = drafting_costs(rows)
+    if len(costs) < 2:
+        return []
+    reference = costs.get("EAGLE-3 chain")
+    parts = [
+        f"{name} {ms:.2f} ms" + (f" ({ms / reference:.2f}x EAGLE-3's)" if reference and name != "EAGLE-3 chain" else "")
+        for name, ms in costs.items()
+    ]
+    return ["", "Drafting time per round (greedy chains, categories pooled): " + "; ".join(parts) + "."]
 
 
 def _setup_lines(
@@ -343,7 +373,14 @@ def _setup_lines(
         "row. The baseline trains with training-time test (`peagle train --depths 1 --ttt-steps S`): each unrolled "
         "step feeds back its own drafted token and hidden state, as vLLM serves it, with a loss at every step, so "
         "its Pos 2+ drafts read inputs it was trained on. Elements: drafter positions run (P-EAGLE: its COD depths; "
-        "EAGLE-3: its unrolled steps).",
+        "EAGLE-3: its unrolled steps)."
+        + (
+            " A third drafter, P-EAGLE with more layers, compares the two at equal drafting cost: P-EAGLE drafts K "
+            "tokens in one pass where EAGLE-3 runs K passes, so for the same time per round it can afford a deeper "
+            "drafter (the engine section shows each drafter's measured drafting time per round)."
+            if len(budgets) > 2
+            else ""
+        ),
         "",
         "| Drafter | layers | K | TTT steps | steps | rows | elements | train wall time |",
         "|---|---|---|---|---|---|---|---|",
