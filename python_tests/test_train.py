@@ -684,6 +684,7 @@ def test_sampled_eval_is_the_expected_acceptance_of_sampled_chains(work, tmp_pat
     data = ExtractedData(work / "ext-held")
     head = load_file(work / "ext-held" / "target_head.safetensors")["lm_head.weight"].double()
     reach, chains, per_row, drawn = torch.zeros(3, dtype=torch.float64), 0, [], []
+    repeats = torch.zeros(2, dtype=torch.float64)
     gen = torch.Generator().manual_seed(7)
     for i in range(len(data)):
         row = data.row(i)
@@ -705,6 +706,9 @@ def test_sampled_eval_is_the_expected_acceptance_of_sampled_chains(work, tmp_pat
         n, length = starts.numel(), row.input_ids.numel()
         grid = torch.stack([alpha[starts], *(alpha[length + (d - 1) * n :][:n] for d in range(1, 3))], 1)
         row_reach = grid.cumprod(1)
+        drafts = model.draft_ids()[logits.argmax(-1)]
+        chain_drafts_ = torch.stack([drafts[starts], *(drafts[length + (d - 1) * n :][:n] for d in range(1, 3))], 1)
+        repeats += (chain_drafts_[:, 1:] == chain_drafts_[:, :-1]).sum(0).double()
         reach += row_reach.sum(0)
         chains += n
         per_row.append(float(row_reach.sum()))
@@ -715,6 +719,8 @@ def test_sampled_eval_is_the_expected_acceptance_of_sampled_chains(work, tmp_pat
             drawn.append((float((torch.rand(4000, generator=gen, dtype=torch.float64) < ratio).double().mean()),
                           float(alpha[c])))  # fmt: skip
     assert sampled["chains"] == chains and sampled["rows"] == len(per_row)
+    assert sampled["repeated_draft"] == pytest.approx((repeats / chains).tolist())
+    assert len(sampled["repeated_text"]) == 2 and all(0 <= v <= 1 for v in sampled["repeated_text"])
     expected = [float(reach[0] / chains), float(reach[1] / reach[0]), float(reach[2] / reach[1])]
     assert sampled["conditional_acceptance"] == pytest.approx(expected, rel=1e-4)
     assert sampled["acceptance_length"] == pytest.approx(1 + float(reach.sum()) / chains, rel=1e-4)

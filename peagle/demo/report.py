@@ -431,6 +431,7 @@ def _acceptance_lines(spec, report: dict[str, Any], same_text: tuple[int, int] |
             + " | ".join(cells)
             + f" | {al} |"
         )
+    lines += _repeat_lines(report["offline"], k)
     agreement = report["al_vllm_over_offline"]
     if agreement:
         parts = [
@@ -444,6 +445,32 @@ def _acceptance_lines(spec, report: dict[str, Any], same_text: tuple[int, int] |
             "the serving walk drafts where the server drafts.",
         ]
     return lines
+
+
+def _repeat_lines(offline: dict[str, dict[str, dict[str, Any]]], k: int) -> list[str]:
+    """How often each drafter's greedy draft repeats the draft one depth before, against how often the text repeats its
+    token there: the Pos 2 dip's measure (a drafter too shallow to tell its mask depths apart repeats itself)."""
+    lines = []
+    for name, by_category in offline.items():
+        for category, by_temperature in by_category.items():
+            r = by_temperature.get("0")
+            if r and r.get("repeated_draft"):
+                drafts = " / ".join(f"{100 * v:.0f}%" for v in r["repeated_draft"])
+                texts = " / ".join(f"{100 * v:.0f}%" for v in r["repeated_text"])
+                lines.append(f"| {name} | {category} | {drafts} | {texts} |")
+    if not lines:
+        return []
+    return [
+        "",
+        f"Drafts at Pos 2..{k} that repeat the draft one position before, against the text repeating its token there "
+        "(greedy, offline). P-EAGLE's drafts at depths >= 1 all read the same mask token and mask hidden state, told "
+        "apart only by their positions (rotary): a drafter too shallow to use them drafts the same token at every "
+        "depth, which shows as a Pos 2-3 dip where the text does not repeat; more layers fix it.",
+        "",
+        "| Drafter | category | repeated drafts | repeated text |",
+        "|---|---|---|---|",
+        *lines,
+    ]
 
 
 def _serving_lines(spec, serving: list[dict[str, Any]]) -> list[str]:

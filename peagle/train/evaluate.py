@@ -24,6 +24,11 @@ of the chains' accepted drafts (the product of those probabilities along a chain
 accepted drafts' context; autoregressive drafting feeds back its argmax drafts. No serving walk (its steps depend on
 each draw), no trees.
 
+``repeated_draft`` / ``repeated_text`` (Pos 2 .. K): how often a chain's draft equals the draft one depth before,
+and how often the text repeats its token there. Parallel drafts at depths >= 1 all read the same mask token and mask
+hidden state, told apart only by their positions (rotary); a drafter too shallow to use them drafts the same token at
+every depth (a Pos 2-3 dip in conditional acceptance where the text does not repeat).
+
 Every acceptance length comes with its 95% interval (``acceptance_length_interval``: the half width), the rows being
 independent clusters (:func:`peagle.stats.ratio_interval`): the chains of one text move together.
 
@@ -199,6 +204,9 @@ def evaluate(
     chains_total = 0
     walk_reached = torch.zeros(k, dtype=torch.float64)  # the same over the drafts of a simulated serving walk
     walk_drafts = 0
+    # Chains whose draft at depth d repeats the draft at d - 1, and whose text repeats its token there (d = 1 .. K-1).
+    repeated_draft = torch.zeros(max(k - 1, 0), dtype=torch.float64)
+    repeated_text = torch.zeros(max(k - 1, 0), dtype=torch.float64)
     clusters: list[tuple[float, int]] = []  # per row: accepted drafts over its chains (expected when sampled), chains
     for index in rows if rows is not None else range(len(data)):
         row = data.row(index)
@@ -227,6 +235,10 @@ def evaluate(
         correct += torch.bincount(depths[valid], weights=hit[valid].double(), minlength=k).cpu()
         count += torch.bincount(depths[valid], minlength=k).double().cpu()
         length = ids.numel()
+        if k > 1:
+            drafts, texts = _chain_grid(drafted, chains, length, k), _chain_grid(target, chains, length, k)
+            repeated_draft += (drafts[:, 1:] == drafts[:, :-1]).sum(0).double().cpu()
+            repeated_text += (texts[:, 1:] == texts[:, :-1]).sum(0).double().cpu()
         if sampled:
             # Acceptance probability of a sampled draft: sum_v min(p_v, q_v); a chain reaches depth d with the product.
             p = target_probs(target_logits, temperature, 0, top_p)
@@ -257,6 +269,10 @@ def evaluate(
         "top1_accuracy": acc,
         **_acceptance(accepted_at, chains_total),
         "acceptance_length_interval": interval.half_width if interval is not None else None,
+        # Pos 2 .. K: the share of chains whose (greedy) draft repeats the one before it, and whose text does. A
+        # drafter that cannot tell its depths apart repeats far more often than the text.
+        "repeated_draft": (repeated_draft / max(1, chains_total)).tolist(),
+        "repeated_text": (repeated_text / max(1, chains_total)).tolist(),
     }
     if not sampled:
         result["serving_walk"] = {"drafts": walk_drafts, **_acceptance(walk_reached, walk_drafts)}
