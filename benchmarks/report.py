@@ -4,6 +4,7 @@ noise mostly cancels).
 
     python benchmarks/report.py results.json [more.json ...]                  # plain table on stdout
     python benchmarks/report.py results.json [...] --markdown [--out PATH]    # writes benchmarks/RESULTS.md
+    python benchmarks/report.py results.json [...] --compare OLD_RESULTS.md   # ratios that changed by more than 2x
 
 A benchmark names its case and implementation in extra_info {"case": ..., "impl": ...}; its time is the benchmark's
 mean, unless it reports a measured quantity instead (extra_info {"value": ..., "unit": ..., "better": "higher"}, e.g.
@@ -282,17 +283,59 @@ def write_markdown(runs: list[tuple[str, dict]], path: str) -> str:
     return text
 
 
+def _ratio_of(verdict_cell: str) -> float | None:
+    """peagle's ratio to the strongest baseline from a verdict cell ("4.0x faster", "**peagle loses: 3.0x slower**",
+    "8.0x more tokens"): above 1 when peagle wins."""
+    text = verdict_cell.strip().strip("*")
+    try:
+        value = float(text.split("x")[0].split()[-1])
+    except (ValueError, IndexError):
+        return None
+    return 1 / value if "loses" in text else value
+
+
+def markdown_ratios(text: str) -> dict[tuple[str, str], float]:
+    """{(file, case): peagle's ratio} of the rows of a RESULTS.md (its main table and its noisy rows)."""
+    ratios = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if len(cells) >= 7 and cells[0].split(" ")[0].endswith(".py"):
+            ratio = _ratio_of(cells[5])
+            if ratio is not None:
+                ratios[cells[0].split(" ")[0], cells[1]] = ratio
+    return ratios
+
+
+def changed_ratios(old_text: str, runs: list[tuple[str, dict]], factor: float = 2.0) -> list[str]:
+    """Markdown rows of the cases whose ratio to the strongest baseline changed by more than ``factor`` between an
+    earlier RESULTS.md and these runs."""
+    old = markdown_ratios(old_text)
+    new = markdown_ratios("\n".join(summary_row(case) for case in collect_cases([data for _, data in runs])))
+    lines = ["| file | case | earlier ratio | new ratio | change |", "|---|---|---|---|---|"]
+    for key in sorted(old.keys() & new.keys()):
+        change = new[key] / old[key]
+        if change > factor or change < 1 / factor:
+            lines.append(f"| {key[0]} | {key[1]} | {old[key]:.2f}x | {new[key]:.2f}x | {change:.2f}x |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("json_files", nargs="+")
     parser.add_argument("--markdown", action="store_true", help="write the markdown results file (see --out)")
     parser.add_argument("--out", default=DEFAULT_MARKDOWN, help="markdown output path (default: benchmarks/RESULTS.md)")
+    parser.add_argument(
+        "--compare", default=None, help="an earlier RESULTS.md: list the ratios that changed by more than 2x"
+    )
     args = parser.parse_args()
     runs = []
     for path in args.json_files:
         with open(path) as f:
             runs.append((path, json.load(f)))
-    if args.markdown:
+    if args.compare:
+        with open(args.compare) as f:
+            print("\n".join(changed_ratios(f.read(), runs)))
+    elif args.markdown:
         print(write_markdown(runs, args.out))
     else:
         for _, data in runs:

@@ -183,3 +183,14 @@ def test_conftest_records_the_load_and_threads_of_every_benchmark(tmp_path):
     info = json.loads(out.read_text())["benchmarks"][0]["extra_info"]
     assert len(info["load_before"]) == 3 and len(info["load_after"]) == 3
     assert info["torch_threads"] >= 1 and info["cores"] >= 1 and info["case"] == "probe"
+
+
+def test_compare_lists_the_ratios_that_changed_by_more_than_2x():
+    old = report.markdown_report([("run.json", RUN)])  # win: 4.0x faster; lose: 3.0x slower
+    faster = dict(RUN, benchmarks=[
+        bench("win", "peagle", 0.001, baselines={"fast": 0.0015}),  # 1.5x: changed 2.7x down
+        bench("lose", "peagle", 0.006), bench("lose", "rival", 0.004),  # 1.5x slower: changed 2x up (not more)
+    ])  # fmt: skip
+    assert report.markdown_ratios(old) == {("bench_x.py", "win"): 4.0, ("bench_x.py", "lose"): 1 / 3}
+    lines = report.changed_ratios(old, [("new.json", faster)])
+    assert lines[2:] == ["| bench_x.py | win | 4.00x | 1.50x | 0.38x |"]

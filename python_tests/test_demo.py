@@ -49,7 +49,8 @@ def _check_engine_rows(report: dict, accepted: bool = True) -> None:
     for (category, temperature), rows in groups.items():
         names = [" ".join(n.split(" ")[:2]) for n in rows]
         trees = names.count("P-EAGLE tree")
-        assert names == ["target alone", "P-EAGLE chain", *["P-EAGLE tree"] * trees, "EAGLE-3 chain",
+        deep = [n for n in names if n.endswith("-layer")]  # the deeper P-EAGLE drafter's chain, when trained
+        assert names == ["target alone", "P-EAGLE chain", *["P-EAGLE tree"] * trees, "EAGLE-3 chain", *deep,
                          "P-EAGLE harness", "EAGLE-3 tree"] and trees in (1, 2), names  # fmt: skip
         for name, row in rows.items():
             assert row["lossless"] is True, (category, temperature, name)
@@ -81,9 +82,12 @@ def test_demo_quick_end_to_end(tmp_path):
     rows = {(r["drafter"], r["category"], r["temperature"], r["measured"]): r for r in report["acceptance"]}
     expected = {(d, c, 0.0, m) for d in ("P-EAGLE", "EAGLE-3") for c in report["categories"]
                 for m in ("offline", "offline (serving walk)", "vLLM")}  # fmt: skip
-    expected |= {
-        (d, c, 1.0, m) for d in ("P-EAGLE", "EAGLE-3") for c in report["categories"] for m in ("offline", "vLLM")
-    }
+    drafters, categories = ("P-EAGLE", "EAGLE-3"), report["categories"]
+    expected |= {(d, c, 1.0, m) for d in drafters for c in categories for m in ("offline", "vLLM")}
+    # The deeper P-EAGLE drafter (the comparison at equal drafting cost): offline rows, no vLLM.
+    deep = "P-EAGLE (2 layers)"
+    expected |= {(deep, c, t, "offline") for c in categories for t in (0.0, 1.0)}
+    expected |= {(deep, c, 0.0, "offline (serving walk)") for c in categories}
     assert set(rows) == expected
     # Both drafters have Pos 1..K offline (EAGLE-3 drafted autoregressively) and in vLLM.
     for row in rows.values():
@@ -124,6 +128,8 @@ def test_demo_quick_end_to_end(tmp_path):
     assert budgets["EAGLE-3"]["ttt_steps"] == k and budgets["P-EAGLE"]["depths"] == k
     for key in ("layers", "steps", "rows"):
         assert budgets["EAGLE-3"][key] == budgets["P-EAGLE"][key], key
+    assert budgets[deep]["layers"] == 2 and budgets[deep]["steps"] == budgets["P-EAGLE"]["steps"]
+    assert "Drafting time per round (greedy chains, categories pooled): P-EAGLE chain" in md
     assert all(b["elements"] > b["rows"] and b["seconds"] > 0 for b in budgets.values())
     assert f"| EAGLE-3 | {budgets['EAGLE-3']['layers']} | 1 | {k} |" in md
 
@@ -153,8 +159,9 @@ def test_demo_user_target_and_data(tmp_path):
     )
     assert report["target"]["kind"] == "user model" and report["categories"] == ["all"]
     rows = {(r["drafter"], r["temperature"], r["measured"]): r for r in report["acceptance"]}
-    expected = {(d, 0.0, m) for d in ("P-EAGLE", "EAGLE-3") for m in ("offline", "offline (serving walk)")}
-    assert set(rows) == expected | {(d, 1.0, "offline") for d in ("P-EAGLE", "EAGLE-3")}
+    drafters = ("P-EAGLE", "EAGLE-3", "P-EAGLE (2 layers)")
+    expected = {(d, 0.0, m) for d in drafters for m in ("offline", "offline (serving walk)")}
+    assert set(rows) == expected | {(d, 1.0, "offline") for d in drafters}
     for row in rows.values():
         assert row.get("chains", row.get("drafts")) > 0
         _check_acceptance_row(row, report["depths"])

@@ -33,7 +33,7 @@ from peagle.demo.target import (
     train_target,
 )
 from peagle.demo.workload import check_categories, check_sampling
-from peagle.io import atomic_write_json
+from peagle.io import atomic_write_bytes, atomic_write_json
 
 __all__ = ["DemoSpec", "deep_name", "demo_spec", "run_demo", "train_budget"]
 
@@ -70,14 +70,14 @@ class DemoSpec:
     lr: float = 2e-3
     max_anchors: int | None = 128
     # Served prompts per category: the first held-out prompts of each (vLLM and offline see the same text).
-    prompts: int = 6
+    prompts: int = 4
     # Served tokens per prompt. A server drafts full K-chains until it has max_tokens, so the continuations run up to
     # completion_tokens - max_tokens + 1 = 9 >= K tokens further: the offline serving walk then sees every token the
     # server verifies.
     max_tokens: int = 184
     concurrency: int = 1  # requests vLLM decodes at once (max_num_seqs): 1 = the latency setting speculation is for
     repeats: int = 2  # timed passes over the prompts per configuration (served and engine); each call's fastest
-    engine_prompts: int = 3  # held-out prompts per category the decoding engine times (max_tokens each)
+    engine_prompts: int = 2  # held-out prompts per category the decoding engine times (max_tokens each)
     engine_budgets: tuple[int, ...] = (8, 16, 32)  # P-EAGLE tree node budgets of the engine rows
     # Sampled rows: extra requests per category (held-out prompts, several seeds each, decoded in batches, untimed)
     # whose rounds measure the acceptance, so that its 95% interval is narrow; and the draws per prompt of the
@@ -412,6 +412,13 @@ def stage_distill(run: DemoRun) -> dict[str, Any]:
         _complete(distill, "done.json"),
         lambda: _self_distill(spec, run.target_dir, run.sources, distill, run.ignore_eos, run.device, run.progress),
     )
+    # Every category's held-out prompts in one file, each naming its category: `peagle bench decode --prompts` and
+    # benchmarks/harness_speed.py --prompts-file take it.
+    prompts = distill / "heldout-prompts.jsonl"
+    if not prompts.exists():
+        records = [{"prompt_ids": r["prompt_ids"], "category": c} for c in run.sources["heldout"]
+                   for r in run.heldout_records(c)]  # fmt: skip
+        atomic_write_bytes(prompts, "".join(json.dumps(r) + "\n" for r in records).encode())
     return json.loads((distill / "done.json").read_text())
 
 
