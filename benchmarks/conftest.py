@@ -1,5 +1,6 @@
 """Records what benchmarks/report.py puts in RESULTS.md beside the times: the command, torch's threads and version,
-the load average at the start and the end of the run (the machine may be shared), and the peers that could not be
+the load average at the start and the end of the run and of every benchmark (extra_info load_before / load_after /
+torch_threads / cores: report.py marks a row measured above the core count as noisy), and the peers that could not be
 measured (common.skip_peer)."""
 
 from __future__ import annotations
@@ -7,6 +8,8 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+
+import pytest
 
 _LOAD_AT_START = "/".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -34,3 +37,23 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
 
     if SKIPPED_PEERS:
         output_json["skipped_peers"] = SKIPPED_PEERS
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """Every benchmark row records the load average (1 / 5 / 15 min) before and after its test, torch's threads and
+    the cores (the row is noisy when a load average passes the core count: other processes took its cores)."""
+    before = [round(x, 2) for x in os.getloadavg()]
+    yield
+    benchmark = getattr(item, "funcargs", {}).get("benchmark")
+    if benchmark is not None and hasattr(benchmark, "extra_info"):
+        import torch
+
+        benchmark.extra_info.setdefault("load_before", before)
+        benchmark.extra_info.setdefault("load_after", [round(x, 2) for x in os.getloadavg()])
+        benchmark.extra_info.setdefault("torch_threads", torch.get_num_threads())
+        benchmark.extra_info.setdefault("cores", _cores())

@@ -4,6 +4,7 @@ noise mostly cancels).
 
     python benchmarks/report.py results.json [more.json ...]                  # plain table on stdout
     python benchmarks/report.py results.json [...] --markdown [--out PATH]    # writes benchmarks/RESULTS.md
+    python benchmarks/report.py results.json [...] --compare OLD_RESULTS.md   # ratios that changed by more than 2x
 
 A benchmark names its case and implementation in extra_info {"case": ..., "impl": ...}; its time is the benchmark's
 mean, unless it reports a measured quantity instead (extra_info {"value": ..., "unit": ..., "better": "higher"}, e.g.
@@ -48,6 +49,13 @@ class Case:
     unit: str | None = None  # set when the case compares values (higher is better) instead of times
     skipped: dict[str, str] = field(default_factory=dict)  # peer -> why it was not measured
     floors: dict[str, float] = field(default_factory=dict)  # floor name -> time (ms): what the op cannot beat
+    load: float = 0.0  # the highest 1-minute load average its rows were measured under
+    cores: int | None = None
+
+    @property
+    def noisy(self) -> bool:
+        """Measured with the load average above the core count: other processes took the cores it was timed on."""
+        return self.cores is not None and self.load > self.cores
 
     def strongest(self, values: dict[str, float]) -> str:
         return (max if self.unit else min)(values, key=values.get)
@@ -56,14 +64,39 @@ class Case:
         return f"{value:g} {self.unit}" if self.unit else f"{value:.3f}"
 
 
+def _first_load(value) -> float | None:
+    """The 1-minute load average of a recorded load: [1, 5, 15] or "1/5/15" (None when unknown)."""
+    if isinstance(value, (list, tuple)) and value:
+        return float(value[0])
+    if isinstance(value, str) and value and value != "?":
+        return float(value.split("/")[0])
+    return None
+
+
+def run_load(data: dict) -> tuple[float | None, int | None]:
+    """The highest 1-minute load average a run recorded (start or end) and its core count."""
+    machine = data.get("machine_info", {})
+    extra = machine.get("peagle", {})
+    loads = [_first_load(extra.get("loadavg_start")), _first_load(extra.get("loadavg_end"))]
+    loads = [x for x in loads if x is not None]
+    return (max(loads) if loads else None), machine.get("cpu", {}).get("count")
+
+
 def collect_cases(runs: list[dict]) -> list[Case]:
     cases: dict[tuple[str, str], Case] = {}
     for data in runs:
+        file_load, file_cores = run_load(data)
         for bench in data["benchmarks"]:
             info = dict(bench.get("extra_info", {}))
             source = bench.get("fullname", bench["name"]).split("::")[0]
             name = info.pop("case", bench.get("group") or bench["name"])
             case = cases.setdefault((source, name), Case(source, name))
+            # The row's own load (before / after it ran); the run's, for files written before rows recorded theirs.
+            row_loads = [_first_load(info.get(k)) for k in ("load_before", "load_after")]
+            row_loads = [x for x in row_loads if x is not None] or ([file_load] if file_load is not None else [])
+            if row_loads:
+                case.load = max(case.load, *row_loads)
+            case.cores = info.get("cores") or file_cores or case.cores
             impl = info.pop("impl", bench["name"])
             baselines = info.pop("baselines", {})
             case.floors.update({name: seconds * 1e3 for name, seconds in info.pop("floors", {}).items()})
@@ -99,7 +132,16 @@ def ratio_rows(data: dict) -> list[dict]:
         ours = {k: v for k, v in case.ms.items() if is_ours(k)}
         for impl, ms in sorted(case.ms.items(), key=lambda kv: kv[1]):
             speedups = {f"{name} x faster": ms / t for name, t in ours.items() if name != impl}
-            rows.append({"case": case.name, "impl": impl, "mean_ms": ms, **case.info.get(impl, {}), **speedups})
+            rows.append(
+                {
+                    "case": case.name,
+                    "impl": impl,
+                    "mean_ms": ms,
+                    **case.info.get(impl, {}),
+                    **speedups,
+                    "noisy": case.noisy,
+                }
+            )
         for peer, why in case.skipped.items():
             rows.append({"case": case.name, "impl": peer, "mean_ms": float("nan"), "skipped": why})
     return rows
@@ -139,6 +181,14 @@ def _ratio(case: Case, theirs: float, ours: float) -> float:
 
 
 def summary_row(case: Case) -> str:
+    """The case's markdown row; a noisy case says so after its file name (load average / cores)."""
+    row = _summary_cells(case)
+    if case.noisy:
+        row = row.replace(" | ", f" (**noisy**: load {case.load:.1f} on {case.cores} cores) | ", 1)
+    return row
+
+
+def _summary_cells(case: Case) -> str:
     ours = {k: v for k, v in case.ms.items() if is_ours(k)}
     theirs = {k: v for k, v in case.ms.items() if not is_ours(k)}
     best_ours = case.strongest(ours) if ours else None
@@ -193,14 +243,28 @@ def markdown_report(runs: list[tuple[str, dict]]) -> str:
         "Each row: the fastest peagle implementation of the case against the strongest (fastest) baseline measured in",
         "the same run (times in ms, pytest-benchmark means; baselines timed inside a benchmark: best of a few rounds;",
         "rows with a unit compare that measured value instead, the largest being the strongest).",
-        "The machine is shared: other jobs ran beside these benchmarks (see the load averages), so absolute times are",
-        "noisy; ratios come from one run each.",
+        "Ratios come from one run each. A case measured with the load average above the core count is noisy: it is",
+        "listed apart below, never as a headline figure.",
         "",
         "| file | case | peagle (ms) | strongest baseline | baseline ms | peagle vs strongest "
         "| other baselines (ms, ratio) |",
         "|---|---|---|---|---|---|---|",
-        *(summary_row(case) for case in cases),
+        *(summary_row(case) for case in cases if not case.noisy),
     ]
+    noisy = [case for case in cases if case.noisy]
+    if noisy:
+        out += [
+            "",
+            "## Noisy rows: measured with the load average above the core count (not headline figures)",
+            "",
+            "Other processes held the cores while these ran, so their times, and the ratios between times taken at "
+            "different moments, are not to be trusted; measure them again on an otherwise idle machine.",
+            "",
+            "| file | case | peagle (ms) | strongest baseline | baseline ms | peagle vs strongest "
+            "| other baselines (ms, ratio) |",
+            "|---|---|---|---|---|---|---|",
+            *(summary_row(case) for case in noisy),
+        ]
     notes = [(case.name, note) for case in cases for note in case.notes.values()]
     if notes:
         out += ["", "## Notes", ""]
@@ -225,17 +289,59 @@ def write_markdown(runs: list[tuple[str, dict]], path: str) -> str:
     return text
 
 
+def _ratio_of(verdict_cell: str) -> float | None:
+    """peagle's ratio to the strongest baseline from a verdict cell ("4.0x faster", "**peagle loses: 3.0x slower**",
+    "8.0x more tokens"): above 1 when peagle wins."""
+    text = verdict_cell.strip().strip("*")
+    try:
+        value = float(text.split("x")[0].split()[-1])
+    except (ValueError, IndexError):
+        return None
+    return 1 / value if "loses" in text else value
+
+
+def markdown_ratios(text: str) -> dict[tuple[str, str], float]:
+    """{(file, case): peagle's ratio} of the rows of a RESULTS.md (its main table and its noisy rows)."""
+    ratios = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if len(cells) >= 7 and cells[0].split(" ")[0].endswith(".py"):
+            ratio = _ratio_of(cells[5])
+            if ratio is not None:
+                ratios[cells[0].split(" ")[0], cells[1]] = ratio
+    return ratios
+
+
+def changed_ratios(old_text: str, runs: list[tuple[str, dict]], factor: float = 2.0) -> list[str]:
+    """Markdown rows of the cases whose ratio to the strongest baseline changed by more than ``factor`` between an
+    earlier RESULTS.md and these runs."""
+    old = markdown_ratios(old_text)
+    new = markdown_ratios("\n".join(summary_row(case) for case in collect_cases([data for _, data in runs])))
+    lines = ["| file | case | earlier ratio | new ratio | change |", "|---|---|---|---|---|"]
+    for key in sorted(old.keys() & new.keys()):
+        change = new[key] / old[key]
+        if change > factor or change < 1 / factor:
+            lines.append(f"| {key[0]} | {key[1]} | {old[key]:.2f}x | {new[key]:.2f}x | {change:.2f}x |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("json_files", nargs="+")
     parser.add_argument("--markdown", action="store_true", help="write the markdown results file (see --out)")
     parser.add_argument("--out", default=DEFAULT_MARKDOWN, help="markdown output path (default: benchmarks/RESULTS.md)")
+    parser.add_argument(
+        "--compare", default=None, help="an earlier RESULTS.md: list the ratios that changed by more than 2x"
+    )
     args = parser.parse_args()
     runs = []
     for path in args.json_files:
         with open(path) as f:
             runs.append((path, json.load(f)))
-    if args.markdown:
+    if args.compare:
+        with open(args.compare) as f:
+            print("\n".join(changed_ratios(f.read(), runs)))
+    elif args.markdown:
         print(write_markdown(runs, args.out))
     else:
         for _, data in runs:

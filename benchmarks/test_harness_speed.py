@@ -72,7 +72,7 @@ def test_every_call_ratio_counts_the_slow_passes_that_the_fastest_pass_hides():
 def test_the_script_runs_on_the_random_models(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent.parent), str(Path(__file__).parent)]))
     args = ["--prompts", "2", "--new-tokens", "6", "--batch-sizes", "1", "--passes", "2", "--budgets", "8"]
-    args += ["--pruned-budgets", "8"]
+    args += ["--pruned-budgets", "8", "--temperature", "0,1"]
     args += ["--costs-out", str(tmp_path / "costs.json"), "--trace"]
     out = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("harness_speed.py")), *args],
@@ -85,14 +85,29 @@ def test_the_script_runs_on_the_random_models(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "costs.json").is_file()
     lines = out.stdout.splitlines()
-    assert any(line.split()[1:3] == ["chain", "0"] for line in lines if len(line.split()) > 3)
-    assert any(line.split()[1:4] == ["tree", "8", "pruned"] for line in lines if len(line.split()) > 4)
+    rows = [line.split() for line in lines if len(line.split()) > 5]
+    # batch, temperature, category, config...
+    assert any(row[1:5] == ["0", "random", "chain", "0"] for row in rows)
+    assert any(row[1:6] == ["1", "random", "tree", "8", "pruned"] for row in rows)
     held_out = [line for line in lines if "picked on the other passes" in line]
-    assert len(held_out) == 2 and all(math.isfinite(float(line.split(": ")[1].split("x")[0])) for line in held_out)
+    assert len(held_out) == 2 * 2 and all(math.isfinite(float(line.split(": ")[1].split("x")[0])) for line in held_out)
     every_call = [line for line in lines if "every call of every pass counted" in line]
-    assert len(every_call) == 2 and all(math.isfinite(float(line.split(": ")[1].split("x")[0])) for line in every_call)
-    traced = [line.split()[5] for line in lines if " prompt " in line and line.split()[1] == "pass"]
-    assert len(traced) == 2 * 2 and set(traced) <= {"draft", "probe", "plain", "control"}  # 2 passes of 2 calls
+    assert len(every_call) == 2 * 2
+    assert all(math.isfinite(float(line.split(": ")[1].split("x")[0])) for line in every_call)
+    traced = [line.split()[7] for line in lines if " prompt " in line and line.split()[3] == "pass"]
+    assert len(traced) == 2 * 2 * 2 and set(traced) <= {"draft", "probe", "plain", "control"}  # 2 T x 2 passes x 2
+    loads = [line for line in lines if "load average" in line and "thread(s)" in line]
+    assert len(loads) == 2  # one per group (batch, temperature, category)
+    mixed = [line for line in lines if "best single fixed configuration over the categories" in line]
+    assert len(mixed) == 2 and all("goal >= 1.05x" in line for line in mixed)
+
+
+def test_bad_sampling_options_are_refused_naming_the_option(tmp_path):
+    script = str(Path(__file__).with_name("harness_speed.py"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent.parent), str(Path(__file__).parent)]))
+    for extra, message in ((["--temperature", "-1"], "--temperature must be"), (["--top-p", "0"], "--top-p must")):
+        out = subprocess.run([sys.executable, script, *extra], capture_output=True, text=True, env=env, timeout=300)
+        assert out.returncode == 2 and message in out.stderr, out.stderr[-1000:]
 
 
 def test_the_trace_lists_every_harness_call_against_the_fixed_configuration():

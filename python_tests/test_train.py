@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -663,6 +664,87 @@ def test_tree_eval_with_top1_is_the_chain_and_full_trees_accept_more(work, tmp_p
         evaluate(model, held, tree_budget=1)
     with pytest.raises(ValueError, match="autoregressive"):
         evaluate(model, held, autoregressive=True, tree_budget=8)
+
+
+def test_sampled_eval_is_the_expected_acceptance_of_sampled_chains(work, tmp_path, capsys):
+    """`peagle eval --temperature T --top-p P`: a sampled draft at depth d is accepted with probability
+    sum_v min(p_v, q_v) (checked by drawing), a chain reaches depth d with the product, and the figures are those
+    expectations over every chain, recomputed here chain by chain from the drafter's logits and the target's head;
+    near temperature 0 they become the greedy figures."""
+    from peagle.model import from_pretrained
+    from peagle.train.evaluate import chain_elements, evaluate
+
+    args = TrainArgs(data=str(work / "ext-train"), out=str(tmp_path / "k3"), num_layers=1, num_depths=3, steps=40,
+                     batch_size=2, lr=3e-3, warmup_steps=2, progress=False)  # fmt: skip
+    Trainer(args).run()
+    model = from_pretrained(tmp_path / "k3" / "final", dtype=torch.float32)
+    held = str(work / "ext-held")
+    sampled = evaluate(model, held, temperature=0.8, top_p=0.9)
+    assert sampled["temperature"] == 0.8 and sampled["top_p"] == 0.9 and "serving_walk" not in sampled
+    data = ExtractedData(work / "ext-held")
+    head = load_file(work / "ext-held" / "target_head.safetensors")["lm_head.weight"].double()
+    reach, chains, per_row, drawn = torch.zeros(3, dtype=torch.float64), 0, [], []
+    repeats = torch.zeros(2, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(7)
+    for i in range(len(data)):
+        row = data.row(i)
+        anchors, depths, starts = chain_elements(row.document_ids, row.loss_mask, 3)
+        if starts.numel() == 0:
+            continue
+        with torch.no_grad():
+            logits = model.forward_train(row.input_ids, row.hidden, anchors, depths, row.document_ids).logits.double()
+        target = row.target_hidden.double()[anchors + depths] @ head.T / 0.8
+        # top-p 0.9 by hand: keep the most likely tokens until their mass reaches 0.9.
+        probs = target.softmax(-1)
+        ordered, order = probs.sort(-1, descending=True)
+        keep = (ordered.cumsum(-1) - ordered) < 0.9
+        p = torch.zeros_like(probs).scatter(-1, order, ordered * keep)
+        p = p / p.sum(-1, keepdim=True)
+        q = (logits / 0.8).softmax(-1)
+        alpha = torch.minimum(p[:, model.draft_ids()], q).sum(-1)
+        # Depth d of chain c is element c (d = 0, position c) or T + (d - 1) * n + index of c.
+        n, length = starts.numel(), row.input_ids.numel()
+        grid = torch.stack([alpha[starts], *(alpha[length + (d - 1) * n :][:n] for d in range(1, 3))], 1)
+        row_reach = grid.cumprod(1)
+        drafts = model.draft_ids()[logits.argmax(-1)]
+        chain_drafts_ = torch.stack([drafts[starts], *(drafts[length + (d - 1) * n :][:n] for d in range(1, 3))], 1)
+        repeats += (chain_drafts_[:, 1:] == chain_drafts_[:, :-1]).sum(0).double()
+        reach += row_reach.sum(0)
+        chains += n
+        per_row.append(float(row_reach.sum()))
+        if len(drawn) < 3:  # accepted with probability min(1, p/q) after a draw from q
+            c = starts[0]
+            tokens = torch.multinomial(q[c].float(), 4000, replacement=True, generator=gen)
+            ratio = (p[c, model.draft_ids()[tokens]] / q[c, tokens]).clamp(max=1)
+            drawn.append((float((torch.rand(4000, generator=gen, dtype=torch.float64) < ratio).double().mean()),
+                          float(alpha[c])))  # fmt: skip
+    assert sampled["chains"] == chains and sampled["rows"] == len(per_row)
+    assert sampled["repeated_draft"] == pytest.approx((repeats / chains).tolist())
+    assert len(sampled["repeated_text"]) == 2 and all(0 <= v <= 1 for v in sampled["repeated_text"])
+    expected = [float(reach[0] / chains), float(reach[1] / reach[0]), float(reach[2] / reach[1])]
+    assert sampled["conditional_acceptance"] == pytest.approx(expected, rel=1e-4)
+    assert sampled["acceptance_length"] == pytest.approx(1 + float(reach.sum()) / chains, rel=1e-4)
+    assert 0 < sampled["acceptance_length_interval"] < 3
+    for frequency, probability in drawn:
+        assert frequency == pytest.approx(probability, abs=0.03)
+    # Near temperature 0 the distributions are one-hot at their argmax: the greedy figures.
+    greedy, cold = evaluate(model, held), evaluate(model, held, temperature=1e-4)
+    assert cold["conditional_acceptance"] == pytest.approx(greedy["conditional_acceptance"], abs=2e-3)
+    assert greedy["acceptance_length_interval"] > 0 and greedy["temperature"] == 0.0
+    # The command line, and bad sampling options named by their flags.
+    argv = ["eval", "--checkpoint", str(tmp_path / "k3" / "final"), "--data", held]
+    assert main([*argv, "--temperature", "1", "--top-p", "0.95"]) == 0
+    assert "sampled at temperature 1, top-p 0.95" in capsys.readouterr().out
+    for bad, message in ((["--temperature", "-1"], "--temperature must be finite numbers >= 0"),
+                         (["--temperature", "nan"], "--temperature must be"), (["--top-p", "0"], "--top-p must be"),
+                         (["--top-p", "1.5"], r"--top-p must be in \(0, 1\]")):  # fmt: skip
+        with pytest.raises(SystemExit) as err:
+            main([*argv, *bad])
+        assert err.value.code == 2 and re.search(message, capsys.readouterr().err), bad
+    with pytest.raises(ValueError, match="greedy trees"):
+        evaluate(model, held, temperature=1.0, tree_budget=8)
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        evaluate(model, held, temperature=float("inf"))
 
 
 def test_tree_acceptance_walks_the_matching_branch():

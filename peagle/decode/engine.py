@@ -44,7 +44,7 @@ from peagle.decode.metrics import GenerateMetrics, GenerateOutput, RequestStats,
 from peagle.decode.rounds import CallReport, FixedCalls, RoundPolicies, RoundPolicy
 from peagle.decode.sampling import DRAFT_STREAM, STREAMS, VERIFY_STREAM, target_probs, uniforms
 from peagle.decode.target import TargetRunner
-from peagle.model import PEagleDrafter, from_pretrained
+from peagle.model import PEagleDrafter, check_context, context_limit, from_pretrained
 from peagle.ops import TreeVerifyOutput, check_errors, tree_rejection_sample, tree_verify_greedy
 
 __all__ = ["SpeculativeDecoder"]
@@ -153,6 +153,11 @@ class SpeculativeDecoder:
             raise ValueError("method, depth, topk and num_nodes need a drafter (drafter=None decodes with the target)")
 
     @property
+    def max_positions(self) -> int | None:
+        """The target's ``max_position_embeddings``: a prompt and its new tokens fit within it (None: no limit)."""
+        return context_limit(self.runner.config)
+
+    @property
     def max_depth(self) -> int:
         return self.drafting.depth if self.drafting is not None else 0
 
@@ -221,6 +226,11 @@ class SpeculativeDecoder:
         ``temperature`` 0 decodes greedily; above 0 the output is distributed as the target's samples after
         temperature / top-k (0 = off) / top-p (1 = off). ``seed``: one int (request i uses seed + i) or one per
         request, each in [0, 2^32); a request's output depends only on its prompt and its seed.
+
+        A prompt whose length plus ``max_new_tokens`` passes the target's ``max_position_embeddings`` is refused
+        before anything runs (ValueError naming the prompt, its length, the requested tokens and the limit): decoding
+        past the positions the target was built for would run without a word and yield text it was never trained
+        to write.
         """
         vocab = self.runner.vocab_size
         prompt_list = _check_prompts(prompts, vocab)
@@ -234,6 +244,7 @@ class SpeculativeDecoder:
         if not isinstance(top_k, int) or top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
         seeds = _check_seeds(seed, len(prompt_list))
+        check_context([len(p) for p in prompt_list], max_new_tokens, self.max_positions)
         threads = torch.get_num_threads()
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)

@@ -1,6 +1,7 @@
 """Sampling: temperature / top-k / top-p on target rows, draft distributions, and per-request random streams.
 
-Target rows (:func:`target_probs`) follow Hugging Face's warpers (and vLLM's sampler): logits / temperature, then top-k
+Target rows (:func:`target_probs`, defined with the rejection sampler in :mod:`peagle.ops.tree_verify`, where offline
+evaluation finds them too) follow Hugging Face's warpers (and vLLM's sampler): logits / temperature, then top-k
 (keep the scores >= the k-th largest), then top-p (drop the smallest tokens whose cumulative probability stays <=
 1 - top_p, always keeping the most likely one), then softmax. Temperature 0 means greedy decoding and never comes here.
 
@@ -21,36 +22,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["STREAMS", "draft_distribution", "gumbel_order", "target_probs", "uniforms"]
+from peagle.ops import DRAFT_FLOOR, draft_distribution, target_probs
+
+__all__ = ["DRAFT_FLOOR", "STREAMS", "draft_distribution", "gumbel_order", "target_probs", "uniforms"]
 
 # Random streams of a round (offset = round * STREAMS + stream).
 STREAMS = 4
 VERIFY_STREAM, DRAFT_STREAM = 0, 1
-# Draft probabilities below this are raised to it (then renormalised), so every drawable token has q > 0.
-DRAFT_FLOOR = 1e-9
-
-
-def target_probs(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
-    """float32 probabilities [..., V] after temperature (> 0), top-k (0 = off) and top-p (1 = off)."""
-    scores = logits.double() / temperature
-    vocab = scores.shape[-1]
-    if 0 < top_k < vocab:
-        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if top_p < 1.0:
-        ascending, order = torch.sort(scores, dim=-1)
-        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
-        drop = cumulative <= 1.0 - top_p
-        drop[..., -1] = False
-        scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return scores.softmax(dim=-1).float()
-
-
-def draft_distribution(logits: Tensor, temperature: float) -> Tensor:
-    """The drafter's float32 distribution [..., V] at ``temperature`` (1 when greedy), floored so that every token
-    has positive probability (a Gumbel draw must never pick a token of probability 0)."""
-    probs = (logits.float() / (temperature if temperature > 0 else 1.0)).softmax(dim=-1).clamp_min(DRAFT_FLOOR)
-    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 _MASK64 = (1 << 64) - 1

@@ -1,8 +1,9 @@
 """`peagle demo`: the whole workflow - target, self-distillation (the target's greedy continuations of prompts from
-the train and held-out splits) -> prepare-data -> extract -> train (P-EAGLE and an EAGLE-3 baseline with the same
-budget) -> offline eval on the held-out continuations -> vLLM serving of held-out prompts (with and without
-speculation) -> peagle's decoding engine on the same prompts (target alone, P-EAGLE chain and trees, EAGLE-3 chain
-and tree) -> report.
+the train and held-out splits, per prompt category) -> prepare-data -> extract -> train (P-EAGLE and an EAGLE-3
+baseline with the same budget) -> offline eval on each category's held-out continuations, greedy and sampled -> vLLM
+serving of held-out prompts (with and without speculation, each temperature) -> peagle's decoding engine on the same
+prompts (target alone, P-EAGLE chain and trees, the harness, EAGLE-3 chain and tree; each category and temperature)
+-> report.
 
 Each stage writes its output directory under the work directory and is skipped when that output is complete, so a
 rerun only redoes what is missing (``--fresh`` starts over).
@@ -22,10 +23,19 @@ from typing import Any
 
 import torch
 
-from peagle.demo.target import QUICK_TARGET, TargetSpec, build_corpus, build_tokenizer, settings_key, train_target
-from peagle.io import atomic_write_json
+from peagle.demo.target import (
+    QUICK_TARGET,
+    TargetSpec,
+    build_corpus,
+    build_tokenizer,
+    corpus_files,
+    settings_key,
+    train_target,
+)
+from peagle.demo.workload import check_categories, check_sampling
+from peagle.io import atomic_write_bytes, atomic_write_json
 
-__all__ = ["DemoSpec", "demo_spec", "run_demo", "train_budget"]
+__all__ = ["DemoSpec", "category_prompts", "deep_name", "demo_spec", "run_demo", "train_budget"]
 
 
 @dataclass
@@ -38,20 +48,29 @@ class DemoSpec:
     # default demo (~11 -> ~12 minutes); a second layer costs P-EAGLE 1.43x and the baseline 1.27x a step, about 2
     # minutes more of training: one layer each keeps the default demo about where it was.
     drafter_layers: int = 1
+    # The drafters compared at equal drafting cost: P-EAGLE drafts K tokens in one pass, EAGLE-3 in K passes, so for
+    # the price of EAGLE-3's K passes P-EAGLE can run a deeper drafter (the paper's ablation loses 12.4% going from
+    # 4 layers to 2). A third drafter, P-EAGLE with this many layers, trains with the same budget (0: none). Measured
+    # in the engine on this 2-core CPU (batch 4, the default target, interleaved): a P-EAGLE pass of 1 / 2 / 3 / 4 /
+    # 6 layers drafts a round in 4.7 / 8.1 / 10.5 / 13.4 / 15.8 ms, EAGLE-3's 5 passes of one layer in 20.6 ms;
+    # 4 layers (the paper's recommended depth) costs about 0.65x EAGLE-3's rounds here, and the report shows each
+    # drafter's measured drafting time per round beside its acceptance.
+    deep_layers: int = 4
     # Training-time test of the EAGLE-3 baseline: unrolled steps (None: K, the drafts it makes when served).
     eagle3_ttt_steps: int | None = None
     seq_len: int = 256  # T of a packed training row: a prompt and its continuation
     prompt_tokens: int = 64  # prompts (self-distillation and serving): windows of a split's text
     completion_tokens: int = 192  # the target's greedy continuation of each prompt
-    train_prompts: int = 1024  # self-distilled training records
-    heldout_prompts: int = 32  # self-distilled held-out records (the offline evaluation)
-    train_chars: int = 2_000_000  # text of the training split the prompts are spread over
+    train_prompts: int = 1024  # self-distilled training records, spread evenly over the categories
+    heldout_prompts: int = 24  # self-distilled held-out records per category (the offline evaluation)
+    train_chars: int = 2_000_000  # text of each category's training split the prompts are spread over
     heldout_chars: int = 200_000
     steps: int = 1200
     batch_size: int = 2
     lr: float = 2e-3
     max_anchors: int | None = 128
-    prompts: int = 32  # served prompts: the first held-out prompts (all of them: vLLM and offline see the same text)
+    # Served prompts per category: the first held-out prompts of each (vLLM and offline see the same text).
+    prompts: int = 4
     # Served tokens per prompt. A server drafts full K-chains until it has max_tokens, so the continuations run up to
     # completion_tokens - max_tokens + 1 = 9 >= K tokens further: the offline serving walk then sees every token the
     # server verifies.
@@ -61,8 +80,16 @@ class DemoSpec:
     concurrency: tuple[int, ...] = (1,)
     harness: bool = False
     repeats: int = 2  # timed passes over the prompts per configuration (served and engine); each call's fastest
-    engine_prompts: int = 8  # held-out prompts the decoding engine decodes (max_tokens each) per configuration
+    engine_prompts: int = 2  # held-out prompts per category the decoding engine times (max_tokens each)
     engine_budgets: tuple[int, ...] = (8, 16, 32)  # P-EAGLE tree node budgets of the engine rows
+    # Sampled rows: extra requests per category (held-out prompts, several seeds each, decoded in batches, untimed)
+    # whose rounds measure the acceptance, so that its 95% interval is narrow; and the draws per prompt of the
+    # two-sample test of each configuration's first tokens against the target alone's.
+    acceptance_requests: int = 48
+    lossless_draws: int = 200
+    temperatures: tuple[float, ...] = (0.0, 1.0)  # every figure at each (0: greedy)
+    top_p: float = 1.0
+    categories: tuple[str, ...] | None = None  # the prompt categories measured (None: all of them)
     target: TargetSpec = field(default_factory=TargetSpec)
 
     def data_key(self) -> str:
@@ -78,28 +105,40 @@ class DemoSpec:
     def drafter_key(self) -> str:
         # K names the P-EAGLE run and the eval / serving outputs, and the baseline's TTT steps (K by default) name
         # its run, so a baseline of the same unroll is shared across --depths.
-        serving = ("prompts", "max_tokens", "concurrency", "harness", "repeats", "engine_prompts", "engine_budgets")
-        fields = {k: v for k, v in asdict(self).items() if k not in ("target", "depths", *serving)}
+        serving = (
+            "prompts", "max_tokens", "concurrency", "harness", "repeats", "engine_prompts", "engine_budgets",
+            "acceptance_requests", "lossless_draws", "temperatures", "top_p", "categories",
+        )  # fmt: skip
+        fields = {k: v for k, v in asdict(self).items() if k not in ("target", "depths", "deep_layers", *serving)}
         return settings_key(fields)
+
+    def measure_key(self) -> str:
+        """Key of what the measuring stages (eval, serving, engine) were asked: names their outputs."""
+        fields = ("temperatures", "top_p", "categories", "acceptance_requests", "lossless_draws")
+        return settings_key({k: getattr(self, k) for k in fields})
 
 
 QUICK = DemoSpec(
     depths=4,
+    deep_layers=2,
     seq_len=128,
     prompt_tokens=32,
     completion_tokens=96,
-    train_prompts=64,
-    heldout_prompts=16,
+    train_prompts=96,
+    heldout_prompts=8,
     train_chars=100_000,
     heldout_chars=40_000,
     steps=60,
     batch_size=2,
     lr=2e-3,
     max_anchors=64,
-    prompts=16,
+    prompts=3,
     max_tokens=88,
     repeats=1,
-    engine_prompts=4,
+    engine_prompts=1,
+    engine_budgets=(8, 16),
+    acceptance_requests=8,
+    lossless_draws=100,
     target=QUICK_TARGET,
 )
 
@@ -156,44 +195,71 @@ def _complete(directory: Path, marker: str = "manifest.json") -> bool:
     return True
 
 
+def category_prompts(
+    spec: DemoSpec, tokenizer: Any, sources: dict[str, dict[str, tuple[Path, dict[str, Any]]]]
+) -> dict[tuple[str, str], list[list[int]]]:
+    """{(split, category): prompts}: windows of ``spec.prompt_tokens`` tokens over each category's text of each
+    split; the training prompts spread evenly over the categories."""
+    from peagle.demo.distill import split_prompts
+
+    counts = {"train": max(1, spec.train_prompts // len(sources["train"])), "heldout": spec.heldout_prompts}
+    chars = {"train": spec.train_chars, "heldout": spec.heldout_chars}
+    return {
+        (split, category): split_prompts(path, tokenizer, counts[split], spec.prompt_tokens, chars[split], **kw)
+        for split, by_category in sources.items()
+        for category, (path, kw) in by_category.items()
+    }
+
+
 def _self_distill(
     spec: DemoSpec,
     target_dir: Path,
-    sources: dict[str, tuple[Path, dict[str, Any]]],
+    sources: dict[str, dict[str, tuple[Path, dict[str, Any]]]],
     out: Path,
     ignore_eos: bool,
     device: str,
     progress: bool,
 ) -> dict[str, Any]:
-    """Prompts from each split (``out/prompts-{split}.jsonl``) answered by the target with `peagle regenerate`
-    (greedy) -> ``out/{split}.jsonl`` token-id records (train / heldout) and ``done.json``."""
-    from peagle.demo.distill import split_prompts, write_prompts
+    """Prompts from each split and category answered by the target with `peagle regenerate` (greedy; the prompts in
+    ``out/prompts-{name}.jsonl``) -> ``out/train.jsonl`` (every category) and ``out/heldout-{category}.jsonl`` token-id
+    records, and ``done.json``."""
+    from transformers import AutoConfig
+
+    from peagle.demo.distill import write_prompts
+    from peagle.model.target import check_context, context_limit
     from peagle.train.data import load_tokenizer
     from peagle.train.regenerate import Sampling, regenerate
 
-    tokenizer = load_tokenizer(target_dir)
-    counts = {"train": spec.train_prompts, "heldout": spec.heldout_prompts}
-    chars = {"train": spec.train_chars, "heldout": spec.heldout_chars}
+    categories = list(sources["heldout"])
+    prompts = category_prompts(spec, load_tokenizer(target_dir), sources)
+    limit = context_limit(AutoConfig.from_pretrained(str(target_dir)))
+    lengths = [len(p) for part in prompts.values() for p in part]
+    check_context(lengths, spec.completion_tokens, limit, "the demo's continuation length")
+    # One file of every category's training prompts, one of held-out prompts per category.
+    files = {"train": [p for (split, _), part in prompts.items() if split == "train" for p in part]}
+    files |= {f"heldout-{category}": prompts["heldout", category] for category in categories}
     sampling = Sampling(max_new_tokens=spec.completion_tokens, ignore_eos=ignore_eos)
     info: dict[str, Any] = {
         "backend": "peagle regenerate, transformers (greedy, KV cache)",
         "prompt_tokens": spec.prompt_tokens,
         "completion_tokens": spec.completion_tokens,
         "ignore_eos": ignore_eos,
+        "categories": categories,
+        "heldout": {},
     }
+    answered: dict[str, dict[str, int]] = {}
     start = time.perf_counter()
-    for split, (source, kw) in sources.items():
-        prompts = split_prompts(source, tokenizer, counts[split], spec.prompt_tokens, chars[split], **kw)
-        write_prompts(out / f"prompts-{split}.jsonl", prompts)
+    for name, part in files.items():
+        write_prompts(out / f"prompts-{name}.jsonl", part)
         regenerated = regenerate(
-            str(out / f"prompts-{split}.jsonl"), target_dir, out / f"{split}.jsonl", sampling=sampling,
+            str(out / f"prompts-{name}.jsonl"), target_dir, out / f"{name}.jsonl", sampling=sampling,
             device=device, progress=progress, overwrite=True,
         )  # fmt: skip
-        info[split] = {"records": regenerated["records"], "completion_tokens": regenerated["answer_tokens"]}
+        answered[name] = {"records": regenerated["records"], "completion_tokens": regenerated["answer_tokens"]}
     info["seconds"] = time.perf_counter() - start
-    info["tokens_per_second"] = (info["train"]["completion_tokens"] + info["heldout"]["completion_tokens"]) / info[
-        "seconds"
-    ]
+    info["tokens_per_second"] = sum(a["completion_tokens"] for a in answered.values()) / info["seconds"]
+    info["train"] = answered["train"]
+    info["heldout"] = {category: answered[f"heldout-{category}"] for category in categories}
     atomic_write_json(out / "done.json", info)
     return info
 
@@ -212,11 +278,21 @@ class DemoRun:
     stages: Stages
     target_dir: Path
     target_info: dict[str, Any]
-    sources: dict[str, tuple[Path, dict[str, Any]]]  # split -> (records, split_prompts selection of that split)
+    # split -> category -> (records, split_prompts selection of that split)
+    sources: dict[str, dict[str, tuple[Path, dict[str, Any]]]]
     layer_ids: list[int] | None  # aux layers (None: extract's default)
     ignore_eos: bool  # the embedded target continues to a fixed length; a user's chat model stops at its EOS
     progress: bool
     device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
+
+    @property
+    def categories(self) -> tuple[str, ...]:
+        """The categories measured: the spec's selection, else every category of the held-out split."""
+        return self.spec.categories or tuple(self.sources["heldout"])
+
+    def heldout_records(self, category: str) -> list[dict[str, Any]]:
+        """The self-distilled held-out records of ``category``."""
+        return _read_records(self.data_root / "distill" / f"heldout-{category}.jsonl")
 
     @property
     def data_root(self) -> Path:
@@ -228,16 +304,37 @@ class DemoRun:
 
     @property
     def drafters(self) -> dict[str, tuple[Path, int]]:
-        """Name -> (training output directory, K) of the P-EAGLE drafter and the K = 1 EAGLE-3 baseline."""
-        return {
+        """Name -> (training output directory, K) of the P-EAGLE drafter, the K = 1 EAGLE-3 baseline and, with
+        ``deep_layers``, the P-EAGLE drafter of that many layers (:attr:`drafter_layers` names each one's layers)."""
+        drafters = {
             "P-EAGLE": (self.drafter_root / f"peagle-k{self.spec.depths}", self.spec.depths),
             "EAGLE-3": (self.drafter_root / f"eagle3-ttt{self.spec.ttt_steps}", 1),
         }
+        if self.spec.deep_layers:
+            name = deep_name(self.spec.deep_layers)
+            directory = self.drafter_root / f"peagle-k{self.spec.depths}-l{self.spec.deep_layers}"
+            drafters[name] = (directory, self.spec.depths)
+        return drafters
+
+    @property
+    def drafter_layers(self) -> dict[str, int]:
+        """Name -> layers of each drafter."""
+        return {name: self.spec.deep_layers if name == deep_name(self.spec.deep_layers) else self.spec.drafter_layers
+                for name in self.drafters}  # fmt: skip
 
 
 def demo_spec(
-    quick: bool, depths: int | None, concurrency: Sequence[int] | None = None, harness: bool = False
+    quick: bool,
+    depths: int | None,
+    concurrency: Sequence[int] | None = None,
+    harness: bool = False,
+    temperatures: Sequence[float] | None = None,
+    top_p: float | None = None,
+    categories: Sequence[str] | str | None = None,
 ) -> DemoSpec:
+    """The default (or --quick) settings with the command's choices: K, the vLLM stage's concurrency levels and
+    harness, the temperatures and top-p of every measurement, the categories measured (checked against the embedded
+    workload's when the target is the default)."""
     spec = DemoSpec(**{**asdict(QUICK), "target": QUICK.target}) if quick else DemoSpec()
     if depths is not None:
         if not 2 <= depths <= 16:
@@ -248,6 +345,12 @@ def demo_spec(
             raise ValueError(f"--concurrency must be request counts >= 1, got {list(concurrency)}")
         spec.concurrency = tuple(dict.fromkeys(concurrency))
     spec.harness = harness
+    spec.temperatures = check_sampling(spec.temperatures if temperatures is None else temperatures, spec.top_p)
+    if top_p is not None:
+        check_sampling(spec.temperatures, top_p)
+        spec.top_p = float(top_p)
+    if categories is not None:
+        spec.categories = check_categories(categories, spec.target.categories)
     return spec
 
 
@@ -278,7 +381,7 @@ def stage_embedded_target(
         lambda: build_tokenizer(corpus, tokenizer, spec.target),
     )
     stages.run(
-        f"target (Llama, trained {spec.target.train_seconds:.0f} s)",
+        f"target (Llama, {spec.target.steps} steps on {spec.target.threads} thread(s))",
         target_dir,
         _complete(target_dir, "done.json"),
         lambda: train_target(corpus, tokenizer, target_dir, spec.target, progress),
@@ -290,9 +393,11 @@ def stage_embedded_target(
         "path": str(target_dir),
         **{k: v for k, v in trained.items() if k != "spec"},
         "config": trained["spec"],
-        "corpus": {k: v for k, v in corpus_info.items() if k != "heldout_files"},
+        "corpus": corpus_info,
     }
-    sources = {"train": (corpus / "train.jsonl", {}), "heldout": (corpus / "heldout.jsonl", {})}
+    categories = spec.target.categories
+    sources = {split: {c: (path, {}) for c, path in corpus_files(corpus, split, categories).items()}
+               for split in ("train", "heldout")}  # fmt: skip
     # Aux layers early / middle / late of the 4-layer target (vLLM's default formula repeats a layer when L = 4).
     n = spec.target.num_layers
     layer_ids = [1, n // 2, n - 1]
@@ -302,7 +407,7 @@ def stage_embedded_target(
 def stage_user_target(
     spec: DemoSpec, base: Path, target: str, data: str, fresh: bool, stages: Stages, progress: bool
 ) -> DemoRun:
-    """A user's model and .jsonl data: every 10th record is held out."""
+    """A user's model and .jsonl data: every 10th record is held out; one category, "all"."""
     target_dir, data_path = Path(target), Path(data)
     if not target_dir.exists():
         raise FileNotFoundError(f"target model directory {target} does not exist")
@@ -311,28 +416,39 @@ def stage_user_target(
     key = zlib.crc32(f"{target_dir.resolve()}|{data_path.resolve()}".encode())
     root = _run_root(base / f"demo-user-{key:08x}", fresh, stages)
     target_info = {"kind": "user model", "path": str(target_dir.resolve()), "data": str(data_path.resolve())}
-    sources = {"train": (data_path, {"every": 10, "keep": 1}), "heldout": (data_path, {"every": 10, "keep": 0})}
+    sources = {
+        "train": {"all": (data_path, {"every": 10, "keep": 1})},
+        "heldout": {"all": (data_path, {"every": 10, "keep": 0})},
+    }
     return DemoRun(spec, root, stages, target_dir, target_info, sources, None, ignore_eos=False, progress=progress)
 
 
 def stage_distill(run: DemoRun) -> dict[str, Any]:
-    """0. Self-distillation: the target's own greedy continuations of train / held-out prompts."""
+    """0. Self-distillation: the target's own greedy continuations of train / held-out prompts of each category."""
     spec, distill = run.spec, run.data_root / "distill"
+    heldout = f"{spec.heldout_prompts} x {len(run.sources['heldout'])} categories"
     run.stages.run(
-        f"self-distill ({spec.train_prompts} + {spec.heldout_prompts} prompts x {spec.completion_tokens} tokens)",
+        f"self-distill ({spec.train_prompts} + {heldout} prompts x {spec.completion_tokens} tokens)",
         distill,
         _complete(distill, "done.json"),
         lambda: _self_distill(spec, run.target_dir, run.sources, distill, run.ignore_eos, run.device, run.progress),
     )
+    # Every category's held-out prompts in one file, each naming its category: `peagle bench decode --prompts` and
+    # benchmarks/harness_speed.py --prompts-file take it.
+    prompts = distill / "heldout-prompts.jsonl"
+    if not prompts.exists():
+        records = [{"prompt_ids": r["prompt_ids"], "category": c} for c in run.sources["heldout"]
+                   for r in run.heldout_records(c)]  # fmt: skip
+        atomic_write_bytes(prompts, "".join(json.dumps(r) + "\n" for r in records).encode())
     return json.loads((distill / "done.json").read_text())
 
 
 def stage_data(run: DemoRun) -> None:
-    """1. prepare-data and 2. extract, for the train and held-out continuations."""
+    """1. prepare-data and 2. extract, for the train continuations and each category's held-out ones."""
     from peagle.train.data import prepare_data
     from peagle.train.extract import extract
 
-    for split in ("train", "heldout"):
+    for split in ("train", *(f"heldout-{c}" for c in run.sources["heldout"])):
         prepared, states = run.data_root / f"prepared-{split}", run.data_root / f"states-{split}"
         records = run.data_root / "distill" / f"{split}.jsonl"
         run.stages.run(
@@ -344,7 +460,7 @@ def stage_data(run: DemoRun) -> None:
             ),
         )
         # Held-out states in float32: the offline verification takes the target's argmax from them.
-        dtype = "float32" if split == "heldout" else "bfloat16"
+        dtype = "bfloat16" if split == "train" else "float32"
         run.stages.run(
             f"extract ({split})",
             states,
@@ -365,7 +481,7 @@ def stage_train_pair(run: DemoRun) -> dict[str, dict[str, Any]]:
         args = TrainArgs(
             data=str(run.data_root / "states-train"),
             out=str(out),
-            num_layers=spec.drafter_layers,
+            num_layers=run.drafter_layers[name],
             num_depths=k,
             ttt_steps=spec.ttt_steps if k == 1 else 1,
             steps=spec.steps,
@@ -378,7 +494,7 @@ def stage_train_pair(run: DemoRun) -> dict[str, dict[str, Any]]:
             overwrite=True,  # an unfinished stage starts over
         )
         ttt = f", TTT {args.ttt_steps} steps" if args.ttt_steps > 1 else ""
-        label = f"train {name} (K = {k}{ttt}, {spec.steps} steps x {spec.batch_size} rows)"
+        label = f"train {name} (K = {k}{ttt}, {args.num_layers} layer(s), {spec.steps} steps x {spec.batch_size} rows)"
         run.stages.run(label, out, _complete(out / "final", "config.json"), lambda args=args: train(args))
         budgets[name] = train_budget(args, run.stages.when_run.get(label, 0.0))
     return budgets
@@ -400,29 +516,55 @@ def train_budget(args, seconds: float) -> dict[str, Any]:
     }
 
 
-def stage_eval_pair(run: DemoRun) -> dict[str, dict[str, Any]]:
-    """4. Offline eval on the held-out continuations: P-EAGLE drafts K in parallel, EAGLE-3 one after another."""
+def deep_name(layers: int) -> str:
+    """The name of the P-EAGLE drafter with ``layers`` layers (the equal-cost comparison)."""
+    return f"P-EAGLE ({layers} layers)"
+
+
+def temperature_key(temperature: float) -> str:
+    """How a temperature names its entries in the report's JSON ("0", "1", "0.7")."""
+    return f"{temperature:g}"
+
+
+def stage_eval_pair(run: DemoRun) -> dict[str, dict[str, dict[str, Any]]]:
+    """4. Offline eval on each category's held-out continuations at each temperature: P-EAGLE drafts K in parallel,
+    EAGLE-3 one after another. Returns {drafter: {category: {temperature key: result}}}."""
     from peagle.model import from_pretrained
     from peagle.train.evaluate import evaluate
 
     spec, offline = run.spec, {}
     for name, (out, k) in run.drafters.items():
-        path = run.drafter_root / f"eval-{'peagle' if k > 1 else 'eagle3'}-k{spec.depths}-g{spec.max_tokens}.json"
+        kind = out.name.split("-")[0] + (f"-l{run.drafter_layers[name]}" if name == deep_name(spec.deep_layers) else "")
+        paths = {
+            (c, t): run.drafter_root / f"eval-{kind}-k{spec.depths}-g{spec.max_tokens}-{c}-t{t:g}-p{spec.top_p:g}.json"
+            for c in run.categories
+            for t in spec.temperatures
+        }
 
-        def run_eval(out=out, path=path, k=k):
+        def run_eval(out=out, paths=paths, k=k):
             model = from_pretrained(out / "final", dtype=torch.float32)
-            states = str(run.data_root / "states-heldout")
-            result = evaluate(model, states, None, spec.depths, autoregressive=k == 1, max_tokens=spec.max_tokens)
-            atomic_write_json(path, result)
+            for (category, t), path in paths.items():
+                if not path.exists():
+                    states = str(run.data_root / f"states-heldout-{category}")
+                    result = evaluate(model, states, None, spec.depths, autoregressive=k == 1,
+                                      max_tokens=spec.max_tokens, temperature=t, top_p=spec.top_p)  # fmt: skip
+                    atomic_write_json(path, result)
 
-        run.stages.run(f"eval {name} (held-out)", path, path.exists(), run_eval)
-        offline[name] = json.loads(path.read_text())
+        label = f"eval {name} (held-out, {len(run.categories)} categories x {len(spec.temperatures)} temperatures)"
+        run.stages.run(label, out / "eval", all(path.exists() for path in paths.values()), run_eval)
+        offline[name] = {c: {} for c in run.categories}
+        for (category, t), path in paths.items():
+            offline[name][category][temperature_key(t)] = json.loads(path.read_text())
     return offline
 
 
 def _serving_configs(run: DemoRun) -> dict[str, dict[str, Any] | None]:
+    """vLLM's speculative configs. Sampled requests draw their drafts from the drafter's distribution
+    (``draft_sample_method="probabilistic"``, as the engine's Gumbel drafts; vLLM's default drafts the argmax, which a
+    flat target distribution at temperature 1 rarely accepts); greedy requests draft the argmax either way."""
     final = {name: str((out / "final").resolve()) for name, (out, _) in run.drafters.items()}
     k = run.spec.depths
+    sampling = {"draft_sample_method": "probabilistic"} if any(t > 0 for t in run.spec.temperatures) else {}
     return {
         "no speculation": None,
         "P-EAGLE": {
@@ -430,9 +572,15 @@ def _serving_configs(run: DemoRun) -> dict[str, dict[str, Any] | None]:
             "parallel_drafting": True,
             "model": final["P-EAGLE"],
             "num_speculative_tokens": k,
+            **sampling,
         },
-        "EAGLE-3": {"method": "eagle3", "model": final["EAGLE-3"], "num_speculative_tokens": k},
+        "EAGLE-3": {"method": "eagle3", "model": final["EAGLE-3"], "num_speculative_tokens": k, **sampling},
     }
+
+
+def group_name(category: str, temperature: float) -> str:
+    """A measured group's name: its category and temperature ("math T=1")."""
+    return f"{category} T={temperature_key(temperature)}"
 
 
 def concurrency_suffix(spec: DemoSpec, concurrency: int) -> str:
@@ -440,14 +588,21 @@ def concurrency_suffix(spec: DemoSpec, concurrency: int) -> str:
     return "" if concurrency == spec.concurrency[0] else f" @ {concurrency} at once"
 
 
-def stage_serve(run: DemoRun, heldout_records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Serving with vLLM: the first held-out prompts without speculation, with P-EAGLE and with EAGLE-3 (and P-EAGLE
-    with the harness), at each concurrency level."""
+def stage_serve(run: DemoRun) -> dict[str, Any]:
+    """Serving with vLLM: the first held-out prompts of each category at each temperature, without speculation, with
+    P-EAGLE and with EAGLE-3 (and P-EAGLE with the harness), at each concurrency level. Returns {configuration and
+    level: vLLM's result, with one entry per group}."""
     from peagle.demo.serve import measure_in_subprocess
 
     spec = run.spec
-    prompts = [r["prompt_ids"] for r in heldout_records[: spec.prompts]]
-    max_model_len = max(len(p) for p in prompts) + spec.max_tokens + 2 * spec.depths + 16
+    groups = [
+        {"name": group_name(c, t), "prompts": [r["prompt_ids"] for r in run.heldout_records(c)[: spec.prompts]],
+         "temperature": t, "top_p": spec.top_p}
+        for c in run.categories
+        for t in spec.temperatures
+    ]  # fmt: skip
+    longest = max(len(p) for g in groups for p in g["prompts"])
+    max_model_len = longest + spec.max_tokens + 2 * spec.depths + 16
     configs = _serving_configs(run)
     if spec.harness:
         configs["P-EAGLE harness"] = {**configs["P-EAGLE"], "peagle_harness": str(_harness_costs(run, max_model_len))}
@@ -455,7 +610,7 @@ def stage_serve(run: DemoRun, heldout_records: list[dict[str, Any]]) -> dict[str
     for concurrency in spec.concurrency:
         common = {
             "target": str(run.target_dir.resolve()),
-            "prompts": prompts,
+            "groups": groups,
             "max_tokens": spec.max_tokens,
             "max_model_len": max_model_len,
             "ignore_eos": run.ignore_eos,
@@ -463,14 +618,14 @@ def stage_serve(run: DemoRun, heldout_records: list[dict[str, Any]]) -> dict[str
             "repeats": spec.repeats,
         }
         serve_key = f"k{spec.depths}-p{spec.prompts}-g{spec.max_tokens}-c{concurrency}x{spec.repeats}"
-        serve_dir = run.drafter_root / f"vllm-{serve_key}"
+        serve_dir = run.drafter_root / f"vllm-{serve_key}-{spec.measure_key()}"
         serve_dir.mkdir(parents=True, exist_ok=True)
         for config_name, config in configs.items():
             name = config_name + concurrency_suffix(spec, concurrency)
             slug = config_name.lower().replace(" ", "-")
             out, log = serve_dir / f"{slug}.json", serve_dir / f"{slug}.log"
             run.stages.run(
-                f"vLLM-CPU serve: {name}",
+                f"vLLM-CPU serve: {name} ({len(groups)} groups x {spec.prompts} prompts)",
                 out,
                 out.exists(),
                 lambda name=name, config=config, out=out, log=log, common=common: measure_in_subprocess(
@@ -502,25 +657,34 @@ def _harness_costs(run: DemoRun, max_model_len: int) -> Path:
     return out
 
 
-def stage_engine(run: DemoRun, heldout_records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The decoding engine (greedy) on the first served prompts: target alone, P-EAGLE chain and trees, EAGLE-3 chain
-    and tree (:func:`peagle.demo.bench_decode.bench_decode`, without its vLLM rows: the serving stage has them)."""
+def stage_engine(run: DemoRun) -> dict[str, Any]:
+    """The decoding engine on the first held-out prompts of each category, at each temperature: target alone, P-EAGLE
+    chain and trees, the harness, EAGLE-3 chain and tree (:func:`peagle.demo.bench_decode.bench_decode`, without its
+    vLLM rows: the serving stage has them)."""
     from peagle.demo.bench_decode import bench_decode
 
     spec = run.spec
-    prompts = [r["prompt_ids"] for r in heldout_records[: spec.engine_prompts]]
+    records = {c: run.heldout_records(c) for c in run.categories}
+    prompts = {c: [r["prompt_ids"] for r in rs[: spec.engine_prompts]] for c, rs in records.items()}
+    # The sampled acceptance rows draw from all of a category's held-out prompts.
+    pool = {c: [r["prompt_ids"] for r in rs] for c, rs in records.items()}
     budgets = "-".join(map(str, spec.engine_budgets))
-    # r: passes, the configurations interleaved call by call (before, one after another: no "-r" in the name).
-    out = run.drafter_root / f"engine-k{spec.depths}-p{len(prompts)}-g{spec.max_tokens}-n{budgets}-r{spec.repeats}"
+    out = run.drafter_root / (
+        f"engine-k{spec.depths}-p{spec.engine_prompts}-g{spec.max_tokens}-n{budgets}-r{spec.repeats}-"
+        f"{spec.measure_key()}"
+    )
     final = {name: directory / "final" for name, (directory, _) in run.drafters.items()}
+    groups = len(prompts) * len(spec.temperatures)
     run.stages.run(
-        f"decoding engine ({len(prompts)} prompts x {spec.max_tokens} tokens per configuration)",
+        f"decoding engine ({groups} groups x {spec.engine_prompts} prompts x {spec.max_tokens} tokens per "
+        "configuration)",
         out,
         (out / "bench.json").exists(),
         lambda: bench_decode(
             run.target_dir,
             final["P-EAGLE"],
             final["EAGLE-3"],
+            deep=final.get(deep_name(spec.deep_layers)),
             prompts=prompts,
             max_new_tokens=spec.max_tokens,
             budgets=spec.engine_budgets,
@@ -528,6 +692,11 @@ def stage_engine(run: DemoRun, heldout_records: list[dict[str, Any]]) -> dict[st
             vllm=False,
             repeats=spec.repeats,
             progress=run.progress,
+            temperatures=spec.temperatures,
+            top_p=spec.top_p,
+            acceptance_prompts=pool,
+            acceptance_requests=spec.acceptance_requests,
+            lossless_draws=spec.lossless_draws,
         ),
     )
     return json.loads((out / "bench.json").read_text())
@@ -578,11 +747,20 @@ def run_demo(
     progress: bool = True,
     concurrency: Sequence[int] | None = None,
     harness: bool = False,
+    temperatures: Sequence[float] | None = None,
+    top_p: float | None = None,
+    categories: Sequence[str] | str | None = None,
 ) -> dict[str, Any]:
-    """Runs the demo and returns the report (also written as report.md / report.json / PNG plots)."""
+    """Runs the demo and returns the report (also written as report.md / report.json / PNG plots). ``concurrency``
+    (the vLLM stage's levels, default 1) and ``harness`` (P-EAGLE also served with the harness) shape the vLLM stage;
+    ``temperatures`` (default 0 and 1), ``top_p`` (default 1) and ``categories`` (default all; a user's data has one,
+    "all") choose what the measuring stages measure."""
     if (target is None) != (data is None):
         raise ValueError("--target and --data go together (a model and a .jsonl data set)")
-    spec = demo_spec(quick, depths, concurrency, harness)
+    if target is not None and categories is not None:
+        check_categories(categories, ("all",))  # a user's data is one category
+        categories = None
+    spec = demo_spec(quick, depths, concurrency, harness, temperatures, top_p, categories)
     base = Path(workdir) if workdir else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "peagle"
     total_start = time.perf_counter()
     stages = Stages()
@@ -596,15 +774,17 @@ def run_demo(
     stage_data(run)
     train_budgets = stage_train_pair(run)
     offline = stage_eval_pair(run)
-    heldout_records = _read_records(run.data_root / "distill" / "heldout.jsonl")
-    served = stage_serve(run, heldout_records) if serve else {}
-    engine = stage_engine(run, heldout_records)
+    served = stage_serve(run) if serve else {}
+    engine = stage_engine(run)
     results = {
         "engine": engine,
         "offline": offline,
         "served": served,
         "train_budgets": train_budgets,
         "distill": distill,
-        "heldout_completions": [r["completion_ids"] for r in heldout_records[: spec.prompts]],
+        "heldout_completions": {
+            c: [r["completion_ids"] for r in run.heldout_records(c)[: spec.prompts]] for c in run.categories
+        },
+        "categories": list(run.categories),
     }
     return stage_report(run, results, machine, total_start)

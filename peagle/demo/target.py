@@ -1,28 +1,30 @@
-"""The embedded default target: a corpus from the Python standard library's own ``.py`` files, a byte-level BPE
-tokenizer trained on it, and a small Llama-style causal LM (head_dim 64, which vLLM-CPU can serve) trained on it.
+"""The embedded default target: a corpus of three prompt categories (:mod:`peagle.demo.workload`: the standard
+library's code, its documentation and docstrings as prose, generated arithmetic), a byte-level BPE tokenizer trained on
+it, and a small Llama-style causal LM (head_dim 64, which vLLM-CPU can serve) trained on all of it.
 
 Every machine with Python has this corpus, so the demo needs no model or data hub. Everything is deterministic given
-the settings (file split by a hash of the relative path, fixed seeds) and cached: a finished stage leaves its output
-directory with a ``done.json`` and is skipped on the next run.
+the settings: the split (:mod:`peagle.demo.workload`), the tokenizer, and the target, which trains for a fixed number
+of seeded steps on a fixed number of threads (not for a wall time: a loaded machine would train a weaker target, and
+every later figure would follow it). Each stage is cached: a finished stage leaves its output directory with a
+``done.json`` and is skipped on the next run.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import sysconfig
 import time
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from peagle.demo.workload import CATEGORIES, category_documents
 from peagle.io import atomic_write_json
 
-__all__ = ["TargetSpec", "build_corpus", "build_tokenizer", "settings_key", "train_target"]
+__all__ = ["TargetSpec", "build_corpus", "build_tokenizer", "corpus_files", "settings_key", "train_target"]
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "<mask>"]
 
@@ -36,12 +38,14 @@ def settings_key(settings: dict) -> str:
 class TargetSpec:
     """Size of the embedded default (``--quick`` uses a smaller one)."""
 
-    train_chars: int = 4_000_000  # corpus cap of the training split
-    heldout_chars: int = 400_000
-    heldout_every: int = 10  # a file is held out when crc32(relative path) % heldout_every == 0
+    categories: tuple[str, ...] = CATEGORIES
+    # Corpus caps per category and split, in characters (math: about one token per character; code and prose: ~4).
+    train_chars: dict[str, int] = field(
+        default_factory=lambda: {"code": 1_600_000, "prose": 1_600_000, "math": 500_000}
+    )
+    heldout_chars: dict[str, int] = field(default_factory=lambda: {"code": 200_000, "prose": 200_000, "math": 60_000})
+    heldout_every: int = 10  # one file / topic / worksheet in heldout_every is held out
     vocab_size: int = 2048
-    # Small and fast: in a few CPU minutes a 1.3 M-parameter model sees ~3 M tokens and reaches a held-out loss of
-    # ~4.1 (its greedy text reads like Python); hidden 256 (4.2 M) saw 4x fewer tokens and stayed near 5.2.
     hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 2  # head_dim 64
@@ -50,8 +54,8 @@ class TargetSpec:
     seq_len: int = 256
     batch_size: int = 8
     lr: float = 4e-3
-    train_seconds: float = 240.0  # wall-clock budget of target training
-    max_steps: int = 3000
+    steps: int = 900  # optimizer steps: a fixed count (seeded), so the target does not depend on the machine's load
+    threads: int = 1  # torch threads while training (fixed: the arithmetic, and so the target, is the same each run)
     seed: int = 0
 
     def key(self) -> str:
@@ -59,19 +63,11 @@ class TargetSpec:
 
 
 QUICK_TARGET = TargetSpec(
-    train_chars=600_000,
-    heldout_chars=120_000,
+    train_chars={"code": 200_000, "prose": 200_000, "math": 60_000},
+    heldout_chars={"code": 60_000, "prose": 60_000, "math": 20_000},
     vocab_size=1024,
-    hidden_size=128,
-    num_layers=4,
-    num_heads=2,
-    num_kv_heads=1,
-    intermediate_size=384,
     seq_len=128,
-    batch_size=8,
-    lr=4e-3,
-    train_seconds=25.0,
-    max_steps=600,
+    steps=150,
 )
 
 
@@ -84,62 +80,44 @@ def _mark_done(directory: Path, info: dict[str, Any]) -> None:
     atomic_write_json(directory / "done.json", info)
 
 
-def stdlib_files() -> list[tuple[str, Path]]:
-    """(relative path, path) of the standard library's .py files, tests and site-packages excluded."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3", "turtledemo"}
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in skip)
-        for name in sorted(filenames):
-            if name.endswith(".py"):
-                path = Path(dirpath) / name
-                files.append((path.relative_to(root).as_posix(), path))
-    return files
+def corpus_files(corpus: Path, split: str, categories) -> dict[str, Path]:
+    """{category: its records of ``split``} in a corpus directory (:func:`build_corpus`)."""
+    return {c: corpus / f"{split}-{c}.jsonl" for c in categories}
 
 
 def build_corpus(out: Path, spec: TargetSpec, progress: bool = True) -> dict[str, Any]:
-    """``train.jsonl`` / ``heldout.jsonl`` of ``{"text": file contents}``, split by file, capped in characters."""
+    """``{split}-{category}.jsonl`` of ``{"text": ...}`` records for the train and held-out splits, each category
+    capped in characters (records of fewer than 200 characters skipped, the last one cut at the cap)."""
     from tqdm import tqdm
 
     if (info := _done(out)) is not None:
         return info
     out.mkdir(parents=True, exist_ok=True)
-    files = stdlib_files()
-    if not files:
-        raise FileNotFoundError(f"no .py files under {sysconfig.get_paths()['stdlib']}")
-    # A hash order (not alphabetical) mixes packages into the capped corpus; it is the same on every run.
-    files.sort(key=lambda f: (zlib.crc32(f[0].encode()) // spec.heldout_every, f[0]))
-    caps = {"train": spec.train_chars, "heldout": spec.heldout_chars}
-    used = {"train": 0, "heldout": 0}
-    names: dict[str, list[str]] = {"train": [], "heldout": []}
-    handles = {split: (out / f"{split}.jsonl").open("w") for split in caps}
-    try:
-        for rel, path in tqdm(files, desc="corpus", unit="file", disable=not progress):
-            split = "heldout" if zlib.crc32(rel.encode()) % spec.heldout_every == 0 else "train"
-            if used[split] >= caps[split]:
-                continue
-            try:
-                text = path.read_text(encoding="utf-8")
-            except (UnicodeDecodeError, OSError):
-                continue
-            text = text[: caps[split] - used[split]]
-            if len(text) < 200:
-                continue
-            handles[split].write(json.dumps({"text": text}) + "\n")
-            used[split] += len(text)
-            names[split].append(rel)
-    finally:
-        for h in handles.values():
-            h.close()
-    if not names["heldout"] or not names["train"]:
-        raise ValueError(f"the standard library gave no files for a split: {used}")
-    info = {
-        "root": sysconfig.get_paths()["stdlib"],
-        "chars": used,
-        "files": {k: len(v) for k, v in names.items()},
-        "heldout_files": names["heldout"],
-    }
+    chars: dict[str, dict[str, int]] = {}
+    records: dict[str, dict[str, int]] = {}
+    bar = tqdm(total=len(spec.categories) * 2, desc="corpus", unit="part", disable=not progress)
+    for split, caps in (("train", spec.train_chars), ("heldout", spec.heldout_chars)):
+        paths = corpus_files(out, split, spec.categories)
+        for category in spec.categories:
+            used, count, cap = 0, 0, caps[category]
+            tmp = paths[category].with_suffix(".tmp")
+            with tmp.open("w") as f:
+                for text in category_documents(category, split, spec.heldout_every):
+                    text = text[: cap - used]
+                    if len(text) >= 200:
+                        f.write(json.dumps({"text": text}) + "\n")
+                        used += len(text)
+                        count += 1
+                    if cap - used < 200:  # no room for another record
+                        break
+            if count == 0:
+                raise ValueError(f"the {category} category gave no {split} records")
+            tmp.replace(paths[category])
+            chars.setdefault(split, {})[category] = used
+            records.setdefault(split, {})[category] = count
+            bar.update()
+    bar.close()
+    info = {"categories": list(spec.categories), "chars": chars, "records": records}
     _mark_done(out, info)
     return info
 
@@ -151,14 +129,17 @@ def _texts(path: Path):
 
 
 def build_tokenizer(corpus: Path, out: Path, spec: TargetSpec) -> None:
-    """A byte-level BPE tokenizer (``<mask>`` included, so the drafter's mask token needs no new embedding)."""
+    """A byte-level BPE tokenizer on the training split of every category (``<mask>`` included, so the drafter's mask
+    token needs no new embedding); digits are split one by one, so numbers are written digit by digit."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     if _done(out) is not None:
         return
     core = Tokenizer(models.BPE(unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=spec.vocab_size,
@@ -166,7 +147,8 @@ def build_tokenizer(corpus: Path, out: Path, spec: TargetSpec) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    core.train_from_iterator(_texts(corpus / "train.jsonl"), trainer=trainer)
+    files = corpus_files(corpus, "train", spec.categories).values()
+    core.train_from_iterator((text for path in files for text in _texts(path)), trainer=trainer)
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core,
         unk_token="<unk>",
@@ -198,8 +180,10 @@ def _heldout_loss(model, stream: torch.Tensor, seq_len: int, max_windows: int = 
 
 
 def train_target(corpus: Path, tokenizer_dir: Path, out: Path, spec: TargetSpec, progress: bool = True) -> dict:
-    """Trains the small Llama target on the training split for ``spec.train_seconds`` (or ``max_steps``) and saves it
-    (with the tokenizer) as a Hugging Face model directory that both ``peagle extract`` and vLLM load."""
+    """Trains the small Llama target on the training split of every category for ``spec.steps`` seeded steps (random
+    windows of the categories' token streams, cosine learning rate) on ``spec.threads`` threads, and saves it (with
+    the tokenizer) as a Hugging Face model directory that both ``peagle extract`` and vLLM load. Its held-out loss is
+    measured per category."""
     from tqdm import tqdm
     from transformers import AutoTokenizer, LlamaForCausalLM
 
@@ -208,8 +192,9 @@ def train_target(corpus: Path, tokenizer_dir: Path, out: Path, spec: TargetSpec,
     if (info := _done(out)) is not None:
         return info
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    train_stream = _token_stream(corpus / "train.jsonl", tokenizer)
-    held_stream = _token_stream(corpus / "heldout.jsonl", tokenizer)
+    streams = {c: _token_stream(path, tokenizer) for c, path in corpus_files(corpus, "train", spec.categories).items()}
+    train_stream = torch.cat(list(streams.values()))
+    held = {c: _token_stream(path, tokenizer) for c, path in corpus_files(corpus, "heldout", spec.categories).items()}
     config = llama_config(
         len(tokenizer),
         spec.hidden_size,
@@ -224,50 +209,46 @@ def train_target(corpus: Path, tokenizer_dir: Path, out: Path, spec: TargetSpec,
         pad_token_id=tokenizer.pad_token_id,
         attn_implementation="sdpa",
     )
-    torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    gen = torch.Generator().manual_seed(spec.seed)
-    windows = train_stream.numel() - spec.seq_len - 1
-    start = time.perf_counter()
-    bar = tqdm(total=int(spec.train_seconds), desc="target", unit="s", disable=not progress)
-    step, loss_value, shown = 0, float("nan"), 0
-    while step < spec.max_steps:
-        elapsed = time.perf_counter() - start
-        if elapsed >= spec.train_seconds:
-            break
-        # Cosine decay over the time budget (the step count depends on the machine).
-        frac = min(1.0, elapsed / spec.train_seconds)
-        warm = min(1.0, (step + 1) / 20)
-        for group in optimizer.param_groups:
-            group["lr"] = spec.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-        offsets = torch.randint(0, windows, (spec.batch_size,), generator=gen)
-        idx = offsets[:, None] + torch.arange(spec.seq_len + 1)
-        batch = train_stream[idx]
-        logits = model(input_ids=batch[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        step += 1
-        loss_value = float(loss.detach())
-        now = min(int(time.perf_counter() - start), int(spec.train_seconds))
-        bar.update(now - shown)
-        shown = now
-        bar.set_postfix(step=step, loss=f"{loss_value:.3f}")
-    bar.close()
-    model.eval()
-    held = _heldout_loss(model, held_stream, spec.seq_len)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(spec.threads)
+    try:
+        torch.manual_seed(spec.seed)
+        model = LlamaForCausalLM(config)
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1)
+        gen = torch.Generator().manual_seed(spec.seed)
+        windows = train_stream.numel() - spec.seq_len - 1
+        start = time.perf_counter()
+        loss_value = float("nan")
+        for step in tqdm(range(spec.steps), desc="target", unit="step", disable=not progress):
+            warm = min(1.0, (step + 1) / 20)
+            cosine = 0.5 * (1 + math.cos(math.pi * step / spec.steps))
+            for group in optimizer.param_groups:
+                group["lr"] = spec.lr * warm * (0.1 + 0.9 * cosine)
+            offsets = torch.randint(0, windows, (spec.batch_size,), generator=gen)
+            batch = train_stream[offsets[:, None] + torch.arange(spec.seq_len + 1)]
+            logits = model(input_ids=batch[:, :-1]).logits
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            loss_value = float(loss.detach())
+        seconds = time.perf_counter() - start
+        model.eval()
+        heldout = {c: _heldout_loss(model, stream, spec.seq_len) for c, stream in held.items()}
+    finally:
+        torch.set_num_threads(threads)
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     info = {
-        "steps": step,
+        "steps": spec.steps,
+        "threads": spec.threads,
         "train_loss": loss_value,
-        "heldout_loss": held,
-        "train_tokens": int(train_stream.numel()),
-        "seconds": time.perf_counter() - start,
+        "heldout_loss": sum(heldout.values()) / len(heldout),
+        "heldout_loss_per_category": heldout,
+        "train_tokens": {c: int(stream.numel()) for c, stream in streams.items()},
+        "seconds": seconds,
         "parameters": sum(p.numel() for p in model.parameters()),
         "spec": asdict(spec),
     }

@@ -8,15 +8,53 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "llama_config", "load_target", "load_target_model", "read_target_tensors"]
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "check_context",
+    "context_limit",
+    "llama_config",
+    "load_target",
+    "load_target_model",
+    "read_target_tensors",
+]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_next")
+
+
+def context_limit(config: Any) -> int | None:
+    """The positions a target was built for (``max_position_embeddings``), or None when its config names none."""
+    limit = getattr(config, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+
+
+def check_context(
+    prompt_lengths: Sequence[int],
+    new_tokens: int,
+    limit: int | None,
+    option: str = "max_new_tokens",
+    prompts: str = "prompts",
+) -> None:
+    """Refuses requests whose prompt and new tokens would pass the target's ``limit`` (:func:`context_limit`):
+    a model decoded past the positions it was built for generates without a word, and its text no longer follows
+    its training (Hugging Face only warns; vLLM refuses). ``option`` and ``prompts`` name the new-token count and the
+    prompts in the message (a command's flags)."""
+    if limit is None:
+        return
+    for i, length in enumerate(prompt_lengths):
+        if length + new_tokens > limit:
+            room = f"at most {limit - length} new tokens" if length < limit else "no room for a new token"
+            raise ValueError(
+                f"{prompts}[{i}] has {length} tokens and {option} = {new_tokens} asks for {new_tokens} more: "
+                f"{length + new_tokens} positions pass the target's max_position_embeddings = {limit} ({room} "
+                f"there; shorten it or ask for fewer tokens)"
+            )
 
 
 def load_target(

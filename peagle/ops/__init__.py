@@ -72,8 +72,11 @@ from peagle.ops.tree_build import (
     tree_select_reference,
 )
 from peagle.ops.tree_verify import (
+    DRAFT_FLOOR,
     TreeVerifyOutput,
+    draft_distribution,
     philox_uniforms,
+    target_probs,
     tree_rejection_sample,
     tree_rejection_sample_reference,
     tree_verify_greedy,
@@ -82,6 +85,7 @@ from peagle.ops.tree_verify import (
 
 __all__ = [
     "DEFERRED_OPS",
+    "DRAFT_FLOOR",
     "BlockMaskBuilder",
     "CodInputs",
     "GdnVerifyOutput",
@@ -106,6 +110,7 @@ __all__ = [
     "cod_sample",
     "cod_sample_reference",
     "deferred_checks",
+    "draft_distribution",
     "efficient_lm_head",
     "efficient_lm_head_full_logits",
     "efficient_lm_head_reference",
@@ -140,6 +145,7 @@ __all__ = [
     "mask_slice_table",
     "philox_uniforms",
     "set_deferred_checks",
+    "target_probs",
     "tree_build_parallel",
     "tree_build_parallel_reference",
     "tree_expand_topk",

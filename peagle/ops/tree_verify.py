@@ -34,8 +34,11 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "DRAFT_FLOOR",
     "TreeVerifyOutput",
+    "draft_distribution",
     "philox_uniforms",
+    "target_probs",
     "tree_rejection_sample",
     "tree_rejection_sample_reference",
     "tree_verify_greedy",
@@ -125,6 +128,34 @@ def _tree_rejection_sample_fake(
 # ---------------------------------------------------------------------------------------------------------------------
 # Pure-PyTorch references (the executable spec), vectorised over requests; they mirror csrc/include/peagle/tree.h bit
 # for bit. uint32 arithmetic is emulated on int64 tensors (wrapping products, masking).
+
+
+# The distributions sampled verification compares (the engine's rounds and offline evaluation alike).
+# Draft probabilities below this are raised to it (then renormalised), so every drawable token has q > 0.
+DRAFT_FLOOR = 1e-9
+
+
+def target_probs(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """float32 probabilities [..., V] after temperature (> 0), top-k (0 = off) and top-p (1 = off)."""
+    scores = logits.double() / temperature
+    vocab = scores.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        ascending, order = torch.sort(scores, dim=-1)
+        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= 1.0 - top_p
+        drop[..., -1] = False
+        scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return scores.softmax(dim=-1).float()
+
+
+def draft_distribution(logits: Tensor, temperature: float) -> Tensor:
+    """The drafter's float32 distribution [..., V] at ``temperature`` (1 when greedy), floored so that every token
+    has positive probability (a Gumbel draw must never pick a token of probability 0)."""
+    probs = (logits.float() / (temperature if temperature > 0 else 1.0)).softmax(dim=-1).clamp_min(DRAFT_FLOOR)
+    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def philox_uniforms(seed: int, offset: int, request: Tensor, index: Tensor) -> Tensor:

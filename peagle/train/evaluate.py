@@ -17,6 +17,21 @@ chain start (the papers' offline measure) and, as ``serving_walk``, over only th
 on the same text: from the first draft after the target's own first token, the next chain starting after the
 accepted drafts and the bonus token. On the target's own greedy text the walk drafts where the server drafts.
 
+At a temperature above 0 (and a top-p), the drafts are sampled as the engine samples them: the draft at depth d from
+the drafter's distribution q at that temperature, verified against the target's distribution p after temperature and
+top-p, so it is accepted with probability sum_v min(p_v, q_v) (rejection sampling). The figures are the expectations
+of the chains' accepted drafts (the product of those probabilities along a chain), with the text's next tokens as the
+accepted drafts' context; autoregressive drafting feeds back its argmax drafts. No serving walk (its steps depend on
+each draw), no trees.
+
+``repeated_draft`` / ``repeated_text`` (Pos 2 .. K): how often a chain's draft equals the draft one depth before,
+and how often the text repeats its token there. Parallel drafts at depths >= 1 all read the same mask token and mask
+hidden state, told apart only by their positions (rotary); a drafter too shallow to use them drafts the same token at
+every depth (a Pos 2-3 dip in conditional acceptance where the text does not repeat).
+
+Every acceptance length comes with its 95% interval (``acceptance_length_interval``: the half width), the rows being
+independent clusters (:func:`peagle.stats.ratio_interval`): the chains of one text move together.
+
 With a node budget and a top-k per depth (parallel drafting only), ``tree`` reports the same per-position acceptance
 and AL for the P-EAGLE parallel tree each anchor's K distributions give (``tree_build_parallel``, as the engine
 drafts), verified greedily with the same teacher forcing: a node at depth d + 1 is accepted when its parent is and its
@@ -36,7 +51,8 @@ import torch
 from peagle.model import PEagleDrafter
 from peagle.model.drafter import document_blocks
 from peagle.ops.tree_build import tree_build_parallel
-from peagle.ops.tree_verify import tree_verify_greedy
+from peagle.ops.tree_verify import draft_distribution, target_probs, tree_verify_greedy
+from peagle.stats import ratio_interval
 from peagle.train.dataset import ExtractedData, MemoryRows
 
 __all__ = [
@@ -148,21 +164,33 @@ def evaluate(
     max_tokens: int | None = None,
     tree_budget: int | None = None,
     tree_topk: int | Sequence[int] | None = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
 ) -> dict:
     """Offline acceptance on extracted rows (a directory, or its rows already open: ``ExtractedData``, or the
     ``MemoryRows`` a streaming run holds): K = ``depth`` (default the drafter's K) tokens drafted in parallel, or
     one after another with ``autoregressive`` (how vLLM serves a drafter without parallel drafting). ``max_tokens``:
     the serving walk stops where a server generating that many tokens per request stops drafting. ``tree_budget``
     (nodes, root included) / ``tree_topk`` (children per node: one int, or one per depth): also score the P-EAGLE
-    parallel tree (parallel drafting; either option enables it, defaults 16 nodes and top-2 as the engine's)."""
+    parallel tree (parallel drafting; either option enables it, defaults 16 nodes and top-2 as the engine's).
+    ``temperature`` / ``top_p``: sampled drafting and verification (see the module docstring; 0 = greedy)."""
     data = data_dir if isinstance(data_dir, (ExtractedData, MemoryRows)) else ExtractedData(data_dir)
     cfg = model.config
     check_compatible(cfg, data.manifest)
     k = depth or cfg.num_depths
     if k < 1:
         raise ValueError(f"depth must be >= 1, got {k}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if not math.isfinite(temperature):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    sampled = temperature > 0
     tree = None
     if tree_budget is not None or tree_topk is not None:
+        if sampled:
+            raise ValueError("tree_budget / tree_topk score greedy trees: at temperature 0 only")
         if autoregressive:
             raise ValueError("tree_budget / tree_topk score P-EAGLE parallel trees: not with autoregressive drafting")
         tree = tree_options(tree_budget, tree_topk, k, cfg.draft_vocab_size)
@@ -177,6 +205,10 @@ def evaluate(
     chains_total = 0
     walk_reached = torch.zeros(k, dtype=torch.float64)  # the same over the drafts of a simulated serving walk
     walk_drafts = 0
+    # Chains whose draft at depth d repeats the draft at d - 1, and whose text repeats its token there (d = 1 .. K-1).
+    repeated_draft = torch.zeros(max(k - 1, 0), dtype=torch.float64)
+    repeated_text = torch.zeros(max(k - 1, 0), dtype=torch.float64)
+    clusters: list[tuple[float, int]] = []  # per row: accepted drafts over its chains (expected when sampled), chains
     for index in rows if rows is not None else range(len(data)):
         row = data.row(index)
         anchors, depths, chains = chain_elements(row.document_ids, row.loss_mask, k)
@@ -186,15 +218,17 @@ def evaluate(
         hidden = row.hidden.to(device).to(model.fc.weight.dtype)
         anchors, depths, chains = anchors.to(device), depths.to(device), chains.to(device)
         label = anchors + depths
-        target = (row.target_hidden.to(device).float()[label] @ lm_head.to(device).T).argmax(-1)
+        target_logits = row.target_hidden.to(device).float()[label] @ lm_head.to(device).T
+        target = target_logits.argmax(-1)
         if autoregressive:
-            first, grid = chain_drafts(model, ids, hidden, docs, chains, k)
-            drafted = torch.cat([first, grid[:, 1:].T.flatten()])  # element order of chain_elements
+            steps = list(chain_steps(model, ids, hidden, docs, chains, k))
+            logits = torch.cat([step_logits for step_logits, _ in steps])  # element order of chain_elements
+            drafted = torch.cat([step_drafts for _, step_drafts in steps])
         else:
-            out = model.forward_train(ids, hidden, anchors, depths, docs)
-            drafted = draft_ids[out.logits.argmax(-1)]
+            logits = model.forward_train(ids, hidden, anchors, depths, docs).logits
+            drafted = draft_ids[logits.argmax(-1)]
             if tree is not None:
-                grid = _chain_grid(out.logits, chains, ids.numel(), k)
+                grid = _chain_grid(logits, chains, ids.numel(), k)
                 tree_accepted = _tree_acceptance(grid, draft_ids, _chain_grid(target, chains, ids.numel(), k), *tree)
                 tree_reached += (tree_accepted[:, None] > torch.arange(k, device=device)).sum(0).double().cpu()
         hit = drafted == target
@@ -202,25 +236,47 @@ def evaluate(
         correct += torch.bincount(depths[valid], weights=hit[valid].double(), minlength=k).cpu()
         count += torch.bincount(depths[valid], minlength=k).double().cpu()
         length = ids.numel()
-        chain_accepted = greedy_chain_acceptance(
-            _chain_grid(drafted, chains, length, k), _chain_grid(target, chains, length, k)
-        )
-        accepted_at += (chain_accepted[:, None] > torch.arange(k, device=device)).sum(0).double().cpu()
+        if k > 1:
+            drafts, texts = _chain_grid(drafted, chains, length, k), _chain_grid(target, chains, length, k)
+            repeated_draft += (drafts[:, 1:] == drafts[:, :-1]).sum(0).double().cpu()
+            repeated_text += (texts[:, 1:] == texts[:, :-1]).sum(0).double().cpu()
+        if sampled:
+            # Acceptance probability of a sampled draft: sum_v min(p_v, q_v); a chain reaches depth d with the product.
+            p = target_probs(target_logits, temperature, 0, top_p)
+            alpha = torch.minimum(p[:, draft_ids], draft_distribution(logits, temperature)).sum(-1)
+            reached = _chain_grid(alpha, chains, length, k).double().cumprod(1)
+        else:
+            chain_accepted = greedy_chain_acceptance(
+                _chain_grid(drafted, chains, length, k), _chain_grid(target, chains, length, k)
+            )
+            reached = (chain_accepted[:, None] > torch.arange(k, device=device)).double()
+            accepted = torch.full((length,), -1, dtype=torch.long)
+            accepted[chains.cpu()] = chain_accepted.cpu()
+            for count_walk in _serving_walk(accepted, row.loss_mask, row.document_ids, max_tokens):
+                walk_reached[:count_walk] += 1
+                walk_drafts += 1
+        accepted_at += reached.sum(0).cpu()
         chains_total += chains.numel()
-        accepted = torch.full((length,), -1, dtype=torch.long)
-        accepted[chains.cpu()] = chain_accepted.cpu()
-        for count_walk in _serving_walk(accepted, row.loss_mask, row.document_ids, max_tokens):
-            walk_reached[:count_walk] += 1
-            walk_drafts += 1
+        clusters.append((float(reached.sum()), chains.numel()))
     acc = (correct / count.clamp(min=1)).tolist()
+    interval = ratio_interval([a for a, _ in clusters], [c for _, c in clusters]) if clusters else None
     result = {
         "depths": k,
         "drafting": "autoregressive" if autoregressive else "parallel",
+        "temperature": float(temperature),
+        "top_p": float(top_p),
         "chains": chains_total,
+        "rows": len(clusters),
         "top1_accuracy": acc,
         **_acceptance(accepted_at, chains_total),
-        "serving_walk": {"drafts": walk_drafts, **_acceptance(walk_reached, walk_drafts)},
+        "acceptance_length_interval": interval.half_width if interval is not None else None,
+        # Pos 2 .. K: the share of chains whose (greedy) draft repeats the one before it, and whose text does. A
+        # drafter that cannot tell its depths apart repeats far more often than the text.
+        "repeated_draft": (repeated_draft / max(1, chains_total)).tolist(),
+        "repeated_text": (repeated_text / max(1, chains_total)).tolist(),
     }
+    if not sampled:
+        result["serving_walk"] = {"drafts": walk_drafts, **_acceptance(walk_reached, walk_drafts)}
     if tree is not None:
         result["tree"] = {"num_nodes": tree[1], "topk": tree[0], **_acceptance(tree_reached, chains_total)}
     return result
@@ -342,13 +398,20 @@ def _serving_walk(
 def format_table(result: dict[str, Any]) -> str:
     k = result["depths"]
     head = " | ".join(f"Pos {d + 1:>2}" for d in range(k))
+    interval = result.get("acceptance_length_interval")
+    temperature = result.get("temperature", 0.0)
+    sampling = f"temperature {temperature:g}" + (f", top-p {result['top_p']:g}" if result.get("top_p", 1.0) < 1 else "")
     lines = [
         f"{'':<22}| {head} |   AL",
         f"{'conditional acceptance':<22}| "
         + " | ".join(f"{v:6.3f}" for v in result["conditional_acceptance"])
-        + f" | {result['acceptance_length']:.3f}",
+        + f" | {result['acceptance_length']:.3f}"
+        + (f" +- {interval:.3f} (95%)" if interval is not None else ""),
         f"{'top-1 accuracy':<22}| " + " | ".join(f"{v:6.3f}" for v in result["top1_accuracy"]) + " |",
-        f"({result['chains']} chains of {k} drafts, {result.get('drafting', 'parallel')} drafting)",
+        f"({result['chains']} chains of {k} drafts, {result.get('drafting', 'parallel')} drafting, "
+        + ("greedy" if not temperature else f"sampled at {sampling}: expected acceptance")
+        + (f"; interval over {result['rows']} rows" if "rows" in result else "")
+        + ")",
     ]
     tree = result.get("tree")
     if tree is not None:

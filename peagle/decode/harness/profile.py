@@ -35,7 +35,7 @@ from peagle.decode.drafting import Eagle3Drafting, NodeSteps, PEagleDrafting, Sa
 from peagle.decode.harness.cost import ENGINE_BACKEND, CostTable, machine_identity, model_identity, monotone
 from peagle.decode.sampling import target_probs, uniforms
 from peagle.decode.target import TargetRunner
-from peagle.model import PEagleDrafter, from_pretrained
+from peagle.model import PEagleDrafter, check_context, context_limit, from_pretrained
 from peagle.ops import ancestor_mask, tree_rejection_sample, tree_verify_greedy
 
 __all__ = ["profile_costs"]
@@ -97,6 +97,7 @@ def profile_costs(
     model = from_pretrained(drafter) if isinstance(drafter, (str, os.PathLike)) else drafter
     runner = TargetRunner(target, model.config.aux_layer_ids, device=device)
     model = model.to(runner.device).eval()
+    check_context(contexts, max(verify_nodes), context_limit(runner.config), "the most --nodes", "--contexts")
     table_axes = dict(
         batch_sizes=sorted(set(batch_sizes)),
         contexts=sorted(set(contexts)),
