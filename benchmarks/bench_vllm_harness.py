@@ -18,7 +18,8 @@ vLLM"); ``--vllm-sampler`` keeps vLLM's rejection sampler instead (greedy compar
 Timings are valid on an otherwise idle machine only (load average below 2 on the 2-core CPU machine).
 
     PYTHONPATH=. .venv-cpu/bin/python benchmarks/bench_vllm_harness.py --target W/target \\
-        --drafter W/drafters-*/peagle-k4/final --prompts-file W/data-*/distill/heldout.jsonl \\
+        --drafter W/drafters-*/peagle-k4/final --prompts-file W/data-*/distill/heldout-code.jsonl \\
+        --prompts-file W/data-*/distill/heldout-prose.jsonl --prompts-file W/data-*/distill/heldout-math.jsonl \\
         --out build/bench-vllm-harness
     # --smoke: 8 requests x 16 tokens, concurrency 1 and 4, one pass (a minute or two, for CI)
 """
