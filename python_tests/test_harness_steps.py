@@ -175,3 +175,21 @@ def test_tables_of_p_eagle_passes_only_round_trip(tmp_path):
     with pytest.raises(ValueError, match="draft_s or pass_s must hold timings"):
         CostTable(batch_sizes=[1], contexts=[0], verify_nodes=[1], verify_s=[[[1.0]]], draft_widths=[1], draft_s=[])
     assert monotone([3.0, 1.0, 2.0, 2.5, 2.4]) == [1.0, 1.0, 2.0, 2.4, 2.4]
+
+
+def test_calls_inside_and_outside_inference_mode_mix():
+    """vLLM builds the harness and calls it inside torch.inference_mode on some paths and outside on others: state made
+    in one must take updates in the other (an inference tensor refuses in-place updates outside the mode)."""
+    table = step_table({1: 1.5, 2: 1.5})
+    with torch.inference_mode():
+        harness = StepHarness(table, K)
+        confidence = torch.tensor([[0.6, 0.5, 0.4, 0.3], [0.6, 0.5, 0.4, 0.3]], dtype=torch.float64)
+        first = harness.decide(["a", "b"], confidence, [False] * 2, [False] * 2, 64)
+        harness.observe(["a", "b"], first, first)
+    second = harness.decide(["a", "b"], confidence, [False] * 2, [False] * 2, 64)
+    harness.observe(["a", "b"], second, [0, 0])
+    with torch.inference_mode():
+        assert harness.decide(["a", "b"], confidence, [False] * 2, [False] * 2, 64) == harness.decide(
+            ["a", "b"], confidence.clone(), [False] * 2, [False] * 2, 64
+        )
+    assert not harness.calibration.is_inference() and not harness.pending_q.is_inference()

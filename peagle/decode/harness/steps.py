@@ -53,13 +53,16 @@ class StepHarness:
 
     Per step: :meth:`decide` (after the pass: the lengths each request keeps), then, after the next forward verified
     them, :meth:`observe` (how many each request had verified and accepted); :meth:`finish` forgets finished requests.
-    Requests are named by the server's ids; their state lives in slots of small CPU tensors.
+    Requests are named by the server's ids; their state lives in slots of small CPU tensors. A server calls these
+    inside and outside ``torch.inference_mode``, so they run with it off: the state is never an inference tensor, which
+    a later call outside the mode could not update.
 
     Args:
         table: the cost table of this server, target, drafter and device.
         depth: the drafts the pass makes per request (the served K).
     """
 
+    @torch.inference_mode(False)
     def __init__(self, table: CostTable, depth: int, capacity: int = 64) -> None:
         if depth < 1:
             raise ValueError(f"StepHarness: depth must be >= 1, got {depth}")
@@ -102,6 +105,7 @@ class StepHarness:
             slot = self.slots[request] = self.free.pop()
         return slot
 
+    @torch.inference_mode(False)
     def decide(
         self,
         requests: Sequence[str],
@@ -134,7 +138,7 @@ class StepHarness:
         slot_list = [self._slot(r) for r in requests]
         slots = torch.tensor(slot_list, dtype=torch.long)
         raw, parent, count = self._chains(batch, nodes)
-        q = confidence.detach().to("cpu", torch.float64).clamp_(_CONFIDENCE_FLOOR, 1.0)
+        q = confidence.detach().to("cpu", torch.float64).clamp(_CONFIDENCE_FLOOR, 1.0)
         raw[:, 1:] = torch.cumprod(q, 1)  # path products of the draft probabilities, the root's 1 before them
         any_sampled, any_fixed = any(sampled), any(fixed)
         path, edge_q, kind = self.edges[False].tree_scores(raw, parent, count)
@@ -186,6 +190,7 @@ class StepHarness:
             costs = self._costs[key] = (verify, self.table.pass_time(batch, self.depth, sampled))
         return costs
 
+    @torch.inference_mode(False)
     def observe(self, requests: Sequence[str], verified: Sequence[int], accepted: Sequence[int]) -> None:
         """Folds a step's verification into the calibration: request ``requests[i]`` had the first ``verified[i]`` of
         the drafts :meth:`decide` last gave it verified and ``accepted[i]`` of them accepted. Requests that verified
@@ -221,6 +226,7 @@ class StepHarness:
                 PATH_SCALE_DECAY,
             )
 
+    @torch.inference_mode(False)
     def finish(self, requests: Iterable[str]) -> None:
         """Forgets finished requests (their slots start afresh for the next ones)."""
         for request in requests:
