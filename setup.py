@@ -79,11 +79,20 @@ def _runtime_libstdcxx() -> list[str]:
     return paths[:1]
 
 
+def _openmp_flags() -> list[str]:
+    """-fopenmp where torch runs its intra-op threads on OpenMP (the Linux wheels). ATen defines at::parallel_for's
+    parallel path inline in its headers, under _OPENMP: a kernel compiled without the flag runs every parallel_for on
+    the calling thread alone. The extension then shares torch's OpenMP runtime (libgomp.so.1, loaded by torch first)."""
+    import torch
+
+    return ["-fopenmp"] if torch.backends.openmp.is_available() else []
+
+
 def _extension():
     include_dirs = [os.path.join(ROOT, "csrc"), os.path.join(ROOT, "csrc", "include")]
     # No fused multiply-adds on the host either (GCC contracts a * b + c where the target has FMA, e.g. aarch64): the
     # CPU kernels must round like the CUDA ones, which pin every operation (peagle/gdn.h, peagle/harness.h).
-    cxx_flags = ["-O3", "-fvisibility=hidden", "-ffp-contract=off"]
+    cxx_flags = ["-O3", "-fvisibility=hidden", "-ffp-contract=off", *_openmp_flags()]
     sources = _sources("csrc/ops.cpp") + _sources("csrc/cpu/*.cpp")
     if not _with_cuda():
         return CppExtension(
@@ -91,7 +100,7 @@ def _extension():
             sources,
             include_dirs=include_dirs,
             extra_compile_args={"cxx": cxx_flags},
-            extra_link_args=_runtime_libstdcxx(),
+            extra_link_args=[*_runtime_libstdcxx(), *_openmp_flags()],
         )
 
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)
@@ -115,7 +124,7 @@ def _extension():
         sources + _sources("csrc/cuda/*.cpp") + _sources("csrc/cuda/*.cu"),
         include_dirs=include_dirs,
         extra_compile_args={"cxx": [*cxx_flags, "-DPEAGLE_WITH_CUDA"], "nvcc": nvcc_flags},
-        extra_link_args=_runtime_libstdcxx(),
+        extra_link_args=[*_runtime_libstdcxx(), *_openmp_flags()],
         # Device graph tail launch (later kernels) needs relocatable device code and a device-link step with cudadevrt.
         dlink=dlink,
         dlink_libraries=["cudadevrt"] if dlink else [],

@@ -1,6 +1,7 @@
 """peagle._C uses the process's shared libstdc++ and bundles no copy of its own (testkit/binary.py says why a copy
 crashed every op error on the GPU machine); the check finds a bundled copy, and setup.py's link input prevents one
-even where the compiler links libstdc++ statically."""
+even where the compiler links libstdc++ statically. Its CPU kernels' at::parallel_for loops run on torch's OpenMP
+threads (compiled with -fopenmp where torch uses OpenMP; without it every loop ran on one thread)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,16 @@ from pathlib import Path
 
 import peagle._C
 import pytest
+import torch
 
-from testkit.binary import bundled_libstdcxx
+from testkit.binary import bundled_libstdcxx, opens_openmp_regions
 
 ROOT = Path(__file__).resolve().parents[1]
+PARALLEL_SOURCE = """void scale(float* x, long n) {
+#pragma omp parallel for
+  for (long i = 0; i < n; ++i) x[i] *= 2.0f;
+}
+"""
 SOURCE = """#include <sstream>
 #include <string>
 std::string show(long x) { std::ostringstream s; s << x; return s.str(); }
@@ -51,3 +58,17 @@ def test_setup_links_the_shared_libstdcxx_first(source):
     runtime = runpy.run_path(str(ROOT / "setup.py"), run_name="peagle_setup")["_runtime_libstdcxx"]()
     assert len(runtime) == 1 and "libstdc++.so" in runtime[0]
     assert bundled_libstdcxx(link(source, "fixed.so", *runtime, "-static-libstdc++")) == []
+
+
+@pytest.mark.skipif(not torch.backends.openmp.is_available(), reason="torch runs its threads without OpenMP here")
+def test_cpu_kernels_open_openmp_regions():
+    """at::parallel_for's parallel path is compiled into peagle._C (setup.py's -fopenmp), so torch's threads run it."""
+    assert opens_openmp_regions(peagle._C.__file__)
+
+
+def test_the_openmp_check_tells_a_serial_build(source):
+    """The power check: the same loop compiled without -fopenmp (as peagle was before) opens no region."""
+    parallel = source.with_name("parallel.cpp")
+    parallel.write_text(PARALLEL_SOURCE)
+    assert opens_openmp_regions(link(parallel, "with_openmp.so", "-fopenmp"))
+    assert not opens_openmp_regions(link(parallel, "without_openmp.so"))

@@ -1,4 +1,5 @@
-"""Checks of a built shared object: whether it carries its own copy of libstdc++.
+"""Checks of a built shared object: whether it carries its own copy of libstdc++, and whether it opens OpenMP
+parallel regions.
 
 An extension that links libstdc++ statically while the process (Python, torch) runs the shared one holds two copies of
 the library: its own functions, but the process's locale data. On the GPU machine (whose g++ linked libstdc++
@@ -30,3 +31,20 @@ def bundled_libstdcxx(path: str) -> list[str]:
             raise RuntimeError(f"nm {' '.join(table)} {path} failed: {result.stderr.strip()}")
         defined.update(line.split()[-1].split("@")[0] for line in result.stdout.splitlines() if line.strip())
     return [name for name in LIBSTDCXX_CORE_SYMBOLS if name in defined]
+
+
+def _undefined_dynamic_symbols(path: str) -> set[str]:
+    nm = shutil.which("nm")
+    if nm is None:
+        raise RuntimeError("testkit.binary needs binutils' nm on PATH")
+    result = subprocess.run([nm, "--dynamic", "--undefined-only", path], capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"nm --dynamic --undefined-only {path} failed: {result.stderr.strip()}")
+    return {line.split()[-1].split("@")[0] for line in result.stdout.splitlines() if line.strip()}
+
+
+def opens_openmp_regions(path: str) -> bool:
+    """Whether the shared object at ``path`` starts OpenMP parallel regions (imports libgomp's GOMP_parallel, which
+    every ``#pragma omp parallel`` compiled with -fopenmp calls). A torch extension whose at::parallel_for was compiled
+    without OpenMP never imports it: its loops run on one thread."""
+    return "GOMP_parallel" in _undefined_dynamic_symbols(path)
