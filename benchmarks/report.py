@@ -6,19 +6,19 @@ noise mostly cancels).
     python benchmarks/report.py results.json [...] --markdown [--out PATH]    # writes benchmarks/RESULTS.md
     python benchmarks/report.py results.json [...] --compare OLD_RESULTS.md   # ratios that changed by more than 2x
 
-A benchmark names its case and implementation in extra_info {"case": ..., "impl": ...}; its time is the benchmark's
-mean, unless it reports a measured quantity instead (extra_info {"value": ..., "unit": ..., "better": "higher"}, e.g.
-the longest trainable sequence): then the row compares values, the largest being the strongest. Baselines timed
-inside the same benchmark go in extra_info {"baselines": {name: seconds}} (same case), and an
-optional extra_info {"note": ...} explains a row (e.g. what would change a loss). A memory floor timed in the same
-run (e.g. a copy of the bytes the op must move) goes in extra_info {"floors": {name: seconds}}: it is no competitor,
-so it is shown beside the row with the peagle time as a multiple of it. Peers a run could not measure (not
-installed, another interface) are listed in the JSON's "skipped_peers" (see common.skip_peer) and said so beside their
-case, or in a row of their own when nothing of the case ran. The markdown file has one row per
-case (a case measured again in a later file takes the later times): the fastest peagle implementation against the
-strongest (fastest) baseline, the ratio, the other baselines, and the machine (cores, load average at the start and end
-of the run), the date and the command of each JSON file. What the file holds below KEEP_MARKER is written by hand and
-kept.
+A benchmark names its case and implementation in extra_info {"case": ..., "impl": ...}; its time is the benchmark's best
+round (pytest-benchmark's min: baselines timed inside a benchmark are best-of-rounds too, and a mean beside a best would
+charge one side alone with the rounds another process slowed down), unless it reports a measured quantity instead
+(extra_info {"value": ..., "unit": ..., "better": "higher"}, e.g. the longest trainable sequence): then the row compares
+values, the largest being the strongest. Baselines timed inside the same benchmark go in extra_info {"baselines": {name:
+seconds}} (same case), and an optional extra_info {"note": ...} explains a row (e.g. what would change a loss). A memory
+floor timed in the same run (e.g. a copy of the bytes the op must move) goes in extra_info {"floors": {name: seconds}}:
+it is no competitor, so it is shown beside the row with the peagle time as a multiple of it. Peers a run could not
+measure (not installed, another interface) are listed in the JSON's "skipped_peers" (see common.skip_peer) and said so
+beside their case, or in a row of their own when nothing of the case ran. The markdown file has one row per case (a case
+measured again in a later file takes the later times): the fastest peagle implementation against the strongest (fastest)
+baseline, the ratio, the other baselines, and the machine (cores, load average at the start and end of the run), the
+date and the command of each JSON file. What the file holds below KEEP_MARKER is written by hand and kept.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def collect_cases(runs: list[dict]) -> list[Case]:
                 info.pop("better", None)
                 case.ms[impl] = float(info.pop("value"))
             else:
-                case.ms[impl] = bench["stats"]["mean"] * 1e3
+                case.ms[impl] = bench["stats"]["min"] * 1e3
             case.info[impl] = info
             for base, seconds in baselines.items():
                 case.ms[base] = seconds * 1e3
@@ -136,26 +136,26 @@ def ratio_rows(data: dict) -> list[dict]:
                 {
                     "case": case.name,
                     "impl": impl,
-                    "mean_ms": ms,
+                    "best_ms": ms,
                     **case.info.get(impl, {}),
                     **speedups,
                     "noisy": case.noisy,
                 }
             )
         for peer, why in case.skipped.items():
-            rows.append({"case": case.name, "impl": peer, "mean_ms": float("nan"), "skipped": why})
+            rows.append({"case": case.name, "impl": peer, "best_ms": float("nan"), "skipped": why})
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
     speed_keys = sorted({k for r in rows for k in r if k.endswith(" x faster")})
-    extra_keys = sorted({k for r in rows for k in r} - {"case", "impl", "mean_ms", *speed_keys})
-    header = ["case", "impl", "mean ms", *speed_keys, *extra_keys]
+    extra_keys = sorted({k for r in rows for k in r} - {"case", "impl", "best_ms", *speed_keys})
+    header = ["case", "impl", "best ms", *speed_keys, *extra_keys]
     lines = [
         [
             r["case"],
             r["impl"],
-            f"{r['mean_ms']:.3f}",
+            f"{r['best_ms']:.3f}",
             *[f"{r[k]:.1f}x" if k in r else "" for k in speed_keys],
             *[str(r.get(k, "")) for k in extra_keys],
         ]
@@ -241,8 +241,9 @@ def markdown_report(runs: list[tuple[str, dict]]) -> str:
         *machine_lines(runs),
         "",
         "Each row: the fastest peagle implementation of the case against the strongest (fastest) baseline measured in",
-        "the same run (times in ms, pytest-benchmark means; baselines timed inside a benchmark: best of a few rounds;",
-        "rows with a unit compare that measured value instead, the largest being the strongest).",
+        "the same run (times in ms, each implementation's best round: pytest-benchmark's min, and baselines timed",
+        "inside a benchmark best of a few rounds; rows with a unit compare that measured value instead, the largest",
+        "being the strongest).",
         "Ratios come from one run each. A case measured with the load average above the core count is noisy: it is",
         "listed apart below, never as a headline figure.",
         "",
