@@ -15,10 +15,13 @@ prompts again and again (pass e seeds its sampled answers with e) until the trai
 
 Backpressure and memory. The trainer receives each producer's rows in a thread of its own into a queue of
 ``--queue-rows`` Q rows; a full queue stops that thread, and a gloo ``send`` returns only once the receiver has taken
-the message, so a producer blocks on its next row. Rows in the trainer's memory: at most P x (Q + 1) in transit (Q
-queued and one held by each receiving thread) plus the micro-batch it trains; a producer holds the rows of one
-regeneration chunk (``--regen-batch-size`` records) and the row it is sending. A row is
-T x (4 + 1 + 4 + (A + 1) x H x s) bytes (T = --seq-len, A aux layers of width H, s bytes per state).
+the message, so a producer blocks on its next row. A producer answers a whole chunk of records before it sends the
+chunk's first row, so Q must hold about a chunk's rows for the two sides to overlap: with a queue of a few rows the
+producer waits for the trainer to take the chunk's rows, then the trainer waits for the next chunk's answers, and their
+times add up instead (the default, 64, holds a chunk of the default 64 records of up to T tokens each). Rows in the
+trainer's memory: at most P x (Q + 1) in transit (Q queued and one held by each receiving thread) plus the micro-batch
+it trains; a producer holds the rows of one regeneration chunk (``--regen-batch-size`` records) and the row it is
+sending. A row is T x (4 + 1 + 4 + (A + 1) x H x s) bytes (T = --seq-len, A aux layers of width H, s bytes per state).
 
 Order and reproducibility. The trainer takes rows round robin: slot j of the run is the next row of producer j % P.
 The order depends on the data only, not on timing; with one producer it is the order of ``regenerate`` ->
@@ -105,7 +108,11 @@ class StreamArgs:
     producer_backend: Literal["hf", "vllm"] = _option(
         "hf", "--stream: the producers' target: hf (transformers in the producer) or vllm"
     )
-    queue_rows: int = _option(4, "--stream: rows the trainer holds per producer (the bounded queue)")
+    queue_rows: int = _option(
+        64,
+        "--stream: rows the trainer holds per producer (the bounded queue); at least a --regen-batch-size chunk's rows "
+        "let a producer answer its next chunk while the trainer trains on this one",
+    )
     seq_len: int = _option(2048, "--stream: positions T of a packed row")
     aux_layers: list[int] | None = _option(  # noqa: RUF009 (_option() returns a field, not a shared list)
         None, "--stream: aux target layer ids, e.g. 2,16,29 (default: early, middle, late as vLLM: 2, L/2, L-3)"
