@@ -50,10 +50,11 @@ def _tiny_models(root: Path) -> tuple[Path, Path, Path, dict[str, list[list[int]
 
 
 def _demo_models(workdir: Path, prompts: int, quick: bool):
-    """The demo's target and drafters (built by its cached stages when absent) and each category's held-out prompts:
-    the first ``prompts`` timed, all of them for the sampled acceptance pass."""
+    """The demo's target, P-EAGLE, EAGLE-3 and deeper P-EAGLE drafters (built by its cached stages when absent) and
+    each category's held-out prompts: the first ``prompts`` timed, all of them for the sampled acceptance pass."""
     from peagle.demo.pipeline import (
         Stages,
+        deep_name,
         demo_spec,
         stage_data,
         stage_distill,
@@ -66,20 +67,22 @@ def _demo_models(workdir: Path, prompts: int, quick: bool):
     stage_distill(run)
     stage_data(run)
     stage_train_pair(run)
-    finals = [directory / "final" for directory, _ in run.drafters.values()]
+    final = {name: directory / "final" for name, (directory, _) in run.drafters.items()}
     pool = {c: [r["prompt_ids"] for r in run.heldout_records(c)] for c in run.categories}
-    return run.target_dir, *finals, {c: ps[:prompts] for c, ps in pool.items()}, pool, spec.max_tokens
+    drafters = final["P-EAGLE"], final["EAGLE-3"], final.get(deep_name(spec.deep_layers))
+    return run.target_dir, *drafters, {c: ps[:prompts] for c, ps in pool.items()}, pool, spec.max_tokens
 
 
 def test_decode_goals(benchmark, tmp_path):
     if SMOKE:
         target, peagle, eagle3, prompts = _tiny_models(tmp_path)
+        deep = None
         pool, max_new, budgets, vllm, batches = prompts, 16, [6, 12], False, [1, 2]
         acceptance_requests, draws, out = 8, 100, tmp_path / "bench"
     else:
         workdir = Path(os.environ.get("PEAGLE_BENCH_WORKDIR", Path.home() / ".cache" / "peagle"))
         quick = os.environ.get("PEAGLE_BENCH_DEMO", "default") == "quick"
-        target, peagle, eagle3, prompts, pool, max_new = _demo_models(workdir, 4, quick)
+        target, peagle, eagle3, deep, prompts, pool, max_new = _demo_models(workdir, 4, quick)
         budgets, vllm, batches = [8, 16, 32], importlib.util.find_spec("vllm") is not None, [1, 4, 16]
         acceptance_requests, draws = 64, 200
         out = Path(os.environ.get("PEAGLE_BENCH_OUT", "build/bench-decode"))
@@ -87,7 +90,7 @@ def test_decode_goals(benchmark, tmp_path):
         lambda: bench_decode(
             target, peagle, eagle3, prompts=prompts, max_new_tokens=max_new, budgets=budgets, batch_size=batches,
             out=out, vllm=vllm, repeats=2, progress=False, temperatures=(0.0, 1.0), acceptance_prompts=pool,
-            acceptance_requests=acceptance_requests, lossless_draws=draws,
+            acceptance_requests=acceptance_requests, lossless_draws=draws, deep=deep,
         ),
         rounds=1, iterations=1, warmup_rounds=0,
     )  # fmt: skip
