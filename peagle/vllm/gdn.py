@@ -14,6 +14,7 @@ plugin is on; see :func:`peagle.vllm.register`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -52,30 +53,31 @@ def spec_gdn_update(
     if num_seqs == 0 or q.shape[0] == 0:
         return torch.zeros(v.shape, dtype=v.dtype, device=v.device)
     device = q.device
-    cu = cu_seqlens.long()
-    lengths = cu[1:] - cu[:-1]
-    n = int(lengths.max())
+    # This runs once per GDN layer and step, where a few tensor ops cost as much as a small batch's arithmetic: the
+    # sequence bounds come to the host in one read (the chain length n is a shape, so it must), the chains' parent
+    # array is made once per shape.
+    bounds = cu_seqlens.tolist()
+    n = max(end - begin for begin, end in zip(bounds, bounds[1:]))
     equal = q.shape[0] == num_seqs * n  # every sequence has n tokens (vLLM's usual batch): views, no gathers
 
     # The gates, as vLLM's fused kernel computes them: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b).
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float(), beta=softplus_beta, threshold=softplus_threshold)
     beta = torch.sigmoid(b.float())
 
-    position = torch.arange(n, device=device)
     columns = spec_state_indices[:num_seqs, :n]
-    parent = (position - 1).expand(num_seqs, n)
-    start_slots = columns.gather(1, (num_accepted_tokens[:num_seqs].long() - 1).clamp(min=0)[:, None])[:, 0]
+    parent = _chain_parents(num_seqs, n, device)
+    start_slots = columns.gather(1, (num_accepted_tokens[:num_seqs, None].long() - 1).clamp_(min=0)).view(num_seqs)
     if equal:
-
-        def chains(x: Tensor) -> Tensor:
-            return x.view(num_seqs, n, *x.shape[1:])
-
         o = gdn_tree_verify_slots(
-            chains(q), chains(k), chains(v), chains(g), chains(beta), parent, initial_state_source, start_slots,
-            columns, use_qk_l2norm=use_qk_l2norm_in_kernel,
+            q.view(num_seqs, n, *q.shape[1:]), k.view(num_seqs, n, *k.shape[1:]), v.view(num_seqs, n, *v.shape[1:]),
+            g.view(num_seqs, n, -1), beta.view(num_seqs, n, -1), parent, initial_state_source, start_slots, columns,
+            use_qk_l2norm=use_qk_l2norm_in_kernel,
         )  # fmt: skip
         return o.view(v.shape)
 
+    cu = cu_seqlens.long()
+    lengths = cu[1:] - cu[:-1]
+    position = torch.arange(n, device=device)
     # Flattened tokens -> padded [S, n] chains (padding positions repeat token 0 of their sequence, write no slot and
     # are never read back).
     valid = position[None, :] < lengths[:, None]
@@ -87,6 +89,13 @@ def spec_gdn_update(
     out = torch.zeros(v.shape, dtype=v.dtype, device=device)
     out[token[valid]] = o[valid]
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _chain_parents(num_seqs: int, n: int, device: torch.device) -> Tensor:
+    """parent [num_seqs, n] int64 of chains (node i's parent is i - 1), contiguous: the op reads it as it is. Never
+    written to, so one tensor per shape serves every call."""
+    return (torch.arange(n, device=device) - 1).repeat(num_seqs, 1)
 
 
 def state_layout_matches(original: Callable[..., Tensor]) -> tuple[bool, str]:
