@@ -47,10 +47,21 @@ ensure_cuda_env() { ensure_venv .venv-cuda requirements/cuda-build.txt; }
 
 # The CPU-only extension, installed editable into .venv-cpu (torch 2.13.0+cpu has no CUDA, so setup.py picks the
 # CppExtension). ninja must be on PATH for torch's BuildExtension.
+# pip builds an editable install from scratch each time (minutes on 2 cores): the build is skipped when the sources
+# it compiles and the environment are unchanged since the last successful one (a stamp in .venv-cpu).
 build_cpu() {
+  local stamp="$ROOT/.venv-cpu/.peagle-build" want
+  want=$(cd "$ROOT" && find csrc setup.py pyproject.toml .venv-cpu/.peagle-requirements -type f -print0 | sort -z |
+    xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && compgen -G "$ROOT/peagle/_C*.so" >/dev/null; then
+    step "peagle (CPU) is built: sources unchanged since the last build"
+    return 0
+  fi
+  rm -f "$stamp"
   step "building peagle (CPU) into .venv-cpu"
   (cd "$ROOT" && PATH="$ROOT/.venv-cpu/bin:$PATH" pip_quiet "$ROOT/.venv-cpu/bin/python" -m pip install -q \
     --disable-pip-version-check --no-build-isolation --no-deps -e .)
+  echo "$want" >"$stamp"
 }
 
 # Drops the known harmless lines of a build log read from stdin. It never fails, so under pipefail a pipeline through it
