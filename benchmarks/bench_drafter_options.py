@@ -98,22 +98,28 @@ def test_cpu_sliding_window_step_vs_full_attention(benchmark, context):
 
 def demo_drafter_states(run: Path, split: str, limit_rows: int) -> tuple[PEagleDrafter, torch.Tensor, torch.Tensor]:
     """The demo's trained P-EAGLE drafter, its final states [N, H] over ``split``'s rows (every element of depths
-    0..K-1) and the target-token counts of the prepared training data."""
+    0..K-1; the held-out split is one directory per prompt category, which share ``limit_rows``) and the target-token
+    counts of the prepared training data."""
     from safetensors.torch import load_file
 
     from peagle.model import from_pretrained
     from peagle.train.dataset import ExtractedData
 
-    final = sorted(glob.glob(str(run / "drafters-*" / "peagle-k*" / "final")))[0]
+    # The demo's P-EAGLE drafter (peagle-kK), not its deeper one (peagle-kK-lL), which sorts first.
+    drafters = sorted(glob.glob(str(run / "drafters-*" / "peagle-k*" / "final")))
+    final = next(f for f in drafters if "-l" not in Path(f).parent.name)
     model = from_pretrained(final, dtype=torch.float32).eval()
     data_dir = sorted(glob.glob(str(run / "data-*")))[0]
-    data = ExtractedData(os.path.join(data_dir, f"states-{split}"))
+    splits = [ExtractedData(path) for path in sorted(glob.glob(os.path.join(data_dir, f"states-{split}*")))]
+    if not splits:
+        raise FileNotFoundError(f"no states-{split}* directory in {data_dir}: a finished demo run was expected")
+    per_split = -(-limit_rows // len(splits))
+    rows = [data.row(i) for data in splits for i in range(min(len(data), per_split))][:limit_rows]
     states = []
     model.lm_head.register_forward_hook(lambda mod, inp, out: states.append(inp[0].detach()))
     k = model.config.num_depths
     with torch.no_grad():
-        for i in range(min(len(data), limit_rows)):
-            row = data.row(i)
+        for row in rows:
             length = row.input_ids.numel()
             anchors = torch.arange(length).repeat(k)
             depths = torch.arange(k).repeat_interleave(length)
