@@ -15,6 +15,7 @@ plugin is on; see :func:`peagle.vllm.register`.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -57,7 +58,7 @@ def spec_gdn_update(
     # sequence bounds come to the host in one read (the chain length n is a shape, so it must), the chains' parent
     # array is made once per shape.
     bounds = cu_seqlens.tolist()
-    n = max(end - begin for begin, end in zip(bounds, bounds[1:]))
+    n = max(end - begin for begin, end in itertools.pairwise(bounds))
     equal = q.shape[0] == num_seqs * n  # every sequence has n tokens (vLLM's usual batch): views, no gathers
 
     # The gates, as vLLM's fused kernel computes them: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b).
