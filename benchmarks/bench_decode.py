@@ -74,7 +74,7 @@ def _demo_models(workdir: Path, prompts: int, quick: bool):
     return run.target_dir, *drafters, {c: ps[:prompts] for c, ps in pool.items()}, pool, spec.max_tokens
 
 
-def test_decode_goals(benchmark, tmp_path):
+def test_decode_goals(benchmark, tmp_path, request):
     if SMOKE:
         target, peagle, eagle3, prompts = _tiny_models(tmp_path)
         deep = None
@@ -83,6 +83,8 @@ def test_decode_goals(benchmark, tmp_path):
     else:
         # One core stays free: with a thread on every core the run's own threads hold the 1-minute load average at
         # the core count, and a row counts as noisy (other processes on its cores) at any load above it.
+        threads = torch.get_num_threads()
+        request.addfinalizer(lambda: torch.set_num_threads(threads))  # the later benchmarks of the session keep theirs
         torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
         workdir = Path(os.environ.get("PEAGLE_BENCH_WORKDIR", Path.home() / ".cache" / "peagle"))
         quick = os.environ.get("PEAGLE_BENCH_DEMO", "default") == "quick"
