@@ -17,34 +17,27 @@ import subprocess
 LIBSTDCXX_CORE_SYMBOLS = ("_ZNSt6locale7classicEv", "_ZNSt8ios_base4InitC1Ev")
 
 
-def bundled_libstdcxx(path: str) -> list[str]:
-    """The libstdc++ core symbols (LIBSTDCXX_CORE_SYMBOLS) that the shared object at ``path`` defines itself, from
-    both its static and dynamic symbol tables; empty when it uses a shared libstdc++. Needs binutils' ``nm``."""
-    nm = shutil.which("nm")
-    if nm is None:
-        raise RuntimeError("bundled_libstdcxx needs binutils' nm on PATH")
-    defined: set[str] = set()
-    for table in ([], ["--dynamic"]):
-        result = subprocess.run([nm, "--defined-only", *table, path], capture_output=True, text=True, check=False)
-        # A stripped object has no static table ("no symbols"); its dynamic table still answers.
-        if result.returncode != 0 and "no symbols" not in result.stderr:
-            raise RuntimeError(f"nm {' '.join(table)} {path} failed: {result.stderr.strip()}")
-        defined.update(line.split()[-1].split("@")[0] for line in result.stdout.splitlines() if line.strip())
-    return [name for name in LIBSTDCXX_CORE_SYMBOLS if name in defined]
-
-
-def _undefined_dynamic_symbols(path: str) -> set[str]:
+def _symbols(path: str, *flags: str) -> set[str]:
+    """The symbol names (version suffixes dropped) ``nm FLAGS path`` lists; empty for a table the object lacks (a
+    stripped object has no static table, "no symbols"). Needs binutils' ``nm``."""
     nm = shutil.which("nm")
     if nm is None:
         raise RuntimeError("testkit.binary needs binutils' nm on PATH")
-    result = subprocess.run([nm, "--dynamic", "--undefined-only", path], capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        raise RuntimeError(f"nm --dynamic --undefined-only {path} failed: {result.stderr.strip()}")
+    result = subprocess.run([nm, *flags, path], capture_output=True, text=True, check=False)
+    if result.returncode != 0 and "no symbols" not in result.stderr:
+        raise RuntimeError(f"nm {' '.join(flags)} {path} failed: {result.stderr.strip()}")
     return {line.split()[-1].split("@")[0] for line in result.stdout.splitlines() if line.strip()}
+
+
+def bundled_libstdcxx(path: str) -> list[str]:
+    """The libstdc++ core symbols (LIBSTDCXX_CORE_SYMBOLS) that the shared object at ``path`` defines itself, from
+    both its static and dynamic symbol tables; empty when it uses a shared libstdc++."""
+    defined = _symbols(path, "--defined-only") | _symbols(path, "--defined-only", "--dynamic")
+    return [name for name in LIBSTDCXX_CORE_SYMBOLS if name in defined]
 
 
 def opens_openmp_regions(path: str) -> bool:
     """Whether the shared object at ``path`` starts OpenMP parallel regions (imports libgomp's GOMP_parallel, which
     every ``#pragma omp parallel`` compiled with -fopenmp calls). A torch extension whose at::parallel_for was compiled
     without OpenMP never imports it: its loops run on one thread."""
-    return "GOMP_parallel" in _undefined_dynamic_symbols(path)
+    return "GOMP_parallel" in _symbols(path, "--dynamic", "--undefined-only")
