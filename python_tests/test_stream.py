@@ -200,7 +200,9 @@ def test_killed_trainer_resumes_without_training_a_row_twice(work: Path, referen
 
 def test_killed_producer_is_named_and_the_trainer_keeps_its_complete_steps(work: Path):
     out = work / "two"
-    trainer = start(stream_options(work, out, producers=2))
+    # A queue of 2 rows keeps each producer a few rows ahead of the trainer: with the default queue a producer of this
+    # tiny target has sent all its rows before step 4, and killing it then stops nothing.
+    trainer = start([*stream_options(work, out, producers=2), "--queue-rows", "2"])
     first, second = producers_of(trainer, 2)
     ranks = {}
     for process in (first, second):  # rank order: producer 1 was started first
