@@ -34,6 +34,10 @@ SEQ_LEN, LAYERS, ANSWER, REGEN_BATCH = 64, "1,2,3", 24, 8
 TRAIN = ["--layers", "1", "--depths", "3", "--batch-size", "2", "--lr", "1e-3", "--warmup-steps", "1",
          "--eval-every", "4", "--eval-rows", "3", "--save-every", "4", "--quiet"]  # fmt: skip
 STEPS = 12
+# The runs a test kills keep each producer at most 2 queued rows ahead of the trainer: with the default queue (64 rows)
+# a producer of this tiny target can send every row the run needs before the kill, so a killed producer stops nothing
+# and a trainer can finish its steps before the test kills it.
+SHORT_QUEUE = ["--queue-rows", "2"]
 
 
 def stream_options(root: Path, out: Path, producers: int = 1, target: str = "target") -> list[str]:
@@ -182,7 +186,7 @@ def test_stream_trains_the_file_pipelines_drafter_bit_for_bit(work: Path, refere
 
 def test_killed_trainer_resumes_without_training_a_row_twice(work: Path, reference: Path):
     out = work / "killed"
-    trainer = start(stream_options(work, out))
+    trainer = start([*stream_options(work, out), *SHORT_QUEUE])
     producers_of(trainer, 1)
     wait_for(out / "checkpoint-0000004" / "trainer_state.pt", trainer)
     children = psutil.Process(trainer.pid).children(recursive=True)
@@ -200,9 +204,7 @@ def test_killed_trainer_resumes_without_training_a_row_twice(work: Path, referen
 
 def test_killed_producer_is_named_and_the_trainer_keeps_its_complete_steps(work: Path):
     out = work / "two"
-    # A queue of 2 rows keeps each producer a few rows ahead of the trainer: with the default queue a producer of this
-    # tiny target has sent all its rows before step 4, and killing it then stops nothing.
-    trainer = start([*stream_options(work, out, producers=2), "--queue-rows", "2"])
+    trainer = start([*stream_options(work, out, producers=2), *SHORT_QUEUE])
     first, second = producers_of(trainer, 2)
     ranks = {}
     for process in (first, second):  # rank order: producer 1 was started first
