@@ -436,9 +436,10 @@ def test_cpu_validates_even_when_asked_not_to(generator):
 # gdn_tree_verify_slots: the start state read from a state cache, every node's state written into its own slot.
 
 
-def slots_case(generator, batch, nodes, kind, heads=(2, 4, 16, 12), dtype=torch.float32, extra=5):
+def slots_case(generator, batch, nodes, kind, heads=(2, 4, 16, 80), dtype=torch.float32, extra=5):
     """Inputs with a cache of batch * (nodes + 1) + extra states, random distinct start slots and written slots (some
-    -1), and request 0 writing its node 0 into its own start slot (vLLM's case of one accepted token)."""
+    -1), and request 0 writing its node 0 into its own start slot (vLLM's case of one accepted token). 80 value
+    columns: the CPU row loops' whole register blocks (16 to 64 columns) and a narrower last block."""
     h, hv, kd, vd = heads
     x = random_gdn_inputs(generator, batch, nodes, h, hv, kd, vd, kind=kind, dtype=dtype, pool_extra=0)
     slots = batch * (nodes + 1) + extra
@@ -611,8 +612,10 @@ from peagle.ops import gdn_tree_verify, gdn_tree_verify_slots
 from testkit import random_gdn_inputs
 gen = torch.Generator().manual_seed(int(sys.argv[1]))
 digest = hashlib.sha256()
-for dtype, (h, hv, kd, vd) in ((torch.float32, (2, 4, 64, 80)), (torch.bfloat16, (1, 2, 48, 128))):
-    x = random_gdn_inputs(gen, 3, 9, h, hv, kd, vd, kind="random", dtype=dtype, pool_extra=40)
+cases = ((torch.float32, (2, 4, 64, 80), "random"), (torch.bfloat16, (1, 2, 48, 128), "random"),
+         (torch.bfloat16, (1, 2, 48, 144), "chain"), (torch.float32, (2, 2, 32, 80), "chain"))
+for dtype, (h, hv, kd, vd), kind in cases:  # chains take the node-state loop's register path
+    x = random_gdn_inputs(gen, 3, 9, h, hv, kd, vd, kind=kind, dtype=dtype, pool_extra=40)
     o, u = gdn_tree_verify(*x, use_qk_l2norm=True)
     cache = x.state_pool.to(dtype)
     dest = torch.arange(3, 30).view(3, 9)

@@ -8,8 +8,7 @@
 // once per instruction set.
 
 // out_k[i, c] = (sum_r k[i, r] S0[r, c]) f^k_i and out_q[i, c] = (sum_r q[i, r] S0[r, c]) f^q_i, every sum in
-// increasing r (as gdn.h's projections); S0 rows row_stride apart. Columns go in blocks of kBlock held in registers,
-// and each S0 row of a block serves the k and q rows of a node.
+// increasing r (as gdn.h's projections); S0 rows row_stride apart.
 static PEAGLE_GDN_TARGET void project_kq(const float* k, const float* fk, const float* q, const float* fq,
                                          const float* s0, int64_t row_stride, int64_t n, int64_t K, int64_t V,
                                          float* out_k, float* out_q) {
@@ -30,37 +29,49 @@ static PEAGLE_GDN_TARGET void project_kq(const float* k, const float* fk, const 
     }
     return;
   }
-  constexpr int64_t kArray = kBlock > 0 ? kBlock : 1;
-  for (int64_t i = 0; i < n; ++i) {
-    const float* ki = k + i * K;
-    const float* qi = q + i * K;
-    for (int64_t c0 = 0; c0 < V; c0 += kBlock) {
-      float acc_k[kArray], acc_q[kArray];
-      for (int64_t j = 0; j < kBlock; ++j) acc_k[j] = acc_q[j] = 0.0f;
-      if (c0 + kBlock <= V) {
+  // Wide vectors: kNodes nodes at a time over blocks of kCols columns, so that each S0 row segment loaded serves
+  // 2 kNodes accumulator rows (2 kNodes kCols floats: half the vector registers).
+  constexpr int64_t kNodes = 4;
+  constexpr int64_t kCols = kBlock > 0 ? kBlock / 2 : 1;
+  for (int64_t i0 = 0; i0 < n; i0 += kNodes) {
+    const int64_t nodes = n - i0 < kNodes ? n - i0 : kNodes;
+    const float* ki = k + i0 * K;
+    const float* qi = q + i0 * K;
+    for (int64_t c0 = 0; c0 < V; c0 += kCols) {
+      const int64_t width = c0 + kCols <= V ? kCols : V - c0;
+      float acc_k[kNodes][kCols], acc_q[kNodes][kCols];
+      for (int64_t m = 0; m < kNodes; ++m) {
+        for (int64_t j = 0; j < kCols; ++j) acc_k[m][j] = acc_q[m][j] = 0.0f;
+      }
+      if (nodes == kNodes && width == kCols) {  // constant trip counts: the accumulators stay in registers
         for (int64_t r = 0; r < K; ++r) {
-          const float kr = ki[r], qr = qi[r];
           const float* srow = s0 + r * row_stride + c0;
-          for (int64_t j = 0; j < kBlock; ++j) {
-            acc_k[j] = gdn::mac(acc_k[j], kr, srow[j]);
-            acc_q[j] = gdn::mac(acc_q[j], qr, srow[j]);
+          for (int64_t m = 0; m < kNodes; ++m) {
+            const float kr = ki[m * K + r], qr = qi[m * K + r];
+            for (int64_t j = 0; j < kCols; ++j) {
+              acc_k[m][j] = gdn::mac(acc_k[m][j], kr, srow[j]);
+              acc_q[m][j] = gdn::mac(acc_q[m][j], qr, srow[j]);
+            }
           }
         }
       } else {
-        const int64_t width = V - c0;
         for (int64_t r = 0; r < K; ++r) {
-          const float kr = ki[r], qr = qi[r];
           const float* srow = s0 + r * row_stride + c0;
-          for (int64_t j = 0; j < width; ++j) {
-            acc_k[j] = gdn::mac(acc_k[j], kr, srow[j]);
-            acc_q[j] = gdn::mac(acc_q[j], qr, srow[j]);
+          for (int64_t m = 0; m < nodes; ++m) {
+            const float kr = ki[m * K + r], qr = qi[m * K + r];
+            for (int64_t j = 0; j < width; ++j) {
+              acc_k[m][j] = gdn::mac(acc_k[m][j], kr, srow[j]);
+              acc_q[m][j] = gdn::mac(acc_q[m][j], qr, srow[j]);
+            }
           }
         }
       }
-      const int64_t width = c0 + kBlock <= V ? kBlock : V - c0;
-      for (int64_t j = 0; j < width; ++j) {
-        out_k[i * V + c0 + j] = gdn::mul_rn(acc_k[j], fk[i]);
-        out_q[i * V + c0 + j] = gdn::mul_rn(acc_q[j], fq[i]);
+      for (int64_t m = 0; m < nodes; ++m) {
+        const int64_t i = i0 + m;
+        for (int64_t j = 0; j < width; ++j) {
+          out_k[i * V + c0 + j] = gdn::mul_rn(acc_k[m][j], fk[i]);
+          out_q[i * V + c0 + j] = gdn::mul_rn(acc_q[m][j], fq[i]);
+        }
       }
     }
   }
@@ -86,15 +97,24 @@ static PEAGLE_GDN_TARGET void from_float_row(const float* src, int64_t V, float*
 }
 
 // fp32 -> bf16 bits, rounded to nearest even, NaN to the quiet NaN 0x7FC0 (as c10::BFloat16 and torch's .to round).
-static PEAGLE_GDN_TARGET void from_float_row(const float* src, int64_t V, c10::BFloat16* dst) {
-  const uint32_t* in = reinterpret_cast<const uint32_t*>(src);
-  uint16_t* out = reinterpret_cast<uint16_t*>(dst);
-  for (int64_t c = 0; c < V; ++c) {
-    const uint32_t bits = in[c];
-    const bool nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
-    out[c] = static_cast<uint16_t>(nan ? 0x7FC0u : (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-  }
+// From the value, not through a pointer cast, so that a caller's values can stay in vector registers.
+static PEAGLE_GDN_TARGET uint16_t bf16_bits(float x) {
+  const uint32_t bits = __builtin_bit_cast(uint32_t, x);
+  const bool nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
+  return static_cast<uint16_t>(nan ? 0x7FC0u : (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
+
+static PEAGLE_GDN_TARGET void from_float_row(const float* src, int64_t V, c10::BFloat16* dst) {
+  uint16_t* out = reinterpret_cast<uint16_t*>(dst);  // c10::BFloat16 is its 16 bits
+  for (int64_t c = 0; c < V; ++c) out[c] = bf16_bits(src[c]);
+}
+
+// One value into a state cache entry, rounded as from_float_row rounds.
+static PEAGLE_GDN_TARGET void store_value(float x, float* dst) { *dst = x; }
+static PEAGLE_GDN_TARGET void store_value(float x, c10::BFloat16* dst) {
+  *reinterpret_cast<uint16_t*>(dst) = bf16_bits(x);
+}
+static PEAGLE_GDN_TARGET void store_value(float x, c10::Half* dst) { *dst = static_cast<c10::Half>(x); }
 
 static PEAGLE_GDN_TARGET void from_float_row(const float* src, int64_t V, c10::Half* dst) {
   for (int64_t c = 0; c < V; ++c) dst[c] = static_cast<c10::Half>(src[c]);
@@ -136,11 +156,61 @@ static PEAGLE_GDN_TARGET void load_head(const state_t* head, int64_t row_stride,
 // The node states of one value head, row by row (gdn::state_step from the parent's row; the start state's row for a
 // root), for the nodes marked `needed`; node i's row goes to dest[i] + r * row_stride when dest[i] is not null.
 // row_coef [n, K] = f^k_i k_i[r]; u [n, V]; rows: (n + 1) x V floats of scratch; stream: see store_state_row.
+// Chains and forests of chains (every parent[i] is -1 or i - 1: vLLM's speculative batches): node i's row follows from
+// node i - 1's, so each block of kCols columns of a row goes from node to node in registers and straight into the
+// cache, with no scratch row written and read back. Same operations in the same order as the general loop below.
+template <typename state_t>
+static PEAGLE_GDN_TARGET void chain_states(const float* s0, int64_t n, const int64_t* parent, const float* decay,
+                                           const float* row_coef, const float* u, state_t* const* dest,
+                                           int64_t row_stride, int64_t K, int64_t V, bool stream) {
+  constexpr int64_t kCols = PEAGLE_GDN_BLOCK > 0 ? PEAGLE_GDN_BLOCK : 16;
+  for (int64_t r = 0; r < K; ++r) {
+    const float* start = s0 + r * V;
+    for (int64_t c0 = 0; c0 < V; c0 += kCols) {
+      float s[kCols];
+      if (c0 + kCols <= V) {  // a whole block: constant trip counts, held in vector registers
+        for (int64_t i = 0; i < n; ++i) {
+          const float* from = parent[i] < 0 ? start + c0 : s;
+          const float d = decay[i], a = row_coef[i * K + r];
+          const float* ui = u + i * V + c0;
+          if (dest[i] == nullptr || stream) {
+            for (int64_t j = 0; j < kCols; ++j) s[j] = gdn::state_step(from[j], d, a, ui[j]);
+            if (dest[i] != nullptr) store_state_row(s, kCols, dest[i] + r * row_stride + c0, stream);
+          } else {  // each value stored as it is computed: the block never leaves the registers
+            state_t* out = dest[i] + r * row_stride + c0;
+            for (int64_t j = 0; j < kCols; ++j) {
+              s[j] = gdn::state_step(from[j], d, a, ui[j]);
+              store_value(s[j], out + j);
+            }
+          }
+        }
+      } else {
+        const int64_t width = V - c0;
+        for (int64_t i = 0; i < n; ++i) {
+          const float* from = parent[i] < 0 ? start + c0 : s;
+          const float d = decay[i], a = row_coef[i * K + r];
+          const float* ui = u + i * V + c0;
+          for (int64_t j = 0; j < width; ++j) s[j] = gdn::state_step(from[j], d, a, ui[j]);
+          if (dest[i] != nullptr) store_state_row(s, width, dest[i] + r * row_stride + c0, stream);
+        }
+      }
+    }
+  }
+  stream_fence();
+}
+
 template <typename state_t>
 static PEAGLE_GDN_TARGET void node_states(const float* s0, int64_t n, const int64_t* parent, const char* needed,
                                           const float* decay, const float* row_coef, const float* u,
                                           state_t* const* dest, int64_t row_stride, int64_t K, int64_t V, float* rows,
                                           bool stream) {
+  bool chains = true;
+  for (int64_t i = 0; i < n; ++i) chains = chains && (parent[i] == -1 || parent[i] == i - 1);
+  if (chains) {
+    int64_t written = n;  // nodes after the last written one (vLLM's padding) need no state
+    while (written > 0 && dest[written - 1] == nullptr) --written;
+    return chain_states(s0, written, parent, decay, row_coef, u, dest, row_stride, K, V, stream);
+  }
   float* start = rows + n * V;
   for (int64_t r = 0; r < K; ++r) {
     for (int64_t c = 0; c < V; ++c) start[c] = s0[r * V + c];
