@@ -153,12 +153,9 @@ static PEAGLE_GDN_TARGET void load_head(const state_t* head, int64_t row_stride,
   for (int64_t r = 0; r < K; ++r) to_float_row(head + r * row_stride, V, s0 + r * V);
 }
 
-// The node states of one value head, row by row (gdn::state_step from the parent's row; the start state's row for a
-// root), for the nodes marked `needed`; node i's row goes to dest[i] + r * row_stride when dest[i] is not null.
-// row_coef [n, K] = f^k_i k_i[r]; u [n, V]; rows: (n + 1) x V floats of scratch; stream: see store_state_row.
 // Chains and forests of chains (every parent[i] is -1 or i - 1: vLLM's speculative batches): node i's row follows from
 // node i - 1's, so each block of kCols columns of a row goes from node to node in registers and straight into the
-// cache, with no scratch row written and read back. Same operations in the same order as the general loop below.
+// cache, with no scratch row written and read back. Same operations in the same order as node_states' general loop.
 template <typename state_t>
 static PEAGLE_GDN_TARGET void chain_states(const float* s0, int64_t n, const int64_t* parent, const float* decay,
                                            const float* row_coef, const float* u, state_t* const* dest,
@@ -199,6 +196,10 @@ static PEAGLE_GDN_TARGET void chain_states(const float* s0, int64_t n, const int
   stream_fence();
 }
 
+// The node states of one value head, row by row (gdn::state_step from the parent's row; the start state's row for a
+// root), for the nodes marked `needed`; node i's row goes to dest[i] + r * row_stride when dest[i] is not null.
+// row_coef [n, K] = f^k_i k_i[r]; u [n, V]; rows: (n + 1) x V floats of scratch; stream: see store_state_row. Chains
+// take chain_states.
 template <typename state_t>
 static PEAGLE_GDN_TARGET void node_states(const float* s0, int64_t n, const int64_t* parent, const char* needed,
                                           const float* decay, const float* row_coef, const float* u,
