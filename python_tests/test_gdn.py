@@ -507,6 +507,45 @@ def test_verify_slots_half_cache_rounds_the_fp32_states(generator, dtype):
     assert torch.equal(half, full.to(dtype)) and not torch.equal(full, half.float())  # rounding happened
 
 
+@pytest.mark.parametrize("kind", ["chain", "random"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_slots_large_calls_write_the_same_bits(generator, kind, dtype):
+    """A call that writes more states than a cache holds (18 MiB here; the CPU kernel writes over 16 MiB with
+    streaming stores) leaves the same outputs and cache as its requests verified one call each (2.3 MiB or less)."""
+    batch, nodes = 8 if dtype == torch.float32 else 16, 9
+    x = random_gdn_inputs(generator, batch, nodes, 2, 4, 128, 128, kind=kind, dtype=dtype)
+    slots = torch.randperm(batch * (nodes + 1), generator=generator)
+    start, dest = slots[:batch], slots[batch:].view(batch, nodes)  # every node written
+    cache = (torch.randn(batch * (nodes + 1), 4, 128, 128, generator=generator) * 0.3).to(dtype)
+    assert dest.numel() * 4 * 128 * 128 * cache.element_size() > 16 << 20
+    whole, parts = cache.clone(), cache.clone()
+    o = gdn_tree_verify_slots(x.q, x.k, x.v, x.g, x.beta, x.parent, whole, start, dest, use_qk_l2norm=True)
+    for b in range(batch):
+        r = slice(b, b + 1)
+        o_b = gdn_tree_verify_slots(
+            x.q[r], x.k[r], x.v[r], x.g[r], x.beta[r], x.parent[r], parts, start[r], dest[r], use_qk_l2norm=True
+        )
+        assert torch.equal(o_b, o[r])
+    assert torch.equal(whole, parts) and not torch.equal(whole, cache)
+
+
+def test_verify_slots_bf16_cache_rounds_subnormal_states_exactly(generator):
+    """Subnormal states are rounded to bfloat16 as torch rounds them, not flushed to zero (the AVX-512 BF16
+    conversion instruction would flush them): rows whose k is 0 only decay, so subnormal start rows stay subnormal."""
+    torch.set_flush_denormal(False)  # other tests' pipelines turn flushing on for the process
+    x, cache, start, dest = slots_case(generator, 3, 6, "chain", dtype=torch.bfloat16)
+    x.k[..., :4] = 0
+    cache = cache.bfloat16()
+    cache[:, :, :4] *= 1e-38
+    half, full = cache.clone(), cache.float()
+    gdn_tree_verify_slots(x.q, x.k, x.v, x.g, x.beta, x.parent, half, start, dest)
+    gdn_tree_verify_slots(x.q, x.k, x.v, x.g, x.beta, x.parent, full, start, dest)
+    written = dest[dest >= 0]
+    tiny = full[written, :, :4]
+    assert ((tiny.abs() < 2**-126) & (tiny != 0)).float().mean() > 0.5  # the states are subnormal
+    assert torch.equal(half, full.to(torch.bfloat16))
+
+
 def test_verify_slots_writes_nan_states_as_nan(generator):
     x, cache, start, dest = slots_case(generator, 2, 4, "chain", dtype=torch.bfloat16)
     cache = cache.bfloat16()
@@ -622,6 +661,18 @@ for dtype, (h, hv, kd, vd), kind in cases:  # chains take the node-state loop's 
     o2 = gdn_tree_verify_slots(*x[:6], cache, torch.tensor([40, 0, 41]), dest, use_qk_l2norm=True)
     for t in (o, u, o2, cache):
         digest.update(t.float().numpy().tobytes())
+# Subnormal and NaN states in a bfloat16 cache: the AVX-512 BF16 conversion hands the groups holding them to the exact
+# rounding. Rows 0-3 of every state only decay (k is 0 there), so a subnormal start row stays subnormal.
+x = random_gdn_inputs(gen, 2, 5, 1, 2, 16, 80, kind="chain", dtype=torch.bfloat16, pool_extra=20)
+x.k[..., :4] = 0
+cache = x.state_pool.to(torch.bfloat16)
+cache[:, :, :4] *= 1e-38
+cache[0, 1] = float("nan")
+o = gdn_tree_verify_slots(*x[:6], cache, torch.tensor([20, 0]), torch.arange(2, 12).view(2, 5))
+written = cache[2:12].float()
+assert ((written.abs() < 2**-126) & (written != 0)).any() and written.isnan().any()
+for t in (o, cache):
+    digest.update(t.float().numpy().tobytes())
 logits = torch.randn(2, 5, 40001, generator=gen)
 logits[:, :, 17:40001:997] = logits.amax()  # ties: the first index wins
 logits[1, 2, 31000] = float("inf")
@@ -633,9 +684,9 @@ print(digest.hexdigest())
 
 
 def test_every_cpu_instruction_set_computes_the_same_bits(generator):
-    """The row loops (GDN projections and node states, the greedy row argmax) are compiled for baseline x86-64, AVX2
-    and AVX-512 and picked at run time; PEAGLE_CPU_ISA caps the pick. Every version must give the same bits (the
-    kernels promise bit-identical results across backends)."""
+    """The row loops (GDN projections and node states, the greedy row argmax) are compiled for baseline x86-64, AVX2,
+    AVX-512 and AVX-512 with BF16 conversions, and picked at run time; PEAGLE_CPU_ISA caps the pick. Every version must
+    give the same bits (the kernels promise bit-identical results across backends)."""
     import os
     import subprocess
     import sys
@@ -643,7 +694,7 @@ def test_every_cpu_instruction_set_computes_the_same_bits(generator):
     seed = str(int(torch.randint(0, 2**31, (), generator=generator)))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     digests = {}
-    for isa in ("generic", "avx2", "native"):
+    for isa in ("generic", "avx2", "avx512", "native"):
         env = {**os.environ, "PEAGLE_CPU_ISA": isa, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
         run = subprocess.run([sys.executable, "-c", ISA_SCRIPT, seed], env=env, capture_output=True, text=True)
         assert run.returncode == 0, run.stderr[-2000:]

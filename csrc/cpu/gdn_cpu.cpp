@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -26,10 +27,12 @@ namespace rows_generic {
 #define PEAGLE_GDN_TARGET
 #define PEAGLE_GDN_BLOCK 0
 #define PEAGLE_GDN_STREAM 0
+#define PEAGLE_GDN_BF16 0
 #include "gdn_rows.h"  // NOLINT(build/include)
 #undef PEAGLE_GDN_TARGET
 #undef PEAGLE_GDN_BLOCK
 #undef PEAGLE_GDN_STREAM
+#undef PEAGLE_GDN_BF16
 }  // namespace rows_generic
 
 #if defined(PEAGLE_CPU_X86)
@@ -37,28 +40,48 @@ namespace rows_avx2 {
 #define PEAGLE_GDN_TARGET PEAGLE_CPU_AVX2
 #define PEAGLE_GDN_BLOCK 32
 #define PEAGLE_GDN_STREAM 0
+#define PEAGLE_GDN_BF16 0
 #include "gdn_rows.h"  // NOLINT(build/include)
 #undef PEAGLE_GDN_TARGET
 #undef PEAGLE_GDN_BLOCK
 #undef PEAGLE_GDN_STREAM
+#undef PEAGLE_GDN_BF16
 }  // namespace rows_avx2
 
 namespace rows_avx512 {
 #define PEAGLE_GDN_TARGET PEAGLE_CPU_AVX512
 #define PEAGLE_GDN_BLOCK 64
 #define PEAGLE_GDN_STREAM 1
+#define PEAGLE_GDN_BF16 0
 #include "gdn_rows.h"  // NOLINT(build/include)
 #undef PEAGLE_GDN_TARGET
 #undef PEAGLE_GDN_BLOCK
 #undef PEAGLE_GDN_STREAM
+#undef PEAGLE_GDN_BF16
 }  // namespace rows_avx512
+
+namespace rows_avx512_bf16 {
+#define PEAGLE_GDN_TARGET PEAGLE_CPU_AVX512_BF16
+#define PEAGLE_GDN_BLOCK 64
+#define PEAGLE_GDN_STREAM 1
+#define PEAGLE_GDN_BF16 1
+#include "gdn_rows.h"  // NOLINT(build/include)
+#undef PEAGLE_GDN_TARGET
+#undef PEAGLE_GDN_BLOCK
+#undef PEAGLE_GDN_STREAM
+#undef PEAGLE_GDN_BF16
+}  // namespace rows_avx512_bf16
 #endif
 
-#define PEAGLE_GDN_DISPATCH(call) PEAGLE_CPU_DISPATCH(rows_generic, rows_avx2, rows_avx512, call)
+#define PEAGLE_GDN_DISPATCH(call) PEAGLE_CPU_DISPATCH(rows_generic, rows_avx2, rows_avx512, rows_avx512_bf16, call)
 
 void project_kq(const float* k, const float* fk, const float* q, const float* fq, const float* s0, int64_t row_stride,
                 int64_t n, int64_t K, int64_t V, float* out_k, float* out_q) {
   PEAGLE_GDN_DISPATCH(project_kq(k, fk, q, fq, s0, row_stride, n, K, V, out_k, out_q))
+}
+
+void commit_rows(float* s, int64_t row_stride, float coef, const float* k, const float* u, int64_t K, int64_t V) {
+  PEAGLE_GDN_DISPATCH(commit_rows(s, row_stride, coef, k, u, K, V))
 }
 
 template <typename state_t>
@@ -392,11 +415,7 @@ void gdn_commit_cpu(const at::Tensor& k, const at::Tensor& g, const at::Tensor& 
           load_row(k_ptr + ks.at(b, j, h), K, kf.data());
           const float coef = gdn::commit_coefficient(gate_sum[a], gate_sum[j],
                                                      gdn::row_factor(sum_sq(kf.data(), K), use_qk_l2norm, 1.0f));
-          const float* uj = u_ptr + ((b * n + j) * HV + hv) * V;
-          for (int64_t r = 0; r < K; ++r) {
-            float* srow = s + r * ps.inner;
-            for (int64_t c = 0; c < V; ++c) srow[c] = gdn::commit_step(srow[c], coef, kf[r], uj[c]);
-          }
+          commit_rows(s, ps.inner, coef, kf.data(), u_ptr + ((b * n + j) * HV + hv) * V, K, V);
         }
       }
     });

@@ -13,7 +13,7 @@ static PEAGLE_GDN_TARGET void project_kq(const float* k, const float* fk, const 
                                          const float* s0, int64_t row_stride, int64_t n, int64_t K, int64_t V,
                                          float* out_k, float* out_q) {
   constexpr int64_t kBlock = PEAGLE_GDN_BLOCK;
-  if (kBlock == 0) {  // narrow vectors: whole rows, accumulated in memory (keeps the baseline build as fast as before)
+  if (kBlock == 0) {  // baseline x86-64 (no FMA instruction: each state_mac is a call of the C library's fmaf)
     for (int64_t i = 0; i < n; ++i) {
       float* ok = out_k + i * V;
       float* oq = out_q + i * V;
@@ -21,8 +21,8 @@ static PEAGLE_GDN_TARGET void project_kq(const float* k, const float* fk, const 
       for (int64_t r = 0; r < K; ++r) {
         const float kr = k[i * K + r], qr = q[i * K + r];
         const float* srow = s0 + r * row_stride;
-        for (int64_t c = 0; c < V; ++c) ok[c] = gdn::mac(ok[c], kr, srow[c]);
-        for (int64_t c = 0; c < V; ++c) oq[c] = gdn::mac(oq[c], qr, srow[c]);
+        for (int64_t c = 0; c < V; ++c) ok[c] = gdn::state_mac(ok[c], kr, srow[c]);
+        for (int64_t c = 0; c < V; ++c) oq[c] = gdn::state_mac(oq[c], qr, srow[c]);
       }
       for (int64_t c = 0; c < V; ++c) ok[c] = gdn::mul_rn(ok[c], fk[i]);
       for (int64_t c = 0; c < V; ++c) oq[c] = gdn::mul_rn(oq[c], fq[i]);
@@ -49,8 +49,8 @@ static PEAGLE_GDN_TARGET void project_kq(const float* k, const float* fk, const 
           for (int64_t m = 0; m < kNodes; ++m) {
             const float kr = ki[m * K + r], qr = qi[m * K + r];
             for (int64_t j = 0; j < kCols; ++j) {
-              acc_k[m][j] = gdn::mac(acc_k[m][j], kr, srow[j]);
-              acc_q[m][j] = gdn::mac(acc_q[m][j], qr, srow[j]);
+              acc_k[m][j] = gdn::state_mac(acc_k[m][j], kr, srow[j]);
+              acc_q[m][j] = gdn::state_mac(acc_q[m][j], qr, srow[j]);
             }
           }
         }
@@ -60,8 +60,8 @@ static PEAGLE_GDN_TARGET void project_kq(const float* k, const float* fk, const 
           for (int64_t m = 0; m < nodes; ++m) {
             const float kr = ki[m * K + r], qr = qi[m * K + r];
             for (int64_t j = 0; j < width; ++j) {
-              acc_k[m][j] = gdn::mac(acc_k[m][j], kr, srow[j]);
-              acc_q[m][j] = gdn::mac(acc_q[m][j], qr, srow[j]);
+              acc_k[m][j] = gdn::state_mac(acc_k[m][j], kr, srow[j]);
+              acc_q[m][j] = gdn::state_mac(acc_q[m][j], qr, srow[j]);
             }
           }
         }
@@ -74,6 +74,16 @@ static PEAGLE_GDN_TARGET void project_kq(const float* k, const float* fk, const 
         }
       }
     }
+  }
+}
+
+// One path node of gdn_commit on a state of K rows of V floats, row_stride apart:
+// s[r, c] = gdn::commit_step(s[r, c], coef, k[r], u[c]).
+static PEAGLE_GDN_TARGET void commit_rows(float* s, int64_t row_stride, float coef, const float* k, const float* u,
+                                          int64_t K, int64_t V) {
+  for (int64_t r = 0; r < K; ++r) {
+    float* row = s + r * row_stride;
+    for (int64_t c = 0; c < V; ++c) row[c] = gdn::commit_step(row[c], coef, k[r], u[c]);
   }
 }
 
@@ -104,9 +114,31 @@ static PEAGLE_GDN_TARGET uint16_t bf16_bits(float x) {
   return static_cast<uint16_t>(nan ? 0x7FC0u : (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
+#if PEAGLE_GDN_BF16
+// 16 floats -> their bf16 bits as bf16_bits rounds them. vcvtneps2bf16 rounds to nearest even as bf16_bits does, in one
+// instruction instead of eight, but it reads a subnormal input as zero and keeps a NaN's payload: a group holding
+// either (vfpclassps: quiet NaN 0x01, subnormal 0x20, signalling NaN 0x80) takes bf16_bits.
+static inline PEAGLE_GDN_TARGET __m256i bf16x16_bits(__m512 x) {
+  if (__builtin_expect(_mm512_fpclass_ps_mask(x, 0x01 | 0x20 | 0x80) == 0, 1)) {
+    return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+  }
+  alignas(64) float value[16];
+  alignas(32) uint16_t bits[16];
+  _mm512_store_ps(value, x);
+  for (int j = 0; j < 16; ++j) bits[j] = bf16_bits(value[j]);
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(bits));
+}
+#endif
+
 static PEAGLE_GDN_TARGET void from_float_row(const float* src, int64_t V, c10::BFloat16* dst) {
   uint16_t* out = reinterpret_cast<uint16_t*>(dst);  // c10::BFloat16 is its 16 bits
-  for (int64_t c = 0; c < V; ++c) out[c] = bf16_bits(src[c]);
+  int64_t c = 0;
+#if PEAGLE_GDN_BF16
+  for (; c + 16 <= V; c += 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), bf16x16_bits(_mm512_loadu_ps(src + c)));
+  }
+#endif
+  for (; c < V; ++c) out[c] = bf16_bits(src[c]);
 }
 
 // One value into a state cache entry, rounded as from_float_row rounds.
@@ -153,6 +185,67 @@ static PEAGLE_GDN_TARGET void load_head(const state_t* head, int64_t row_stride,
   for (int64_t r = 0; r < K; ++r) to_float_row(head + r * row_stride, V, s0 + r * V);
 }
 
+#if PEAGLE_GDN_BLOCK == 64
+// chain_states' whole blocks on AVX-512, in intrinsics, for the caches that convert in registers (float32, and
+// bfloat16 with PEAGLE_GDN_BF16): the compiler kept chain_states' block arrays on the stack, storing and reloading
+// every vector between nodes.
+template <typename state_t>
+constexpr bool kVectorChain =
+    std::is_same_v<state_t, float> || (PEAGLE_GDN_BF16 && std::is_same_v<state_t, c10::BFloat16>);
+
+// 64 state values (4 vectors) into a cache row as store_state_row stores them, streaming when `stream` and dst is
+// cache-line aligned.
+static inline PEAGLE_GDN_TARGET void store_block(const __m512* s, float* dst, bool stream) {
+  if (stream && reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) _mm512_stream_ps(dst + 16 * g, s[g]);
+  } else {
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) _mm512_storeu_ps(dst + 16 * g, s[g]);
+  }
+}
+
+#if PEAGLE_GDN_BF16
+static inline PEAGLE_GDN_TARGET void store_block(const __m512* s, c10::BFloat16* dst, bool stream) {
+  uint16_t* out = reinterpret_cast<uint16_t*>(dst);  // c10::BFloat16 is its 16 bits
+  __m256i bits[4];
+#pragma GCC unroll 4
+  for (int g = 0; g < 4; ++g) bits[g] = bf16x16_bits(s[g]);
+  if (stream && reinterpret_cast<uintptr_t>(out) % 64 == 0) {
+    alignas(64) uint16_t line[32];
+#pragma GCC unroll 2
+    for (int g = 0; g < 4; g += 2) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(line), bits[g]);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(line + 16), bits[g + 1]);
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(out + 16 * g), _mm512_load_si512(line));
+    }
+  } else {
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * g), bits[g]);
+  }
+}
+#endif
+
+// One block of 64 columns of one state row through the chain: node i's values from node i - 1's (the start row's for
+// a root) by gdn::state_step, into dest[i] + offset when dest[i] is not null.
+template <typename state_t>
+static PEAGLE_GDN_TARGET void chain_block(const float* start, int64_t n, const int64_t* parent, const float* decay,
+                                          const float* row_coef, int64_t coef_stride, const float* u, int64_t V,
+                                          state_t* const* dest, int64_t offset, bool stream) {
+  __m512 s[4] = {};
+  for (int64_t i = 0; i < n; ++i) {
+    const __m512 d = _mm512_set1_ps(decay[i]), a = _mm512_set1_ps(row_coef[i * coef_stride]);
+    const float* ui = u + i * V;
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) {
+      const __m512 from = parent[i] < 0 ? _mm512_loadu_ps(start + 16 * g) : s[g];
+      s[g] = _mm512_fmadd_ps(a, _mm512_loadu_ps(ui + 16 * g), _mm512_mul_ps(d, from));  // gdn::state_step
+    }
+    if (dest[i] != nullptr) store_block(s, dest[i] + offset, stream);
+  }
+}
+#endif
+
 // Chains and forests of chains (every parent[i] is -1 or i - 1: vLLM's speculative batches): node i's row follows from
 // node i - 1's, so each block of kCols columns of a row goes from node to node in registers and straight into the
 // cache, with no scratch row written and read back. Same operations in the same order as node_states' general loop.
@@ -165,6 +258,14 @@ static PEAGLE_GDN_TARGET void chain_states(const float* s0, int64_t n, const int
     const float* start = s0 + r * V;
     for (int64_t c0 = 0; c0 < V; c0 += kCols) {
       float s[kCols];
+#if PEAGLE_GDN_BLOCK == 64
+      if constexpr (kVectorChain<state_t>) {
+        if (c0 + kCols <= V) {
+          chain_block(start + c0, n, parent, decay, row_coef + r, K, u + c0, V, dest, r * row_stride + c0, stream);
+          continue;
+        }
+      }
+#endif
       if (c0 + kCols <= V) {  // a whole block: constant trip counts, held in vector registers
         for (int64_t i = 0; i < n; ++i) {
           const float* from = parent[i] < 0 ? start + c0 : s;

@@ -103,7 +103,7 @@ namespace argmax_avx512 {
 #endif
 
 bool row_argmax(const float* row, int64_t vocab, int64_t* index) {
-  PEAGLE_CPU_DISPATCH(argmax_generic, argmax_avx2, argmax_avx512, row_argmax(row, vocab, index))
+  PEAGLE_CPU_DISPATCH(argmax_generic, argmax_avx2, argmax_avx512, argmax_avx512, row_argmax(row, vocab, index))
 }
 
 // Row argmaxes computed ahead of the walk (batches smaller than the thread count: one request per thread would leave

@@ -71,8 +71,8 @@ __device__ void project_chunk_exact(int n, int width, int group, int lane, const
     const int i = group + m * kGroups;
     if (i >= n) continue;
     for (int r = 0; r < width; ++r) {
-      pk[m] = gdn::mac(pk[m], k_c[i * kStride + r], s0_c[r * kTile + lane]);
-      pq[m] = gdn::mac(pq[m], q_c[i * kStride + r], s0_c[r * kTile + lane]);
+      pk[m] = gdn::state_mac(pk[m], k_c[i * kStride + r], s0_c[r * kTile + lane]);
+      pq[m] = gdn::state_mac(pq[m], q_c[i * kStride + r], s0_c[r * kTile + lane]);
     }
   }
 }

@@ -46,12 +46,16 @@ struct RowStrides {
 // of the math below goes through these.
 using ::peagle::add_rn;
 using ::peagle::div_rn;
+using ::peagle::fma_rn;
 using ::peagle::mul_rn;
 using ::peagle::sqrt_rn;
 using ::peagle::sub_rn;
 
 // One step of every sum over K: sums run in increasing index order from 0 as acc = mac(acc, a, b).
 PEAGLE_HD float mac(float acc, float a, float b) { return add_rn(acc, mul_rn(a, b)); }
+// The same step in the sums over a state's K rows (the projections S0^T k and S0^T q), which with the state steps below
+// are the bulk of the arithmetic: one fused multiply-add, one instruction where two separately rounded ones were.
+PEAGLE_HD float state_mac(float acc, float a, float b) { return fma_rn(a, b, acc); }
 
 // 2^e as a float for e in [-126, 127].
 PEAGLE_HD float pow2(int e) {
@@ -209,7 +213,7 @@ PEAGLE_HD void output_columns(int i, const uint64_t* anc, const float* root, con
 PEAGLE_HD float commit_coefficient(float gate_a, float gate_j, float factor_k) {
   return mul_rn(exp_rn(sub_rn(gate_a, gate_j)), factor_k);
 }
-PEAGLE_HD float commit_step(float acc, float coef, float k, float u) { return add_rn(acc, mul_rn(mul_rn(coef, k), u)); }
+PEAGLE_HD float commit_step(float acc, float coef, float k, float u) { return fma_rn(mul_rn(coef, k), u, acc); }
 
 // Node states written into slots (gdn_tree_verify_slots): the state after node i from its parent's state S_p (S0 for
 // a root), one step of the recurrence with the u the verification solved,
@@ -217,9 +221,9 @@ PEAGLE_HD float commit_step(float acc, float coef, float k, float u) { return ad
 // i.e. exactly gdn_commit of the single node i on S_p (its root decay exp(G) with G = the summed log decay of g_i,
 // its coefficient exp(0) f^k_i = f^k_i), so a chain written node by node equals one gdn_commit per position.
 PEAGLE_HD float node_decay(float g) { return exp_rn(summed_log_decay(g)); }
-// row_coef = mul_rn(f^k_i, k_i[r]), computed once per row.
+// row_coef = mul_rn(f^k_i, k_i[r]), computed once per row; the sum is fused as commit_step's (so it equals gdn_commit).
 PEAGLE_HD float state_step(float parent_state, float decay, float row_coef, float u) {
-  return add_rn(mul_rn(decay, parent_state), mul_rn(row_coef, u));
+  return fma_rn(row_coef, u, mul_rn(decay, parent_state));
 }
 
 // Window of a causal conv1d of width W at `node` of a tree: src[w] for w in [0, W) (oldest first) is the node whose
