@@ -115,18 +115,21 @@ static PEAGLE_GDN_TARGET uint16_t bf16_bits(float x) {
 }
 
 #if PEAGLE_GDN_BF16
-// 16 floats -> their bf16 bits as bf16_bits rounds them. vcvtneps2bf16 rounds to nearest even as bf16_bits does, in one
-// instruction instead of eight, but it reads a subnormal input as zero and keeps a NaN's payload: a group holding
-// either (vfpclassps: quiet NaN 0x01, subnormal 0x20, signalling NaN 0x80) takes bf16_bits.
-static inline PEAGLE_GDN_TARGET __m256i bf16x16_bits(__m512 x) {
-  if (__builtin_expect(_mm512_fpclass_ps_mask(x, 0x01 | 0x20 | 0x80) == 0, 1)) {
-    return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+// 32 floats (lo, then hi) -> one cache line of their bf16 bits, as bf16_bits rounds them. vcvtne2ps2bf16 rounds to
+// nearest even as bf16_bits does, in one instruction instead of eight per vector, but it reads a subnormal input as
+// zero and keeps a NaN's payload: a line holding either (vfpclassps: quiet NaN 0x01, subnormal 0x20, signalling NaN
+// 0x80) takes bf16_bits.
+static inline PEAGLE_GDN_TARGET __m512i bf16x32_bits(__m512 lo, __m512 hi) {
+  constexpr int kOdd = 0x01 | 0x20 | 0x80;
+  if (__builtin_expect((_mm512_fpclass_ps_mask(lo, kOdd) | _mm512_fpclass_ps_mask(hi, kOdd)) == 0, 1)) {
+    return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
   }
-  alignas(64) float value[16];
-  alignas(32) uint16_t bits[16];
-  _mm512_store_ps(value, x);
-  for (int j = 0; j < 16; ++j) bits[j] = bf16_bits(value[j]);
-  return _mm256_load_si256(reinterpret_cast<const __m256i*>(bits));
+  alignas(64) float value[32];
+  alignas(64) uint16_t bits[32];
+  _mm512_store_ps(value, lo);
+  _mm512_store_ps(value + 16, hi);
+  for (int j = 0; j < 32; ++j) bits[j] = bf16_bits(value[j]);
+  return _mm512_load_si512(bits);
 }
 #endif
 
@@ -134,8 +137,8 @@ static PEAGLE_GDN_TARGET void from_float_row(const float* src, int64_t V, c10::B
   uint16_t* out = reinterpret_cast<uint16_t*>(dst);  // c10::BFloat16 is its 16 bits
   int64_t c = 0;
 #if PEAGLE_GDN_BF16
-  for (; c + 16 <= V; c += 16) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), bf16x16_bits(_mm512_loadu_ps(src + c)));
+  for (; c + 32 <= V; c += 32) {
+    _mm512_storeu_si512(out + c, bf16x32_bits(_mm512_loadu_ps(src + c), _mm512_loadu_ps(src + c + 16)));
   }
 #endif
   for (; c < V; ++c) out[c] = bf16_bits(src[c]);
@@ -208,20 +211,13 @@ static inline PEAGLE_GDN_TARGET void store_block(const __m512* s, float* dst, bo
 #if PEAGLE_GDN_BF16
 static inline PEAGLE_GDN_TARGET void store_block(const __m512* s, c10::BFloat16* dst, bool stream) {
   uint16_t* out = reinterpret_cast<uint16_t*>(dst);  // c10::BFloat16 is its 16 bits
-  __m256i bits[4];
-#pragma GCC unroll 4
-  for (int g = 0; g < 4; ++g) bits[g] = bf16x16_bits(s[g]);
+  const __m512i first = bf16x32_bits(s[0], s[1]), second = bf16x32_bits(s[2], s[3]);
   if (stream && reinterpret_cast<uintptr_t>(out) % 64 == 0) {
-    alignas(64) uint16_t line[32];
-#pragma GCC unroll 2
-    for (int g = 0; g < 4; g += 2) {
-      _mm256_store_si256(reinterpret_cast<__m256i*>(line), bits[g]);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(line + 16), bits[g + 1]);
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(out + 16 * g), _mm512_load_si512(line));
-    }
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(out), first);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(out + 32), second);
   } else {
-#pragma GCC unroll 4
-    for (int g = 0; g < 4; ++g) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * g), bits[g]);
+    _mm512_storeu_si512(out, first);
+    _mm512_storeu_si512(out + 32, second);
   }
 }
 #endif
