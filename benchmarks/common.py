@@ -92,12 +92,44 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3)  # read + write bytes per second
 
 
-def best_time(fn: Callable[[], object], repeat: int, warmup: bool = False) -> float:
-    """The fastest wall time (seconds) of ``repeat`` calls, after one untimed call when ``warmup``."""
+def last_level_cache_bytes() -> int:
+    """The size of one last-level CPU cache, from sysfs (glibc's sysconf can report the host's total inside a virtual
+    machine: 384 MiB for a 32 MiB L3); 32 MiB where sysfs does not say."""
+    index = "/sys/devices/system/cpu/cpu0/cache"
+    sizes = []
+    for entry in sorted(os.listdir(index)) if os.path.isdir(index) else []:
+        try:
+            with open(os.path.join(index, entry, "size")) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=32 << 20)
+
+
+_EVICT_BUFFER: list[torch.Tensor] = []
+
+
+def evict_caches() -> None:
+    """Writes a buffer of twice the last-level cache, so that the next call finds none of its data in the caches, as
+    one layer of a served model finds its state cache after every other layer has run."""
+    if not _EVICT_BUFFER:
+        _EVICT_BUFFER.append(torch.empty(2 * last_level_cache_bytes(), dtype=torch.uint8))
+    _EVICT_BUFFER[0].fill_(1)
+
+
+def best_time(
+    fn: Callable[[], object], repeat: int, warmup: bool = False, before: Callable[[], object] | None = None
+) -> float:
+    """The fastest wall time (seconds) of ``repeat`` calls, after one untimed call when ``warmup``; ``before`` (e.g.
+    :func:`evict_caches`) runs untimed before each timed call."""
     if warmup:
         fn()
     best = float("inf")
     for _ in range(repeat):
+        if before is not None:
+            before()
         start = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - start)
