@@ -99,9 +99,16 @@ void node_states(const float* s0, int64_t n, const int64_t* parent, const char* 
 // Raw fp32 rows of q and k of one (request, q/k head), their factors and normalised Gram matrices (peagle/gdn.h):
 // computed once and shared by the value heads of the group.
 struct QkProducts {
-  std::vector<float> q, k, fq, fk, qk, kk;
+  // One dot product of qk_products: out = x . y over K.
+  struct Dot {
+    const float* x;
+    const float* y;
+    float* out;
+  };
+  std::vector<float> q, k, fq, fk, qk, kk, sq_q, sq_k;
   std::vector<uint64_t> anc;
-  QkProducts(int64_t n, int64_t K) : q(n * K), k(n * K), fq(n), fk(n), qk(n * n), kk(n * n), anc(n) {}
+  std::vector<Dot> dots;
+  QkProducts(int64_t n, int64_t K) : q(n * K), k(n * K), fq(n), fk(n), qk(n * n), kk(n * n), sq_q(n), sq_k(n), anc(n) {}
 };
 
 template <typename scalar_t>
@@ -120,23 +127,49 @@ float sum_sq(const float* x, int64_t K) {
   return acc;
 }
 
-float dot(const float* x, const float* y, int64_t K) {
-  float acc = 0.0f;
-  for (int64_t r = 0; r < K; ++r) acc = gdn::mac(acc, x[r], y[r]);
-  return acc;
+// Each dot's sum in increasing r from 0 (as dot), kDots of them side by side: one sum is a chain of dependent adds, so
+// several in flight hide the adds' latency. The same bits as one dot at a time.
+void batched_dots(const QkProducts::Dot* dots, size_t count, int64_t K) {
+  constexpr size_t kDots = 8;
+  for (size_t first = 0; first < count; first += kDots) {
+    const QkProducts::Dot* d = dots + first;
+    const size_t m = count - first < kDots ? count - first : kDots;
+    const float* x[kDots];
+    const float* y[kDots];
+    for (size_t e = 0; e < kDots; ++e) {  // a short last batch repeats its first dot in the unused lanes
+      x[e] = d[e < m ? e : 0].x;
+      y[e] = d[e < m ? e : 0].y;
+    }
+    float acc[kDots] = {};
+    for (int64_t r = 0; r < K; ++r) {
+      for (size_t e = 0; e < kDots; ++e) acc[e] = gdn::mac(acc[e], x[e][r], y[e][r]);
+    }
+    for (size_t e = 0; e < m; ++e) *d[e].out = acc[e];
+  }
 }
 
 // Norm factors and the Gram entries of ancestor-or-self pairs (p.anc and the raw rows are filled by the caller).
 void qk_products(int64_t n, int64_t K, bool l2norm, float q_scale, QkProducts& p) {
+  p.dots.clear();
   for (int64_t i = 0; i < n; ++i) {
-    p.fq[i] = gdn::row_factor(sum_sq(&p.q[i * K], K), l2norm, q_scale);
-    p.fk[i] = gdn::row_factor(sum_sq(&p.k[i * K], K), l2norm, 1.0f);
-  }
-  for (int64_t i = 0; i < n; ++i) {
+    p.dots.push_back({&p.q[i * K], &p.q[i * K], &p.sq_q[i]});
+    p.dots.push_back({&p.k[i * K], &p.k[i * K], &p.sq_k[i]});
     for (uint64_t bits = p.anc[i]; bits != 0; bits &= bits - 1) {
       const int64_t j = gdn::lowest_bit(bits);
-      p.qk[i * n + j] = gdn::gram_entry(dot(&p.q[i * K], &p.k[j * K], K), p.fq[i], p.fk[j]);
-      p.kk[i * n + j] = gdn::gram_entry(dot(&p.k[i * K], &p.k[j * K], K), p.fk[i], p.fk[j]);
+      p.dots.push_back({&p.q[i * K], &p.k[j * K], &p.qk[i * n + j]});
+      p.dots.push_back({&p.k[i * K], &p.k[j * K], &p.kk[i * n + j]});
+    }
+  }
+  batched_dots(p.dots.data(), p.dots.size(), K);
+  for (int64_t i = 0; i < n; ++i) {
+    p.fq[i] = gdn::row_factor(p.sq_q[i], l2norm, q_scale);
+    p.fk[i] = gdn::row_factor(p.sq_k[i], l2norm, 1.0f);
+  }
+  for (int64_t i = 0; i < n; ++i) {  // the raw dots become normalised entries in place
+    for (uint64_t bits = p.anc[i]; bits != 0; bits &= bits - 1) {
+      const int64_t j = gdn::lowest_bit(bits);
+      p.qk[i * n + j] = gdn::gram_entry(p.qk[i * n + j], p.fq[i], p.fk[j]);
+      p.kk[i * n + j] = gdn::gram_entry(p.kk[i * n + j], p.fk[i], p.fk[j]);
     }
   }
 }
