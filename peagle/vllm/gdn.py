@@ -61,13 +61,21 @@ def spec_gdn_update(
     n = max(end - begin for begin, end in itertools.pairwise(bounds))
     equal = q.shape[0] == num_seqs * n  # every sequence has n tokens (vLLM's usual batch): views, no gathers
 
-    # The gates, as vLLM's fused kernel computes them: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b).
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float(), beta=softplus_beta, threshold=softplus_threshold)
-    beta = torch.sigmoid(b.float())
+    # The gates, as vLLM's fused kernel computes them: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) (in
+    # fresh float32 copies: a and b are vLLM's).
+    softplus = F.softplus(
+        a.to(torch.float32, copy=True).add_(dt_bias), beta=softplus_beta, threshold=softplus_threshold
+    )
+    g = softplus.mul_(A_log.float().exp().neg_())
+    beta = b.to(torch.float32, copy=True).sigmoid_()
 
     columns = spec_state_indices[:num_seqs, :n]
     parent = _chain_parents(num_seqs, n, device)
-    start_slots = columns.gather(1, (num_accepted_tokens[:num_seqs, None].long() - 1).clamp_(min=0)).view(num_seqs)
+    if device.type == "cpu":  # host memory: two small lists cost less than the five tensor ops of the gather below
+        rows, accepted = columns.tolist(), num_accepted_tokens[:num_seqs].tolist()
+        start_slots = torch.tensor([row[max(count - 1, 0)] for row, count in zip(rows, accepted, strict=True)])
+    else:  # no host synchronisation on a GPU
+        start_slots = columns.gather(1, (num_accepted_tokens[:num_seqs, None].long() - 1).clamp_(min=0)).view(num_seqs)
     if equal:
         o = gdn_tree_verify_slots(
             q.view(num_seqs, n, *q.shape[1:]), k.view(num_seqs, n, *k.shape[1:]), v.view(num_seqs, n, *v.shape[1:]),
