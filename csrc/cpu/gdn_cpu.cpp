@@ -127,8 +127,8 @@ float sum_sq(const float* x, int64_t K) {
   return acc;
 }
 
-// Each dot's sum in increasing r from 0 (as dot), kDots of them side by side: one sum is a chain of dependent adds, so
-// several in flight hide the adds' latency. The same bits as one dot at a time.
+// Each dot's sum in increasing r from 0 (gdn.h's order for sums over K), kDots of them side by side: one sum is a chain
+// of dependent adds, so several in flight hide the adds' latency. The same bits as one dot at a time.
 void batched_dots(const QkProducts::Dot* dots, size_t count, int64_t K) {
   constexpr size_t kDots = 8;
   for (size_t first = 0; first < count; first += kDots) {
