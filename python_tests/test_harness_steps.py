@@ -13,7 +13,7 @@ import torch
 from peagle.decode.harness import CostTable
 from peagle.decode.harness.budget import ragged_chain_lengths
 from peagle.decode.harness.cost import model_identity, monotone
-from peagle.decode.harness.steps import StepHarness
+from peagle.decode.harness.steps import EXPECTED_DECAY, PROBE_AFTER, PROBE_AFTER_MAX, StepHarness
 
 K = 4
 
@@ -193,3 +193,96 @@ def test_calls_inside_and_outside_inference_mode_mix():
             ["a", "b"], confidence.clone(), [False] * 2, [False] * 2, 64
         )
     assert not harness.calibration.is_inference() and not harness.pending_q.is_inference()
+
+
+def plan_reference(harness: StepHarness, names: list[str], table: CostTable) -> bool:
+    """Whether the pass can pay, brute force: the best (B + S) / (T + V[n]) over every prefix per chain of the
+    requests' expected chains against B / V[1] without a pass."""
+    expected = harness.expected[[harness.slots[n] for n in names]]
+    batch = len(names)
+    verify = table.ragged_verify_row(batch, 64, batch * K)
+    return best_ratio(expected, batch, table.pass_time(batch, K), verify) > batch / float(verify[1])
+
+
+def test_the_pass_runs_only_where_the_expected_drafts_pay_for_it(generator):
+    outcomes = set()
+    for case in range(40):
+        rows = 1 + case % 3
+        per_token = 0.05 + 3.0 * float(torch.rand(1, generator=generator))
+        pass_ms = 10.0 * float(torch.rand(1, generator=generator))
+        table = step_table({rows: per_token}, pass_ms=pass_ms)
+        harness = StepHarness(table, K)
+        names, plain = [f"r{i}" for i in range(rows)], [False] * rows
+        first, second = (torch.rand(rows, K, generator=generator).clamp(min=0.05) for _ in range(2))
+        harness.decide(names, first, plain, plain, 64)
+        chains = harness.expected[[harness.slots[n] for n in names]].clone()  # a fresh request's: its first chain
+        fresh = StepHarness(table, K)
+        fresh.decide(names, second, plain, plain, 64)
+        harness.decide(names, second, plain, plain, 64)
+        expected = EXPECTED_DECAY * chains + (1 - EXPECTED_DECAY) * fresh.expected[[fresh.slots[n] for n in names]]
+        assert torch.allclose(harness.expected[[harness.slots[n] for n in names]], expected, rtol=1e-12, atol=0)
+        harness.take_lengths()
+        go = harness.plan_pass(names, plain, plain, 64)
+        assert go == plan_reference(harness, names, table), case
+        assert harness.take_lengths() == ({} if go else {rows: {0: rows}})  # a skipped pass: every request plain
+        outcomes.add(go)
+    assert outcomes == {True, False}  # power: neither answer alone passes
+
+
+def test_the_pass_runs_while_nothing_is_known_of_a_kind_and_for_fixed_requests():
+    table = step_table({1: 5.0, 2: 5.0, 4: 5.0}, pass_ms=5.0)  # every draft costs half a step: no pass pays
+    harness = StepHarness(table, K)
+    assert harness.plan_pass(["a", "b"], [False] * 2, [False] * 2, 64)  # no chain seen: only a pass can tell
+    harness.decide(["a", "b"], torch.full((2, K), 0.5), [False] * 2, [False] * 2, 64)
+    harness.take_lengths()
+    for _ in range(3):  # steps in a row: the same answer (kept), every skipped step counted
+        assert not harness.plan_pass(["a", "b"], [False] * 2, [False] * 2, 64)
+    assert harness.take_lengths() == {2: {0: 6}}
+    assert not harness.plan_pass(["new"], [False], [False], 64)  # a new greedy request: the greedy chains' mean
+    assert harness.plan_pass(["new"], [True], [False], 64)  # no sampled chain seen yet
+    assert harness.plan_pass(["a", "b"], [True] * 2, [True, False], 64)  # a seeded request keeps its drafts
+
+
+def test_a_run_of_skipped_passes_is_broken_by_probes_further_and_further_apart():
+    table = step_table({1: 5.0, 2: 5.0}, pass_ms=5.0)  # no pass pays
+    harness = StepHarness(table, K)
+    harness.decide(["a", "b"], torch.full((2, K), 0.5), [False] * 2, [False] * 2, 64)
+    answers = [harness.plan_pass(["a", "b"], [False] * 2, [False] * 2, 64) for _ in range(300)]
+    probes, index, gap = [], -1, PROBE_AFTER
+    while index + gap + 1 < len(answers):
+        index += gap + 1
+        probes.append(index)
+        gap = min(2 * gap, PROBE_AFTER_MAX)
+    assert [i for i, go in enumerate(answers) if go] == probes and probes[-1] - probes[-2] == PROBE_AFTER_MAX + 1
+    # A pass that pays starts the count over: on a table where drafts are free the next skip is PROBE_AFTER away.
+    harness.table = step_table({1: 0.0, 2: 0.0}, pass_ms=0.0)
+    harness._costs.clear()
+    harness.decide(["a", "b"], torch.full((2, K), 0.5), [False] * 2, [False] * 2, 64)
+    assert harness.plan_pass(["a", "b"], [False] * 2, [False] * 2, 64)
+    harness.table = table
+    harness._costs.clear()
+    harness.decide(["a", "b"], torch.full((2, K), 0.5), [False] * 2, [False] * 2, 64)
+    answers = [harness.plan_pass(["a", "b"], [False] * 2, [False] * 2, 64) for _ in range(PROBE_AFTER + 1)]
+    assert answers == [False] * PROBE_AFTER + [True]
+
+
+def test_requests_without_chains_of_their_own_take_their_kind_s_mean_chain(generator):
+    three, plain = ["a", "b", "c"], [False] * 3
+    differs = False
+    for case in range(400):
+        per_token = 0.05 + 2.0 * float(torch.rand(1, generator=generator))
+        table = step_table({3: per_token}, pass_ms=5.0 * float(torch.rand(1, generator=generator)))
+        confidence = torch.rand(2, K, generator=generator).clamp(min=0.05)
+        mixed = StepHarness(table, K)
+        mixed.decide(["a", "b"], confidence, [False] * 2, [False] * 2, 64)
+        mean = mixed.expected[[mixed.slots["a"], mixed.slots["b"]]].mean(0)
+        assert torch.allclose(mixed.typical[False], mean, rtol=1e-12, atol=0) and mixed.typical[True] is None
+        answers = {}
+        for fill in ("mean", "none"):  # c given the mean chain, or a chain that drafts nothing (the power check)
+            full = StepHarness(table, K)
+            full.decide(three, torch.cat([confidence, confidence[:1]]), plain, plain, 64)
+            full.expected[full.slots["c"]] = mean if fill == "mean" else 0.0
+            answers[fill] = full.plan_pass(three, plain, plain, 64)
+        assert mixed.plan_pass(three, plain, plain, 64) == answers["mean"], case
+        differs |= answers["mean"] != answers["none"]
+    assert differs

@@ -16,6 +16,11 @@ the decision is per step, over the live batch, with the pieces of policy the eng
   forward verifying that many drafts (:meth:`~peagle.decode.harness.cost.CostTable.ragged_verify_row`). A request
   whose drafts do not pay keeps none: it decodes plainly this step. In a small batch a draft costs the forward little
   and long chains pay; in a large one the forward is compute-bound and only the likeliest drafts do.
+* **No pass where no draft will pay.** Before the pass, :meth:`StepHarness.plan_pass` predicts each request's drafts
+  by the acceptance expected of its chains and skips the pass when the step without drafts (and without the pass)
+  emits more tokens a second than the best the pass could buy: in a large batch, where the forward is compute-bound,
+  the pass's own seconds are what speculation loses. Probe passes, further and further apart, keep the expectations
+  learning while passes are skipped.
 * **Learning.** The step's verification folds into the edge table and the request's scale
   (:meth:`EdgeCalibration.observe`), as the engine's rounds do.
 
@@ -43,16 +48,25 @@ from peagle.decode.harness.cost import CostTable
 from peagle.decode.harness.pass_harness import PATH_SCALE_DECAY
 from peagle.ops import calibration_scale
 
-__all__ = ["StepHarness"]
+__all__ = ["EXPECTED_DECAY", "PROBE_AFTER", "PROBE_AFTER_MAX", "StepHarness"]
 
 _CONFIDENCE_FLOOR = 1e-12  # a draft probability of 0 (underflow) would make its edge's bin undefined
+# The weight of a request's earlier chains in the acceptance expected of its next one (plan_pass): about four chains'
+# memory, so one chain at a hard spot of the text does not stop a request drafting, nor one lucky chain start it.
+EXPECTED_DECAY = 0.75
+# While passes are skipped nothing new is learnt, so a skipped run is broken by one pass (a probe, whose drafts are
+# verified as any pass's) after PROBE_AFTER skipped steps, then after twice as many each time, up to PROBE_AFTER_MAX
+# (a probe costs one pass in that many steps); a pass that pays starts the count over.
+PROBE_AFTER = 4
+PROBE_AFTER_MAX = 64
 
 
 class StepHarness:
     """Per-step draft lengths for a continuously batched server (see the module doc).
 
-    Per step: :meth:`decide` (after the pass: the lengths each request keeps), then, after the next forward verified
-    them, :meth:`observe` (how many each request had verified and accepted); :meth:`finish` forgets finished requests.
+    Per step: :meth:`plan_pass` (before the pass: whether to draft at all), :meth:`decide` (after the pass: the
+    lengths each request keeps), then, after the next forward verified them, :meth:`observe` (how many each request
+    had verified and accepted); :meth:`finish` forgets finished requests.
     Requests are named by the server's ids; their state lives in slots of small CPU tensors. A server calls these
     inside and outside ``torch.inference_mode``, so they run with it off: the state is never an inference tensor, which
     a later call outside the mode could not update.
@@ -80,8 +94,17 @@ class StepHarness:
         self.pending_kind = torch.zeros(0, nodes, dtype=torch.long)
         self.pending_path = torch.zeros(0, nodes, dtype=torch.float64)
         self._sampled: set[int] = set()  # slots whose chain was scored by the sampled table
+        # Each request's expected acceptance per depth (a decayed mean of the chains decide gave it), the slots that
+        # have one, and the mean chain of every request by kind (greedy / sampled), which a new request starts from.
+        self.expected = torch.zeros(0, depth, dtype=torch.float64)
+        self._expected_slots: set[int] = set()
+        self.typical: dict[bool, Tensor | None] = {False: None, True: None}
         self._grow(capacity)
         self._costs: dict[tuple, tuple[Tensor, float]] = {}  # (verify row, pass seconds) by the decision's shape
+        # The last plan_pass's batch and answer: while passes are skipped nothing it reads changes, so a server's
+        # steps in a row ask the same question (decide, observe and finish forget it).
+        self._plan: tuple[tuple, bool] | None = None
+        self._skipped_run, self._probe_after = 0, PROBE_AFTER
         self._chain_cache: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}
         self.lengths: dict[int, Counter[int]] = {}  # {live batch size: Counter of the lengths chosen}
 
@@ -95,6 +118,7 @@ class StepHarness:
         self.pending_q = torch.cat([self.pending_q, torch.zeros(extra, nodes, dtype=torch.float64)])
         self.pending_kind = torch.cat([self.pending_kind, torch.full((extra, nodes), -1, dtype=torch.long)])
         self.pending_path = torch.cat([self.pending_path, torch.full((extra, nodes), -1.0, dtype=torch.float64)])
+        self.expected = torch.cat([self.expected, torch.zeros(extra, self.depth, dtype=torch.float64)])
         self.free.extend(range(capacity - 1, old - 1, -1))
 
     def _slot(self, request: str) -> int:
@@ -130,6 +154,7 @@ class StepHarness:
                 f"StepHarness.decide: confidence must be [B, K] for B = {batch} requests and K in 1 .. {self.depth}, "
                 f"got {list(confidence.shape)}"
             )
+        self._plan = None
         if batch == 0:
             return []
         # A server's step is a few milliseconds: the decision takes the fewest small ops it can (about 20).
@@ -148,6 +173,7 @@ class StepHarness:
             greedy = (path, edge_q, kind)
             path, edge_q, kind = (torch.where(is_sampled, s, g) for s, g in zip(scores, greedy, strict=True))
         acceptance = (calibration_scale(self.calibration[slots])[:, None] * path[:, 1:]).clamp_(max=1.0)
+        self._expect(slot_list, slots, acceptance, sampled)
         if any_fixed:
             is_fixed = torch.tensor(list(fixed), dtype=torch.bool)
             verify, pass_time = self._step_costs(batch, context, drafts, int(is_fixed.sum()), any_sampled)
@@ -167,6 +193,73 @@ class StepHarness:
         chosen = lengths.tolist()
         self.lengths.setdefault(batch, Counter()).update(chosen)
         return chosen
+
+    @torch.inference_mode(False)
+    def plan_pass(self, requests: Sequence[str], sampled: Sequence[bool], fixed: Sequence[bool], context: int) -> bool:
+        """Before the pass: whether drafting for the next step can pay at all (False: skip the pass, and every
+        request decodes plainly next step).
+
+        The pass has not run, so each request's drafts are predicted by the acceptance expected of its chains (a
+        decayed mean of the predictions :meth:`decide` made for its chains, :data:`EXPECTED_DECAY`); a request without
+        one takes the mean chain of every request of its kind (greedy or sampled). The step with the pass emits at
+        best (B + S) / (T_pass + V[n]) tokens a second, S the n best predicted drafts of the batch; without it, B /
+        V[1] (the table's step verifying nothing, which has no pass in it). The pass runs while the first is larger,
+        and always when no chain of a request's kind has been seen yet (only a pass can say what the drafts are
+        worth) or a request keeps every draft (a seeded request's tokens depend on its drafts). A run of skipped
+        passes is broken by a probe (:data:`PROBE_AFTER`): without passes the expectations would never change."""
+        batch = len(requests)
+        if batch == 0 or any(fixed):
+            return batch > 0
+        key = (tuple(requests), tuple(sampled), self.table.context_index(context))
+        if self._plan is None or self._plan[0] != key:
+            self._plan = (key, self._pass_pays(requests, sampled, context))
+        if self._plan[1]:
+            self._skipped_run, self._probe_after = 0, PROBE_AFTER
+            return True
+        if self._skipped_run >= self._probe_after:  # a probe
+            self._skipped_run, self._probe_after = 0, min(2 * self._probe_after, PROBE_AFTER_MAX)
+            return True
+        self._skipped_run += 1
+        self.lengths.setdefault(batch, Counter())[0] += batch  # every request decodes plainly
+        return False
+
+    def _pass_pays(self, requests: Sequence[str], sampled: Sequence[bool], context: int) -> bool:
+        """:meth:`plan_pass`'s answer for a batch without fixed requests."""
+        batch = len(requests)
+        rows = []
+        for request, flag in zip(requests, sampled, strict=True):
+            slot = self.slots.get(request)
+            if slot is not None and slot in self._expected_slots:
+                rows.append(self.expected[slot])
+            elif self.typical[flag] is not None:
+                rows.append(self.typical[flag])
+            else:
+                return True  # nothing is known of drafts of this kind yet: only a pass can tell
+        verify, pass_time = self._step_costs(batch, context, self.depth, 0, any(sampled))
+        gain = torch.cumsum(torch.stack(rows).flatten().sort(descending=True).values, 0)
+        kept = torch.arange(1, gain.numel() + 1)
+        best = float(((batch + gain) / (pass_time + verify[1 + kept])).max())
+        return best > batch / float(verify[1])
+
+    def _expect(self, slot_list: list[int], slots: Tensor, acceptance: Tensor, sampled: Sequence[bool]) -> None:
+        """Folds the chains just decided (their predicted acceptance, [B, drafts]) into each request's expectation
+        and the mean chain of its kind (a decision runs every step: the fewest ops)."""
+        chains = acceptance.clamp(min=0.0)
+        if chains.shape[1] < self.depth:
+            chains = torch.nn.functional.pad(chains, (0, self.depth - chains.shape[1]))
+        seen = [slot in self._expected_slots for slot in slot_list]
+        if all(seen):
+            self.expected[slots] = self.expected[slots].lerp_(chains, 1 - EXPECTED_DECAY)
+        else:
+            keep = torch.tensor([EXPECTED_DECAY if flag else 0.0 for flag in seen], dtype=torch.float64)[:, None]
+            self.expected[slots] = chains.lerp(self.expected[slots], keep)
+            self._expected_slots.update(slot_list)
+        for flag in (False, True):
+            if flag not in sampled:
+                continue
+            rows = chains if all(f == flag for f in sampled) else chains[torch.tensor(list(sampled)) == flag]
+            mean, typical = rows.mean(0), self.typical[flag]
+            self.typical[flag] = mean if typical is None else typical.lerp(mean, 1 - EXPECTED_DECAY)
 
     def _chains(self, batch: int, nodes: int) -> tuple[Tensor, Tensor, Tensor]:
         """(path-score buffer with the root's 1 in column 0, parents, node counts) of ``batch`` chains of ``nodes``
@@ -195,6 +288,7 @@ class StepHarness:
         """Folds a step's verification into the calibration: request ``requests[i]`` had the first ``verified[i]`` of
         the drafts :meth:`decide` last gave it verified and ``accepted[i]`` of them accepted. Requests that verified
         no draft, or that :meth:`decide` never saw, are skipped."""
+        self._plan = None
         rows = []
         for request, count, good in zip(requests, verified, accepted, strict=True):
             slot = self.slots.get(request)
@@ -229,11 +323,13 @@ class StepHarness:
     @torch.inference_mode(False)
     def finish(self, requests: Iterable[str]) -> None:
         """Forgets finished requests (their slots start afresh for the next ones)."""
+        self._plan = None
         for request in requests:
             slot = self.slots.pop(request, None)
             if slot is not None:
                 self.calibration[slot] = 0.0
                 self.pending_kind[slot] = -1
+                self._expected_slots.discard(slot)
                 self._sampled.discard(slot)
                 self.free.append(slot)
 
