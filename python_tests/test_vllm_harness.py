@@ -92,9 +92,15 @@ def seeded_runs(pair: dict) -> list[dict]:
     ]
 
 
+def draining_run(pair: dict, harness: bool = False) -> dict:
+    """16 greedy requests at once whose lengths differ, the last far longer: the batch drains to one request."""
+    sampling = [{"temperature": 0.0, "max_tokens": 8 + i} for i in range(15)] + [{"temperature": 0.0, "max_tokens": 40}]
+    return {"sampling": sampling, "prompts": pair["prompts"][:16], "concurrency": 16, "harness": harness}
+
+
 @pytest.fixture(scope="module")
 def plain(pair) -> list[dict]:
-    return run_vllm({"model": pair["target"], "runs": [*greedy_runs(pair), sampled_run(pair)]})
+    return run_vllm({"model": pair["target"], "runs": [*greedy_runs(pair), sampled_run(pair), draining_run(pair)]})
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +131,22 @@ def harnessed_vllm_sampler(pair, steep_costs) -> list[dict]:
     runs = greedy_runs(pair, True)[1:2]
     return run_vllm({"model": pair["target"], "speculative_config": spec(pair, steep_costs), "runs": runs,
                      "llm_args": {"max_num_seqs": 16}})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def skipping(pair, costs) -> list[dict]:
+    """The harness on a table where drafts cost nothing at batch 1 (a pass of 0.1 us, a forward of 1 ms whatever it
+    verifies: any draft with a chance pays) and a pass costs more than any drafts can buy from batch 2 (50 ms): the
+    pass is skipped there, and drafting resumes as the batch drains."""
+    table = CostTable.load(costs)
+    free, steep = [1e-3] * len(table.verify_nodes), [1e-3 * (1 + 0.1 * (n - 1)) for n in table.verify_nodes]
+    forward = [free if b == 1 else steep for b in table.batch_sizes]
+    table.verify_s = table.sampled_verify_s = [[row for _ in table.contexts] for row in forward]
+    table.pass_s = table.sampled_pass_s = [[1e-7 if b == 1 else 5e-2] * table.max_depth for b in table.batch_sizes]
+    path = table.save(pair["root"] / "skip-costs.json")
+    runs = [*greedy_runs(pair, True), draining_run(pair, True)]
+    return run_vllm({"model": pair["target"], "speculative_config": spec(pair, path), "runs": runs,
+                     "llm_args": {"max_num_seqs": 16}, "env": {"PEAGLE_VLLM_VERIFY": "1"}})  # fmt: skip
 
 
 def test_profile_writes_the_table_the_harness_reads(pair, costs):
@@ -166,6 +188,19 @@ def test_greedy_output_with_the_harness_and_vllm_s_own_sampler_equals_the_target
     print(f"lengths chosen (steep table, concurrency 4): {dict(sorted(chosen.items()))}")
     # Power: vLLM's sampler verified chains the harness trimmed (drafts kept, but fewer than K).
     assert sum(n for length, n in chosen.items() if 0 < length < K) > 0
+
+
+def test_skipped_passes_keep_the_output_and_drafting_resumes_after_them(plain, skipping):
+    for c, ours, reference in zip(CONCURRENCY, skipping[:3], plain[:3], strict=True):
+        assert ours["outputs"] == reference["outputs"], f"concurrency {c}"
+    assert skipping[3]["outputs"] == plain[4]["outputs"]
+    alone, busy, draining = (run["harness"] for run in (skipping[0], skipping[2], skipping[3]))
+    for name, run in (("concurrency 1", alone), ("concurrency 16", busy), ("draining", draining)):
+        print(f"{name}: {run['skipped']} of {run['decisions']} passes skipped, lengths {run['lengths']}")
+    assert alone["skipped"] == 0  # a pass pays at batch 1
+    assert busy["skipped"] > 0  # no pass pays from batch 2
+    # Power: after the skipped passes of the draining batch, the last request alone drafted, and kept drafts, again.
+    assert draining["skipped"] > 0 and any(int(length) > 0 for length in draining["lengths"].get("1", {}))
 
 
 def test_sampled_token_statistics_with_the_harness_match_the_target_alone(plain, harnessed):

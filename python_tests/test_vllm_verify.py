@@ -86,3 +86,33 @@ def test_expand_batch_to_tokens_repeats_per_request_values():
     assert out.tolist() == pytest.approx([0.7, 0.7, 1.3, 1.3, 1.3])
     out = expand_batch_to_tokens(temperature, torch.tensor([1, 3, 4]), 4, replace_from=0, replace_to=1)
     assert out.tolist() == pytest.approx([0.7, 1.0, 1.0, 1.3])
+
+
+def test_a_step_without_drafts_emits_the_bonus_tokens_as_the_kernels_would(monkeypatch):
+    """The plugin's rejection_sample answers a step in which no request has drafts (the harness skipped the pass)
+    with vLLM's bonus tokens, without the kernels: the rows the kernels give such a batch, greedy or sampled."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("vllm")
+    from peagle.vllm import ENABLE_ENV, make_rejection_sample
+
+    monkeypatch.setenv(ENABLE_ENV, "1")
+    calls = []
+    sample = make_rejection_sample(lambda *args: calls.append(args))
+    gen = torch.Generator().manual_seed(fresh_seed())
+    vocab = 40
+    for counts in ([0, 0, 0], [2, 0, 3]):
+        drafts, target_probs, bonus = random_batch(gen, counts, vocab)
+        logits = target_probs.log()
+        max_spec_len = max(counts)
+        for greedy in (True, False):
+            metadata = SimpleNamespace(all_greedy=greedy, all_random=not greedy, generators={},
+                                       temperature=torch.full((len(counts),), 1.0))  # fmt: skip
+            got = sample(drafts, counts, max_spec_len, None, None, logits, bonus, metadata)
+            want = verify_chains(drafts, counts, max_spec_len, logits.softmax(-1), bonus, None if greedy else
+                                 torch.zeros(len(counts), dtype=torch.bool), all_random=not greedy)  # fmt: skip
+            if max_spec_len == 0:
+                assert torch.equal(got, want) and got.tolist() == bonus.tolist()
+            else:  # power: a batch with drafts goes through the kernels (greedy rows are deterministic)
+                assert got.shape == want.shape and (not greedy or torch.equal(got, want))
+    assert calls == []  # vLLM's own sampler is never asked

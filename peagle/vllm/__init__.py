@@ -109,6 +109,8 @@ def make_rejection_sample(original: Callable) -> Callable:
                 draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs, target_logits,
                 bonus_token_ids, sampling_metadata, synthetic_mode, synthetic_conditional_rates, use_fp64_gumbel,
             )  # fmt: skip
+        if max_spec_len == 0:  # no request has drafts (the harness skipped the pass): each emits its bonus token
+            return bonus_token_ids.reshape(-1, 1).to(torch.int32)
         counts = list(num_draft_tokens)
         is_greedy = uniforms = None
         if not sampling_metadata.all_greedy:

@@ -25,7 +25,13 @@ synchronisation is added and the device's work (the drafter's and the target's f
 The step's verification is observed on the host too, from the sampled tokens vLLM returns to the scheduler.
 
 vLLM's parallel-drafting proposer drafts the K it was configured with in every pass (its slots per request are laid
-out at start), so the harness chooses how many drafts the target verifies, not the pass's depth.
+out at start), so the harness chooses how many drafts the target verifies, not the pass's depth; and, before the pass,
+whether it runs at all (:meth:`StepHarness.plan_pass <peagle.decode.harness.steps.StepHarness.plan_pass>`, on the
+host from the same facts, in ``propose_draft_token_ids``): where the table says no request's drafts will pay for it
+(a large batch, whose forward is compute-bound), the pass is skipped and every request decodes plainly next step.
+A skipped pass writes nothing in the drafter's KV cache for that step's positions (as vLLM's own skip of the drafter
+near ``max_model_len``), so a request that drafts again later may accept less; what is emitted is still the
+target's.
 
 Fallback, one log line each, with vLLM's fixed K left in place: a vLLM whose scheduler or model runner lacks the
 per-request draft lists (a version other than :data:`peagle.vllm.SUPPORTED_VLLM`, or other methods), async scheduling
@@ -272,6 +278,7 @@ class RunnerHarness:
         self._step: dict[str, Any] | None = None
         self._pinned: torch.Tensor | None = None
         self.decision_s, self.decisions = 0.0, 0  # host seconds of the decisions and observations, and their steps
+        self.skipped = 0  # passes skipped (no request's drafts would have paid)
         self._wrap(runner, "execute_model", self.execute_model)
         self._wrap(runner, "sample_tokens", self.sample_tokens)
         self._wrap(runner, "propose_draft_token_ids", self.propose_draft_token_ids)
@@ -369,7 +376,14 @@ class RunnerHarness:
 
     def propose_draft_token_ids(self, original, *args, **kwargs):
         if not self.profiling:
-            return original(*args, **kwargs)
+            start = time.perf_counter()
+            go = self.policy.plan_pass(*self._live_batch())
+            self.decision_s += time.perf_counter() - start
+            if go:
+                return original(*args, **kwargs)
+            # No drafts for the next step (vLLM's own value for a step of K = 0): the pass does not run.
+            self.confidence, self.skipped, self.decisions = None, self.skipped + 1, self.decisions + 1
+            return torch.empty(self.runner.input_batch.num_reqs, 0, dtype=torch.int64, device=self.runner.device)
         device = self.runner.device
         if device.type == "cuda":  # profile mode only: the pass's own seconds
             torch.cuda.synchronize(device)
@@ -409,17 +423,23 @@ class RunnerHarness:
             keep = [self.depth if self.forced is None else self.forced] * len(requests)
         else:
             start = time.perf_counter()
-            batch = self.runner.input_batch
-            runner_requests = self.runner.requests
-            sampled = [r in batch.random_reqs for r in requests]
-            seeded = [s and getattr(runner_requests.get(r), "generator", None) is not None
-                      for r, s in zip(requests, sampled, strict=True)]  # fmt: skip
-            context = int(batch.num_tokens_no_spec[: len(requests)].mean())
+            _, sampled, seeded, context = self._live_batch(requests)
             keep = self.policy.decide(requests, confidence[: len(requests)], sampled, seeded, context)
             self.decision_s += time.perf_counter() - start
             self.decisions += 1
         lists = [list(d[:k]) for d, k in zip(drafts.draft_token_ids, keep, strict=True)]
         return DraftTokenIds(requests, lists)
+
+    def _live_batch(self, requests: list[str] | None = None) -> tuple[list[str], list[bool], list[bool], int]:
+        """(request ids, sampled, seeded, the mean context length) of the model runner's batch, as the policy takes
+        them."""
+        batch = self.runner.input_batch
+        requests = list(batch.req_ids) if requests is None else requests
+        sampled = [r in batch.random_reqs for r in requests]
+        seeded = [s and getattr(self.runner.requests.get(r), "generator", None) is not None
+                  for r, s in zip(requests, sampled, strict=True)]  # fmt: skip
+        context = int(batch.num_tokens_no_spec[: len(requests)].mean()) if requests else 0
+        return requests, sampled, seeded, context
 
 
 class HarnessControl:
@@ -430,16 +450,16 @@ class HarnessControl:
     def peagle_harness(self, forced: int | None = None, take_steps: bool = False) -> dict[str, Any]:
         """Profile mode: sets the forced draft count (``forced``; None keeps all K). Returns the chosen lengths'
         histogram since the last call (``{"lengths": {batch: {length: count}}}``), the host seconds the decisions and
-        observations took and their steps (``decision_s``, ``decisions``) and, with ``take_steps``, the profile's step
-        records since the last call; all reset."""
+        observations took and their steps (``decision_s``, ``decisions``), the passes skipped (``skipped``) and, with
+        ``take_steps``, the profile's step records since the last call; all reset."""
         harness = getattr(self.model_runner, "_peagle_harness", None)
         if harness is None:
             return {"attached": False}
         harness.forced = forced
         out: dict[str, Any] = {"attached": True, "depth": harness.depth}
         out["lengths"] = harness.policy.take_lengths() if harness.policy is not None else {}
-        out["decision_s"], out["decisions"] = harness.decision_s, harness.decisions
-        harness.decision_s, harness.decisions = 0.0, 0
+        out["decision_s"], out["decisions"], out["skipped"] = harness.decision_s, harness.decisions, harness.skipped
+        harness.decision_s, harness.decisions, harness.skipped = 0.0, 0, 0
         if take_steps:  # a step still open ended with the last call: its end is not known (and it is not the next's)
             out["steps"], harness.steps, harness._step = harness.steps, [], None
         return out

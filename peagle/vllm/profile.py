@@ -8,7 +8,8 @@ forward, verification, the drafter's pass, vLLM's bookkeeping and scheduling) an
 the worker. The table's entries:
 
 * ``verify_s[b][c][i]``: a step of ``b`` requests (all decoding, contexts from ``contexts[c]``) that each verify
-  ``i - 1`` drafts, minus the pass's seconds: everything a step costs besides the drafter, for i = 1 .. K + 1;
+  ``i - 1`` drafts, minus the pass's seconds: everything a step costs besides the drafter, for i = 1 .. K + 1 (i = 1
+  is also what a step costs after the harness skipped its pass);
 * ``pass_s[b][k - 1]``: the P-EAGLE pass of ``b`` requests drafting k depths, for k = 1 .. K (vLLM's proposer drafts
   the K it was started with, so each k is an engine of its own); ``sampled_*``: the same with sampled requests
   (temperature 1, verified by rejection sampling).
