@@ -86,7 +86,7 @@ def measure(request: dict[str, Any]) -> dict[str, Any]:
     for temperature in request["temperatures"]:
         for concurrency in request["concurrency"]:
             params = SamplingParams(temperature=temperature, max_tokens=request["max_tokens"], ignore_eos=True)
-            best, lengths, decision = None, Counter(), [0.0, 0]
+            best, lengths, decision, skipped = None, Counter(), [0.0, 0], 0
             for _ in range(request["passes"]):
                 if harness:
                     llm.collective_rpc("peagle_harness")  # reset the histogram
@@ -98,6 +98,7 @@ def measure(request: dict[str, Any]) -> dict[str, Any]:
                     for counts in state["lengths"].values():
                         lengths.update({int(k): v for k, v in counts.items()})
                     decision = [decision[0] + state["decision_s"], decision[1] + state["decisions"]]
+                    skipped += state["skipped"]
                 drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get("vllm:spec_decode_num_drafts", 0)
                 accepted = after.get("vllm:spec_decode_num_accepted_tokens", 0) - before.get(
                     "vllm:spec_decode_num_accepted_tokens", 0
@@ -115,6 +116,7 @@ def measure(request: dict[str, Any]) -> dict[str, Any]:
                     best = point
             best["lengths"] = dict(sorted(lengths.items()))
             best["decision_ms_per_step"] = 1e3 * decision[0] / decision[1] if decision[1] else None
+            best["passes_skipped"] = [skipped, decision[1]]  # over all passes of the point: skipped, steps decided
             points.append(best)
     return {"points": points}
 
@@ -171,6 +173,7 @@ def report(results: dict[str, dict[str, Any]], trained: str) -> tuple[str, dict[
             "harness_over_target": speed["harness"] / speed["target alone"],
             "lengths": at["harness"][key]["lengths"],
             "decision_ms_per_step": at["harness"][key].get("decision_ms_per_step"),
+            "passes_skipped": at["harness"][key].get("passes_skipped"),
             "lossless": lossless,
         }
         summary.append(row)
@@ -184,6 +187,8 @@ def report(results: dict[str, dict[str, Any]], trained: str) -> tuple[str, dict[
         shares = ", ".join(f"{k}: {v} ({v / total:.0%})" for k, v in row["lengths"].items())
         ms = row["decision_ms_per_step"]
         cost = f" (decision {ms:.3f} ms a step)" if ms is not None else ""
+        if row["passes_skipped"]:
+            cost += f"; passes skipped in {row['passes_skipped'][0]} of {row['passes_skipped'][1]} steps"
         lines.append(f"- temperature {row['temperature']:g}, concurrency {row['concurrency']}: {shares}{cost}")
     return "\n".join(lines), {"rows": summary}
 
@@ -206,6 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", default="build/bench-vllm-harness")
     parser.add_argument("--smoke", action="store_true", help="8 requests x 16 tokens at concurrency 1 and 4, 1 pass")
+    parser.add_argument(
+        "--configurations",
+        default=None,
+        help="comma-separated subset to run (of 'target alone', 'K = 1' .. 'K = K_max', 'harness', with the first, "
+        "K_max's and the last among them; default all)",
+    )
     parser.add_argument("--vllm-sampler", action="store_true", help="vLLM's rejection sampler, not peagle's kernels")
     parser.add_argument("--engine", nargs=2, default=None, help=argparse.SUPPRESS)  # REQUEST RESULT: one engine
     args = parser.parse_args(argv)
@@ -248,6 +259,14 @@ def main(argv: list[str] | None = None) -> int:
     for k in range(1, trained + 1):
         configurations[f"K = {k}"] = speculative_config(args.drafter, k)
     configurations["harness"] = speculative_config(args.drafter, trained, harness=costs)
+    if args.configurations:
+        wanted = [name.strip() for name in args.configurations.split(",")]
+        unknown = [name for name in wanted if name not in configurations]
+        needed = ["target alone", f"K = {trained}", "harness"]
+        if unknown or not set(needed) <= set(wanted):
+            parser.error(f"--configurations: {unknown or wanted} must name configurations of {list(configurations)}, "
+                         f"{needed} among them")  # fmt: skip
+        configurations = {name: configurations[name] for name in configurations if name in wanted}
     results = {}
     for name, config in configurations.items():
         print(f"[bench-vllm-harness] {name} ...", flush=True)
