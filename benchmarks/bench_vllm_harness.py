@@ -90,7 +90,7 @@ def measure(request: dict[str, Any]) -> dict[str, Any]:
     for temperature in request["temperatures"]:
         for concurrency in request["concurrency"]:
             params = SamplingParams(temperature=temperature, max_tokens=request["max_tokens"], ignore_eos=True)
-            best, lengths, decision, skipped = None, Counter(), [0.0, 0], 0
+            best, lengths, decision, skipped, prompt_passes = None, Counter(), [0.0, 0], 0, 0
             for _ in range(request["passes"]):
                 if harness:
                     llm.collective_rpc("peagle_harness")  # reset the histogram
@@ -103,6 +103,7 @@ def measure(request: dict[str, Any]) -> dict[str, Any]:
                         lengths.update({int(k): v for k, v in counts.items()})
                     decision = [decision[0] + state["decision_s"], decision[1] + state["decisions"]]
                     skipped += state["skipped"]
+                    prompt_passes += state["prompt_passes"]
                 drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get("vllm:spec_decode_num_drafts", 0)
                 accepted = after.get("vllm:spec_decode_num_accepted_tokens", 0) - before.get(
                     "vllm:spec_decode_num_accepted_tokens", 0
@@ -121,6 +122,7 @@ def measure(request: dict[str, Any]) -> dict[str, Any]:
             best["lengths"] = dict(sorted(lengths.items()))
             best["decision_ms_per_step"] = 1e3 * decision[0] / decision[1] if decision[1] else None
             best["passes_skipped"] = [skipped, decision[1]]  # over all passes of the point: skipped, steps decided
+            best["prompt_passes"] = prompt_passes  # passes run because their step processed prompt tokens
             points.append(best)
     return {"points": points}
 
@@ -178,6 +180,7 @@ def report(results: dict[str, dict[str, Any]], trained: str) -> tuple[str, dict[
             "lengths": at["harness"][key]["lengths"],
             "decision_ms_per_step": at["harness"][key].get("decision_ms_per_step"),
             "passes_skipped": at["harness"][key].get("passes_skipped"),
+            "prompt_passes": at["harness"][key].get("prompt_passes"),
             "lossless": lossless,
         }
         summary.append(row)
@@ -193,6 +196,7 @@ def report(results: dict[str, dict[str, Any]], trained: str) -> tuple[str, dict[
         cost = f" (decision {ms:.3f} ms a step)" if ms is not None else ""
         if row["passes_skipped"]:
             cost += f"; passes skipped in {row['passes_skipped'][0]} of {row['passes_skipped'][1]} steps"
+            cost += f" (and {row['prompt_passes']} run for steps with prompt tokens)"
         lines.append(f"- temperature {row['temperature']:g}, concurrency {row['concurrency']}: {shares}{cost}")
     return "\n".join(lines), {"rows": summary}
 

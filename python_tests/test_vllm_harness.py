@@ -199,6 +199,8 @@ def test_skipped_passes_keep_the_output_and_drafting_resumes_after_them(plain, s
         print(f"{name}: {run['skipped']} of {run['decisions']} passes skipped, lengths {run['lengths']}")
     assert alone["skipped"] == 0  # a pass pays at batch 1
     assert busy["skipped"] > 0  # no pass pays from batch 2
+    # The steps that prefilled the prompts (one per generate call of 16 and of 8) ran their passes all the same.
+    assert busy["prompt_passes"] >= 2 and draining["prompt_passes"] >= 1
     # Power: after the skipped passes of the draining batch, the last request alone drafted, and kept drafts, again.
     assert draining["skipped"] > 0 and any(int(length) > 0 for length in draining["lengths"].get("1", {}))
 

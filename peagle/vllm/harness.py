@@ -31,7 +31,8 @@ host from the same facts, in ``propose_draft_token_ids``): where the table says 
 (a large batch, whose forward is compute-bound), the pass is skipped and every request decodes plainly next step.
 A skipped pass writes nothing in the drafter's KV cache for that step's positions (as vLLM's own skip of the drafter
 near ``max_model_len``), so a request that drafts again later may accept less; what is emitted is still the
-target's.
+target's. So a step that processed prompt tokens always runs its pass: the drafter's KV then holds every prompt, and
+only decoded positions of skipped steps are missing from it.
 
 Fallback, one log line each, with vLLM's fixed K left in place: a vLLM whose scheduler or model runner lacks the
 per-request draft lists (a version other than :data:`peagle.vllm.SUPPORTED_VLLM`, or other methods), async scheduling
@@ -253,6 +254,13 @@ def attach_to_runner(runner, config: dict[str, Any]) -> None:
     runner._peagle_harness = RunnerHarness(runner, config)
 
 
+def _processes_prompt_tokens(scheduler_output) -> bool:
+    """Whether a request of the step was scheduled more tokens than its drafts and one: a prompt (or a chunk of one,
+    or a preempted request's recomputation), whose positions only the pass writes into the drafter's KV cache."""
+    drafts = scheduler_output.scheduled_spec_decode_tokens
+    return any(n > 1 + len(drafts.get(r, ())) for r, n in scheduler_output.num_scheduled_tokens.items())
+
+
 def _top_probability(logits: torch.Tensor) -> torch.Tensor:
     """Each row's largest softmax probability, exp(max - logsumexp) (float32, on the logits' device)."""
     logits = logits.float()
@@ -279,6 +287,7 @@ class RunnerHarness:
         self._pinned: torch.Tensor | None = None
         self.decision_s, self.decisions = 0.0, 0  # host seconds of the decisions and observations, and their steps
         self.skipped = 0  # passes skipped (no request's drafts would have paid)
+        self.prompt_passes = 0  # passes run because the step processed prompt tokens
         self._wrap(runner, "execute_model", self.execute_model)
         self._wrap(runner, "sample_tokens", self.sample_tokens)
         self._wrap(runner, "propose_draft_token_ids", self.propose_draft_token_ids)
@@ -374,13 +383,16 @@ class RunnerHarness:
         self.scheduled = {}
         return output
 
-    def propose_draft_token_ids(self, original, *args, **kwargs):
+    def propose_draft_token_ids(self, original, scheduler_output, *args, **kwargs):
         if not self.profiling:
+            if _processes_prompt_tokens(scheduler_output):  # the pass writes them into the drafter's KV cache
+                self.prompt_passes += 1
+                return original(scheduler_output, *args, **kwargs)
             start = time.perf_counter()
             go = self.policy.plan_pass(*self._live_batch())
             self.decision_s += time.perf_counter() - start
             if go:
-                return original(*args, **kwargs)
+                return original(scheduler_output, *args, **kwargs)
             # No drafts for the next step (vLLM's own value for a step of K = 0): the pass does not run.
             self.confidence, self.skipped, self.decisions = None, self.skipped + 1, self.decisions + 1
             return torch.empty(self.runner.input_batch.num_reqs, 0, dtype=torch.int64, device=self.runner.device)
@@ -388,7 +400,7 @@ class RunnerHarness:
         if device.type == "cuda":  # profile mode only: the pass's own seconds
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        drafts = original(*args, **kwargs)
+        drafts = original(scheduler_output, *args, **kwargs)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if self._step is not None:
@@ -450,8 +462,9 @@ class HarnessControl:
     def peagle_harness(self, forced: int | None = None, take_steps: bool = False) -> dict[str, Any]:
         """Profile mode: sets the forced draft count (``forced``; None keeps all K). Returns the chosen lengths'
         histogram since the last call (``{"lengths": {batch: {length: count}}}``), the host seconds the decisions and
-        observations took and their steps (``decision_s``, ``decisions``), the passes skipped (``skipped``) and, with
-        ``take_steps``, the profile's step records since the last call; all reset."""
+        observations took and their steps (``decision_s``, ``decisions``), the passes skipped (``skipped``), the
+        passes run because a step processed prompt tokens (``prompt_passes``) and, with ``take_steps``, the profile's
+        step records since the last call; all reset."""
         harness = getattr(self.model_runner, "_peagle_harness", None)
         if harness is None:
             return {"attached": False}
@@ -459,7 +472,8 @@ class HarnessControl:
         out: dict[str, Any] = {"attached": True, "depth": harness.depth}
         out["lengths"] = harness.policy.take_lengths() if harness.policy is not None else {}
         out["decision_s"], out["decisions"], out["skipped"] = harness.decision_s, harness.decisions, harness.skipped
-        harness.decision_s, harness.decisions, harness.skipped = 0.0, 0, 0
+        out["prompt_passes"] = harness.prompt_passes
+        harness.decision_s, harness.decisions, harness.skipped, harness.prompt_passes = 0.0, 0, 0, 0
         if take_steps:  # a step still open ended with the last call: its end is not known (and it is not the next's)
             out["steps"], harness.steps, harness._step = harness.steps, [], None
         return out
