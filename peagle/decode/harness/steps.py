@@ -236,9 +236,10 @@ class StepHarness:
             else:
                 return True  # nothing is known of drafts of this kind yet: only a pass can tell
         verify, pass_time = self._step_costs(batch, context, self.depth, 0, any(sampled))
-        gain = torch.cumsum(torch.stack(rows).flatten().sort(descending=True).values, 0)
-        kept = torch.arange(1, gain.numel() + 1)
-        best = float(((batch + gain) / (pass_time + verify[1 + kept])).max())
+        acceptance = torch.stack(rows)
+        lengths = ragged_chain_lengths(acceptance, batch, pass_time, verify)  # the budget decide would give them
+        gain = float(acceptance[self.index[1:] <= lengths[:, None]].sum())
+        best = (batch + gain) / (pass_time + float(verify[1 + int(lengths.sum())]))
         return best > batch / float(verify[1])
 
     def _expect(self, slot_list: list[int], slots: Tensor, acceptance: Tensor, sampled: Sequence[bool]) -> None:
