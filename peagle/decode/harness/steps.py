@@ -19,8 +19,10 @@ the decision is per step, over the live batch, with the pieces of policy the eng
 * **No pass where no draft will pay.** Before the pass, :meth:`StepHarness.plan_pass` predicts each request's drafts
   by the acceptance expected of its chains and skips the pass when the step without drafts (and without the pass)
   emits more tokens a second than the best the pass could buy: in a large batch, where the forward is compute-bound,
-  the pass's own seconds are what speculation loses. Probe passes, further and further apart, keep the expectations
-  learning while passes are skipped.
+  the pass's own seconds are what speculation loses. Nothing is seen of a skipped step's chains, so each skipped
+  step moves a request's expectation toward its kind's mean chain (stale evidence fades: a request whose last chains
+  were poor drafts again once its kind's chains pay), and probe passes, further and further apart, keep the
+  expectations learning while passes are skipped.
 * **Learning.** The step's verification folds into the edge table and the request's scale
   (:meth:`EdgeCalibration.observe`), as the engine's rounds do.
 
@@ -48,12 +50,16 @@ from peagle.decode.harness.cost import CostTable
 from peagle.decode.harness.pass_harness import PATH_SCALE_DECAY
 from peagle.ops import calibration_scale
 
-__all__ = ["EXPECTED_DECAY", "PROBE_AFTER", "PROBE_AFTER_MAX", "StepHarness"]
+__all__ = ["EXPECTED_DECAY", "PROBE_AFTER", "PROBE_AFTER_MAX", "TYPICAL_CHAINS", "StepHarness"]
 
 _CONFIDENCE_FLOOR = 1e-12  # a draft probability of 0 (underflow) would make its edge's bin undefined
 # The weight of a request's earlier chains in the acceptance expected of its next one (plan_pass): about four chains'
 # memory, so one chain at a hard spot of the text does not stop a request drafting, nor one lucky chain start it.
 EXPECTED_DECAY = 0.75
+# The mean chain of a kind is the mean of about this many of its latest chains (all requests'): a population's
+# expectation, which a new request starts from and a request's stale one falls back to; short-lived, it would only
+# repeat the last few requests' chains (at batch 1, the one request's own).
+TYPICAL_CHAINS = 256
 # While passes are skipped nothing new is learnt, so a skipped run is broken by one pass (a probe, whose drafts are
 # verified as any pass's) after PROBE_AFTER skipped steps, then after twice as many each time, up to PROBE_AFTER_MAX
 # (a probe costs one pass in that many steps); a pass that pays starts the count over.
@@ -99,6 +105,7 @@ class StepHarness:
         self.expected = torch.zeros(0, depth, dtype=torch.float64)
         self._expected_slots: set[int] = set()
         self.typical: dict[bool, Tensor | None] = {False: None, True: None}
+        self._typical_chains = {False: 0, True: 0}  # chains folded into each kind's mean, up to TYPICAL_CHAINS
         self._grow(capacity)
         self._costs: dict[tuple, tuple[Tensor, float]] = {}  # (verify row, pass seconds) by the decision's shape
         # The last plan_pass's batch and answer: while passes are skipped nothing it reads changes, so a server's
@@ -205,8 +212,9 @@ class StepHarness:
         best (B + S) / (T_pass + V[n]) tokens a second, S the n best predicted drafts of the batch; without it, B /
         V[1] (the table's step verifying nothing, which has no pass in it). The pass runs while the first is larger,
         and always when no chain of a request's kind has been seen yet (only a pass can say what the drafts are
-        worth) or a request keeps every draft (a seeded request's tokens depend on its drafts). A run of skipped
-        passes is broken by a probe (:data:`PROBE_AFTER`): without passes the expectations would never change."""
+        worth) or a request keeps every draft (a seeded request's tokens depend on its drafts). A skipped step moves
+        each request's expectation toward its kind's mean chain (:meth:`_regress_to_kind`), and a run of skipped
+        passes is broken by a probe (:data:`PROBE_AFTER`): without passes nothing new would be learnt."""
         batch = len(requests)
         if batch == 0 or any(fixed):
             return batch > 0
@@ -221,7 +229,22 @@ class StepHarness:
             return True
         self._skipped_run += 1
         self.lengths.setdefault(batch, Counter())[0] += batch  # every request decodes plainly
+        self._regress_to_kind(requests, sampled)
         return False
+
+    def _regress_to_kind(self, requests: Sequence[str], sampled: Sequence[bool]) -> None:
+        """A skipped step's chains are never seen, so each request's expectation takes its kind's mean chain for that
+        step (the weight :data:`EXPECTED_DECAY` gives a chain): evidence grows stale step by step, and a request whose
+        last chains were poor drafts again once its kind's chains pay, instead of waiting for a probe."""
+        for flag in (False, True):
+            typical = self.typical[flag]
+            slots = [self.slots[r] for r, f in zip(requests, sampled, strict=True)
+                     if f == flag and self.slots.get(r) in self._expected_slots]  # fmt: skip
+            if typical is None or not slots:
+                continue
+            index = torch.tensor(slots, dtype=torch.long)
+            self.expected[index] = self.expected[index].lerp_(typical, 1 - EXPECTED_DECAY)
+            self._plan = None
 
     def _pass_pays(self, requests: Sequence[str], sampled: Sequence[bool], context: int) -> bool:
         """:meth:`plan_pass`'s answer for a batch without fixed requests."""
@@ -259,8 +282,10 @@ class StepHarness:
             if flag not in sampled:
                 continue
             rows = chains if all(f == flag for f in sampled) else chains[torch.tensor(list(sampled)) == flag]
+            # A running mean of the kind's chains, then (past TYPICAL_CHAINS) a decayed one of about that memory.
+            count = self._typical_chains[flag] = min(self._typical_chains[flag] + rows.shape[0], TYPICAL_CHAINS)
             mean, typical = rows.mean(0), self.typical[flag]
-            self.typical[flag] = mean if typical is None else typical.lerp(mean, 1 - EXPECTED_DECAY)
+            self.typical[flag] = mean if typical is None else typical.lerp(mean, rows.shape[0] / count)
 
     def _chains(self, batch: int, nodes: int) -> tuple[Tensor, Tensor, Tensor]:
         """(path-score buffer with the root's 1 in column 0, parents, node counts) of ``batch`` chains of ``nodes``
