@@ -853,3 +853,28 @@ def test_checkpoint_best_holds_the_best_served_acceptance_and_resume_drops_a_lat
     assert trainer.step == 4 and not (run / "checkpoint_best").exists()
     early = max(evaluated[:2], key=lambda m: m[metric])  # the resumed checkpoint's own record: steps 2 and 4
     assert trainer.best == {"step": early["step"], "metric": metric, "value": early[metric]}
+
+
+def test_drafters_trained_side_by_side_equal_drafters_trained_here_on_one_thread(work, tmp_path):
+    """The demo trains its drafters in spawned processes of one thread each: the weights are those of the same
+    training run here on one thread (with the demo's float settings), and each job's own seconds come back."""
+    from peagle.demo.pipeline import train_side_by_side
+
+    def args(name: str, **options) -> TrainArgs:
+        return TrainArgs(data=str(work / "ext-train"), out=str(tmp_path / name), num_layers=1, steps=6, batch_size=2,
+                         lr=3e-3, warmup_steps=2, progress=False, **options)  # fmt: skip
+
+    jobs = {"p-eagle": dict(num_depths=3), "eagle3": dict(num_depths=1, ttt_steps=2)}
+    seconds = train_side_by_side([(name, tmp_path / name, args(name, **o)) for name, o in jobs.items()], 2)
+    assert set(seconds) == set(jobs) and all(s > 0 for s in seconds.values())
+    torch.set_flush_denormal(True)
+    try:
+        for name, options in jobs.items():
+            Trainer(TrainArgs(**{**vars(args(name, **options)), "out": str(tmp_path / f"{name}-here")})).run()
+            there = load_file(str(tmp_path / name / "final" / "model.safetensors"))
+            here = load_file(str(tmp_path / f"{name}-here" / "final" / "model.safetensors"))
+            assert there.keys() == here.keys() and all(torch.equal(there[k], here[k]) for k in there), name
+            losses = [[m["loss"] for m in read_metrics(tmp_path / n)] for n in (name, f"{name}-here")]
+            assert len(losses[0]) == 6 and losses[0] == losses[1], name
+    finally:
+        torch.set_flush_denormal(False)

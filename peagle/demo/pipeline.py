@@ -35,7 +35,16 @@ from peagle.demo.target import (
 from peagle.demo.workload import check_categories, check_sampling
 from peagle.io import atomic_write_bytes, atomic_write_json
 
-__all__ = ["DemoSpec", "category_prompts", "deep_name", "demo_spec", "run_demo", "train_budget"]
+__all__ = [
+    "DemoSpec",
+    "category_prompts",
+    "deep_name",
+    "demo_spec",
+    "run_demo",
+    "train_budget",
+    "train_on_one_thread",
+    "train_side_by_side",
+]
 
 
 @dataclass
@@ -157,25 +166,35 @@ class Stages:
     def _record_path(self) -> Path | None:
         return self.root / "stage_seconds.json" if self.root is not None else None
 
-    def run(self, name: str, out: Path, done: bool, fn):
+    def _recorded(self) -> dict[str, float]:
         record_path = self._record_path()
-        record = json.loads(record_path.read_text()) if record_path and record_path.exists() else {}
-        key = os.path.relpath(out, self.root) if self.root is not None else str(out)
+        return json.loads(record_path.read_text()) if record_path and record_path.exists() else {}
+
+    def _key(self, out: Path) -> str:
+        return os.path.relpath(out, self.root) if self.root is not None else str(out)
+
+    def run(self, name: str, out: Path, done: bool, fn):
         if done:
             print(f"[peagle demo] {name}: cached", flush=True)
             self.cached.append(name)
             self.times[name] = 0.0
-            if key in record:
-                self.when_run[name] = record[key]
+            record = self._recorded()
+            if self._key(out) in record:
+                self.when_run[name] = record[self._key(out)]
             return None
         print(f"[peagle demo] {name} ...", flush=True)
         start = time.perf_counter()
         result = fn()
-        self.times[name] = self.when_run[name] = time.perf_counter() - start
-        print(f"[peagle demo] {name}: {self.times[name]:.1f} s", flush=True)
-        if record_path is not None:
-            atomic_write_json(record_path, {**record, key: self.times[name]})
+        self.record(name, out, time.perf_counter() - start)
         return result
+
+    def record(self, name: str, out: Path, seconds: float) -> None:
+        """Records the time of stage ``name`` (output ``out``), run here or timed where it ran."""
+        self.times[name] = self.when_run[name] = seconds
+        print(f"[peagle demo] {name}: {seconds:.1f} s", flush=True)
+        record_path = self._record_path()
+        if record_path is not None:
+            atomic_write_json(record_path, {**self._recorded(), self._key(out): seconds})
 
 
 def _threads() -> int:
@@ -471,12 +490,39 @@ def stage_data(run: DemoRun) -> None:
         )
 
 
+def train_on_one_thread(args) -> float:
+    """Trains one drafter in a worker process on one thread (the demo's float settings); returns its seconds."""
+    from peagle.train.trainer import train
+
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    start = time.perf_counter()
+    train(args)
+    return time.perf_counter() - start
+
+
+def train_side_by_side(jobs: list[tuple[str, Path, Any]], workers: int) -> dict[str, float]:
+    """Trains ``jobs`` ((label, output, TrainArgs), longest first) in ``workers`` spawned processes of one thread
+    each; returns each label's seconds. Small drafters use a second thread poorly (the ops are too small to split),
+    so two processes of one thread train two drafters in about the time one takes on two threads; and one thread
+    per drafter, whatever the machine's cores and load, trains the same drafter on every run."""
+    import multiprocessing
+
+    print(f"[peagle demo] {len(jobs)} drafter(s) train side by side: {workers} process(es) of one thread", flush=True)
+    context = multiprocessing.get_context("spawn")  # a fork would inherit torch's thread pools
+    with context.Pool(workers, maxtasksperchild=1) as pool:
+        pending = [(label, pool.apply_async(train_on_one_thread, (args,))) for label, _, args in jobs]
+        return {label: result.get() for label, result in pending}
+
+
 def stage_train_pair(run: DemoRun) -> dict[str, dict[str, Any]]:
     """3. Train P-EAGLE and the EAGLE-3 baseline (with training-time test over its K drafts) with the same steps,
-    rows, layers and COD elements; returns each one's budget (:func:`train_budget`)."""
-    from peagle.train.trainer import TrainArgs, train
+    rows, layers and COD elements, and the deeper P-EAGLE drafter of the equal-cost comparison: side by side, one
+    thread each, on the cores that were free when the demo started; returns each one's budget
+    (:func:`train_budget`)."""
+    from peagle.train.trainer import TrainArgs
 
-    spec, budgets = run.spec, {}
+    spec, budgets, jobs = run.spec, {}, []
     for name, (out, k) in run.drafters.items():
         args = TrainArgs(
             data=str(run.data_root / "states-train"),
@@ -490,14 +536,23 @@ def stage_train_pair(run: DemoRun) -> dict[str, dict[str, Any]]:
             warmup_steps=max(1, spec.steps // 20),
             max_anchors=spec.max_anchors,
             seed=0,
-            progress=run.progress,
+            progress=False,  # processes side by side would interleave their bars
             overwrite=True,  # an unfinished stage starts over
         )
         ttt = f", TTT {args.ttt_steps} steps" if args.ttt_steps > 1 else ""
         label = f"train {name} (K = {k}{ttt}, {args.num_layers} layer(s), {spec.steps} steps x {spec.batch_size} rows)"
-        run.stages.run(label, out, _complete(out / "final", "config.json"), lambda args=args: train(args))
-        budgets[name] = train_budget(args, run.stages.when_run.get(label, 0.0))
-    return budgets
+        if _complete(out / "final", "config.json"):
+            run.stages.run(label, out, True, None)
+        else:
+            jobs.append((label, out, args))
+        budgets[name] = (label, args)
+    # Longest first (layers, then the unrolled TTT steps), so the last to finish starts first.
+    jobs.sort(key=lambda job: (job[2].num_layers, job[2].ttt_steps), reverse=True)
+    if jobs:
+        seconds = train_side_by_side(jobs, min(len(jobs), torch.get_num_threads()))
+        for label, out, _ in jobs:
+            run.stages.record(label, out, seconds[label])
+    return {name: train_budget(args, run.stages.when_run.get(label, 0.0)) for name, (label, args) in budgets.items()}
 
 
 def train_budget(args, seconds: float) -> dict[str, Any]:
