@@ -13,7 +13,15 @@ import torch
 from peagle.decode.harness import CostTable
 from peagle.decode.harness.budget import ragged_chain_lengths
 from peagle.decode.harness.cost import model_identity, monotone
-from peagle.decode.harness.steps import EXPECTED_DECAY, PROBE_AFTER, PROBE_AFTER_MAX, TYPICAL_CHAINS, StepHarness
+from peagle.decode.harness.steps import (
+    EXPECTED_DECAY,
+    PROBE_AFTER,
+    PROBE_AFTER_MAX,
+    STEP_OVERHEAD_DECAY,
+    STEP_OVERHEAD_MAX,
+    TYPICAL_CHAINS,
+    StepHarness,
+)
 
 K = 4
 
@@ -358,3 +366,54 @@ def test_a_request_with_poor_chains_drafts_again_when_its_kind_s_chains_pay():
     assert answers == references
     # Power: the pass is first skipped, then resumed by the regression (before the first probe, PROBE_AFTER away).
     assert answers[0] is False and answers[-1] is True and len(answers) <= PROBE_AFTER
+
+
+def test_each_timed_step_s_excess_over_its_price_is_the_overhead_every_price_carries():
+    table = step_table({2: 5.0}, pass_ms=5.0)  # no pass pays at overhead 0
+    harness = StepHarness(table, K)
+    names, plain = ["a", "b"], [False, False]
+    harness.decide(names, torch.full((2, K), 0.5), plain, plain, 64)
+    v1 = float(table.ragged_verify_row(2, 64, 2 * K)[1])
+    pass_s = table.pass_time(2, K)
+    assert not harness.plan_pass(names, plain, plain, 64)
+    harness.step_ended(None)  # untimed; the next step verifies no drafts (priced V[1]) and runs no pass
+    overhead, steps = 0.0, [3.0 * v1, 2.5 * v1, 9.0 * v1, None, 1.5 * v1]
+    for seconds in steps:
+        harness._skipped_run = 0  # no probes
+        assert not harness.plan_pass(names, plain, plain, 64)  # skipped: the step's price is V[1] and no pass
+        harness.step_ended(seconds)
+        if seconds is not None and seconds <= STEP_OVERHEAD_MAX * v1:  # 9 V[1]: an idle gap, left out
+            overhead = STEP_OVERHEAD_DECAY * overhead + (1 - STEP_OVERHEAD_DECAY) * (seconds - v1)
+        assert harness.step_overhead == pytest.approx(overhead, rel=1e-12), seconds
+    # A step whose pass ran is priced with its pass and the verification decide chose for it.
+    harness.step_overhead = 0.0
+    harness.table = step_table({2: 0.0}, pass_ms=pass_s * 1e3)  # drafts are free: every pass pays
+    harness._costs.clear()
+    assert harness.plan_pass(names, plain, plain, 64)
+    kept = harness.decide(names, torch.full((2, K), 0.5), plain, plain, 64)
+    harness.step_ended(2.0 * v1)  # the step whose pass just ran: priced V[1] (skipped before) + the pass
+    assert harness.step_overhead == pytest.approx((1 - STEP_OVERHEAD_DECAY) * max(2.0 * v1 - v1 - pass_s, 0.0))
+    before = harness.step_overhead
+    harness.step_ended(None)  # a step the policy did not plan (a prompt's) is not timed
+    price = float(harness.table.ragged_verify_row(2, 64, 2 * K)[1 + sum(kept)])
+    assert harness.step_overhead == before and price > 0
+    harness.step_ended(0.5 * price)  # overpriced: the overhead never goes negative
+    assert harness.step_overhead >= 0.0
+
+
+def test_a_dear_served_step_makes_the_pass_pay():
+    """Power: a table whose prices make the pass lose at overhead 0 makes it pay once every step is seen to cost
+    more (the overhead is common to a step with drafts and one without), as the brute-force plan says."""
+    table = step_table({1: 2.0}, pass_ms=10.0)
+    harness = StepHarness(table, K)
+    harness.decide(["a"], torch.full((1, K), 0.3), [False], [False], 64)
+    answers = []
+    for overhead in (0.0, 0.002, 0.01, 0.05):
+        harness.step_overhead = overhead
+        verify = table.ragged_verify_row(1, 64, K) + overhead
+        expected = harness.expected[[harness.slots["a"]]]
+        reference = best_ratio(expected, 1, table.pass_time(1, K), verify) > 1 / float(verify[1])
+        answers.append(harness.plan_pass(["a"], [False], [False], 64))
+        harness._skipped_run = 0  # no probes: the answer is the plan's
+        assert answers[-1] == reference, overhead
+    assert answers[0] is False and answers[-1] is True

@@ -286,6 +286,7 @@ class RunnerHarness:
         self._step: dict[str, Any] | None = None
         self._pinned: torch.Tensor | None = None
         self.decision_s, self.decisions = 0.0, 0  # host seconds of the decisions and observations, and their steps
+        self._step_started: float | None = None  # when the step under way started (the policy's step times)
         self.skipped = 0  # passes skipped (no request's drafts would have paid)
         self.prompt_passes = 0  # passes run because the step processed prompt tokens
         self._wrap(runner, "execute_model", self.execute_model)
@@ -347,8 +348,11 @@ class RunnerHarness:
             self.steps.append(self._step)
             self._step = None
         self.scheduled = scheduler_output.scheduled_spec_decode_tokens or {}
-        if self.policy is not None and scheduler_output.finished_req_ids:
-            self.policy.finish(scheduler_output.finished_req_ids)
+        if self.policy is not None:  # the previous step ends where this one starts: its whole cost, scheduling included
+            self.policy.step_ended(None if self._step_started is None else now - self._step_started)
+            self._step_started = now
+            if scheduler_output.finished_req_ids:
+                self.policy.finish(scheduler_output.finished_req_ids)
         if self.profiling and scheduler_output.total_num_scheduled_tokens:
             counts = scheduler_output.num_scheduled_tokens
             drafts = [len(self.scheduled.get(r, ())) for r in counts]

