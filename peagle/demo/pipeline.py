@@ -19,7 +19,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,6 +34,9 @@ from peagle.demo.target import (
 )
 from peagle.demo.workload import check_categories, check_sampling
 from peagle.io import atomic_write_bytes, atomic_write_json
+
+if TYPE_CHECKING:
+    from peagle.train.trainer import TrainArgs
 
 __all__ = [
     "DemoSpec",
@@ -490,7 +493,7 @@ def stage_data(run: DemoRun) -> None:
         )
 
 
-def train_on_one_thread(args) -> float:
+def train_on_one_thread(args: TrainArgs) -> float:
     """Trains one drafter in a worker process on one thread (the demo's float settings); returns its seconds."""
     from peagle.train.trainer import train
 
@@ -501,7 +504,7 @@ def train_on_one_thread(args) -> float:
     return time.perf_counter() - start
 
 
-def train_side_by_side(jobs: list[tuple[str, Path, Any]], workers: int) -> dict[str, float]:
+def train_side_by_side(jobs: list[tuple[str, Path, TrainArgs]], workers: int) -> dict[str, float]:
     """Trains ``jobs`` ((label, output, TrainArgs), longest first) in ``workers`` spawned processes of one thread
     each; returns each label's seconds. Small drafters use a second thread poorly (the ops are too small to split),
     so two processes of one thread train two drafters in about the time one takes on two threads; and one thread
@@ -517,9 +520,9 @@ def train_side_by_side(jobs: list[tuple[str, Path, Any]], workers: int) -> dict[
 
 def stage_train_pair(run: DemoRun) -> dict[str, dict[str, Any]]:
     """3. Train P-EAGLE and the EAGLE-3 baseline (with training-time test over its K drafts) with the same steps,
-    rows, layers and COD elements, and the deeper P-EAGLE drafter of the equal-cost comparison: side by side, one
-    thread each, on the cores that were free when the demo started; returns each one's budget
-    (:func:`train_budget`)."""
+    rows, layers and COD elements, and the deeper P-EAGLE drafter of the equal-cost comparison: on the CPU side by
+    side, one thread each, on the cores that were free when the demo started (on a GPU one after another: they would
+    share its memory); returns each one's budget (:func:`train_budget`)."""
     from peagle.train.trainer import TrainArgs
 
     spec, budgets, jobs = run.spec, {}, []
@@ -549,7 +552,8 @@ def stage_train_pair(run: DemoRun) -> dict[str, dict[str, Any]]:
     # Longest first (layers, then the unrolled TTT steps), so the last to finish starts first.
     jobs.sort(key=lambda job: (job[2].num_layers, job[2].ttt_steps), reverse=True)
     if jobs:
-        seconds = train_side_by_side(jobs, min(len(jobs), torch.get_num_threads()))
+        workers = min(len(jobs), torch.get_num_threads()) if run.device == "cpu" else 1
+        seconds = train_side_by_side(jobs, workers)
         for label, out, _ in jobs:
             run.stages.record(label, out, seconds[label])
     return {name: train_budget(args, run.stages.when_run.get(label, 0.0)) for name, (label, args) in budgets.items()}
