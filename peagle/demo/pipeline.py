@@ -45,7 +45,6 @@ __all__ = [
     "demo_spec",
     "run_demo",
     "train_budget",
-    "train_on_one_thread",
     "train_side_by_side",
 ]
 
@@ -493,7 +492,7 @@ def stage_data(run: DemoRun) -> None:
         )
 
 
-def train_on_one_thread(args: TrainArgs) -> float:
+def _train_on_one_thread(args: TrainArgs) -> float:
     """Trains one drafter in a worker process on one thread (the demo's float settings); returns its seconds."""
     from peagle.train.trainer import train
 
@@ -514,7 +513,7 @@ def train_side_by_side(jobs: list[tuple[str, Path, TrainArgs]], workers: int) ->
     print(f"[peagle demo] {len(jobs)} drafter(s) train side by side: {workers} process(es) of one thread", flush=True)
     context = multiprocessing.get_context("spawn")  # a fork would inherit torch's thread pools
     with context.Pool(workers, maxtasksperchild=1) as pool:
-        pending = [(label, pool.apply_async(train_on_one_thread, (args,))) for label, _, args in jobs]
+        pending = [(label, pool.apply_async(_train_on_one_thread, (args,))) for label, _, args in jobs]
         return {label: result.get() for label, result in pending}
 
 

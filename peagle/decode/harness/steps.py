@@ -256,7 +256,7 @@ class StepHarness:
         # The overhead in tenths of a millisecond: the answer is kept while the overhead stays about the same.
         key = (tuple(requests), tuple(sampled), self.table.context_index(context), round(self.step_overhead * 1e4))
         if self._plan is None or self._plan[0] != key:
-            self._plan = (key, self._pass_pays(requests, sampled, context))
+            self._plan = (key, self._pass_pays(requests, sampled, verify, pass_time))
         if self._plan[1]:
             self._skipped_run, self._probe_after = 0, PROBE_AFTER
             return True
@@ -283,8 +283,9 @@ class StepHarness:
             self.expected[index] = self.expected[index].lerp_(typical, 1 - EXPECTED_DECAY)
             self._plan = None
 
-    def _pass_pays(self, requests: Sequence[str], sampled: Sequence[bool], context: int) -> bool:
-        """:meth:`plan_pass`'s answer for a batch without fixed requests."""
+    def _pass_pays(self, requests: Sequence[str], sampled: Sequence[bool], verify: Tensor, pass_time: float) -> bool:
+        """:meth:`plan_pass`'s answer for a batch without fixed requests (``verify``, ``pass_time``: the table's
+        costs of its step)."""
         batch = len(requests)
         rows = []
         for request, flag in zip(requests, sampled, strict=True):
@@ -295,7 +296,6 @@ class StepHarness:
                 rows.append(self.typical[flag])
             else:
                 return True  # nothing is known of drafts of this kind yet: only a pass can tell
-        verify, pass_time = self._step_costs(batch, context, self.depth, 0, any(sampled))
         verify = verify + self.step_overhead
         acceptance = torch.stack(rows)
         lengths = ragged_chain_lengths(acceptance, batch, pass_time, verify)  # the budget decide would give them
