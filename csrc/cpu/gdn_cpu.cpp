@@ -16,7 +16,6 @@
 #endif
 
 #include "checks/gdn.h"
-#include "cpu/large_buffers.h"
 #include "isa.h"
 #include "peagle/gdn.h"
 
@@ -355,12 +354,11 @@ at::Tensor gdn_tree_verify_slots_cpu(const at::Tensor& q, const at::Tensor& k, c
       if (mark && parent_ptr[b * n + i] >= 0) needed[b * n + parent_ptr[b * n + i]] = 1;
     }
   }
-  // Streaming stores (no read for ownership) pay off when the written states do not fit in the last-level cache, and
-  // cost when they do (the next step would find them there): on a Xeon with 480 MB of it, streaming B = 8 K = 3 float32
-  // states (67 MB) took the step from 1.8 ms to 2.8 ms.
+  // Streaming stores (no read for ownership) pay off when the written states do not fit in a cache, and cost when
+  // they do (the next step would find them there): only calls writing more than kStreamBytes use them.
+  constexpr int64_t kStreamBytes = int64_t{16} << 20;
   const int64_t written = std::count_if(dest_ptr, dest_ptr + B * n, [](int64_t slot) { return slot >= 0; });
-  const bool stream =
-      written * HV * K * V * static_cast<int64_t>(state_cache.element_size()) > cpu::streaming_threshold_bytes();
+  const bool stream = written * HV * K * V * static_cast<int64_t>(state_cache.element_size()) > kStreamBytes;
   const int64_t group = HV / H;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "gdn_tree_verify_slots_cpu", [&] {
     using qkv_t = scalar_t;

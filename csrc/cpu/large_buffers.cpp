@@ -3,9 +3,7 @@
 #include <c10/util/accumulate.h>
 #include <sys/mman.h>
 #include <torch/library.h>
-#include <unistd.h>
 
-#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -139,20 +137,6 @@ void copy_streaming(void* dst, const void* src, size_t bytes) {
   }
 #endif
   std::memcpy(dst, src, bytes);
-}
-
-int64_t streaming_threshold_bytes() {
-  if (const char* forced = std::getenv("PEAGLE_CPU_STREAMING_BYTES")) return std::atoll(forced);
-  static const int64_t threshold = [] {
-    constexpr int64_t kFloor = int64_t{16} << 20;
-    int64_t last_level = -1;
-#if defined(_SC_LEVEL3_CACHE_SIZE)
-    last_level = sysconf(_SC_LEVEL3_CACHE_SIZE);
-    if (last_level <= 0) last_level = sysconf(_SC_LEVEL2_CACHE_SIZE);
-#endif
-    return std::max(kFloor, last_level / 2);
-  }();
-  return threshold;
 }
 
 void streaming_fence() {

@@ -25,11 +25,5 @@ void copy_streaming(void* dst, const void* src, size_t bytes);
 // Finishes the streaming stores of this thread (call once after a batch of copy_streaming).
 void streaming_fence();
 
-// Bytes a call must write before streaming stores pay: half the last-level cache as the OS reports it (written data
-// that fits there is found in it by the next reader, and streaming it out costs the write to memory), and at least
-// 16 MiB where the OS reports a smaller cache or none. The environment variable PEAGLE_CPU_STREAMING_BYTES, read at
-// each call, overrides it (the tests cover both store paths with it on any machine).
-int64_t streaming_threshold_bytes();
-
 }  // namespace cpu
 }  // namespace peagle
