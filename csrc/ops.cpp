@@ -49,6 +49,14 @@ TORCH_LIBRARY(peagle, m) {
       "gdn_tree_verify_slots(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor parent, "
       "Tensor(a!) state_cache, Tensor start_slots, Tensor state_slots, float? scale=None, bool use_qk_l2norm=False, "
       "bool validate=True) -> Tensor");
+  // gdn_spec_step: vLLM's speculative GDN step by vLLM's argument names (its fused_sigmoid_gating_delta_rule_update
+  // contract): the sigmoid gates from a, b, A_log and dt_bias, then one gdn_tree_verify_slots over the chains of
+  // cu_seqlens, sequence s starting from slot spec_state_indices[s, num_accepted_tokens[s] - 1] and leaving the state
+  // after its token t in slot spec_state_indices[s, t]. Returns the outputs [T, HV, V] in v's dtype.
+  m.def(
+      "gdn_spec_step(Tensor A_log, Tensor dt_bias, Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, "
+      "Tensor(a!) initial_state_source, Tensor spec_state_indices, Tensor num_accepted_tokens, Tensor cu_seqlens, "
+      "bool use_qk_l2norm_in_kernel, float softplus_beta=1.0, float softplus_threshold=20.0) -> Tensor");
   m.def(
       "gdn_commit(Tensor k, Tensor g, Tensor u, Tensor parent, Tensor last_accepted, Tensor(a!) state_pool, "
       "Tensor slots, bool use_qk_l2norm=False, bool validate=True) -> ()");

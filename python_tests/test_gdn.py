@@ -14,13 +14,15 @@ from peagle.ops import (
     gdn_commit,
     gdn_commit_reference,
     gdn_recurrence_reference,
+    gdn_spec_step,
+    gdn_spec_step_reference,
     gdn_tree_verify,
     gdn_tree_verify_reference,
     gdn_tree_verify_slots,
     gdn_tree_verify_slots_reference,
 )
 from peagle.ops.gdn import tree_path
-from testkit import random_gdn_inputs, random_tree, strided_gdn_inputs
+from testkit import random_gdn_inputs, random_gdn_spec_inputs, random_tree, strided_gdn_inputs
 
 KINDS = ["chain", "star", "deep", "random", "forest"]
 HEADS = [(1, 1, 16, 8), (2, 4, 16, 24), (2, 2, 32, 16), (1, 3, 8, 33), (2, 16, 8, 12)]  # H, HV, K, V
@@ -642,6 +644,125 @@ def test_verify_slots_opcheck_and_fake(generator):
         fake = [mode.from_tensor(t) for t in real]
         o = gdn_tree_verify_slots(*fake)
         assert o.shape == x.v.shape and o.dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# vLLM's speculative step in one op (gdn_spec_step): the gates, the start slots and the chains' layout around
+# gdn_tree_verify_slots, against the token-by-token recurrence.
+
+SPEC_HEADS = (2, 4, 16, 8)  # H, HV, K, V
+
+
+def spec_step_both(generator, lengths, state_dtype=torch.float32, index_dtype=torch.int32, **step):
+    """(op's outputs, op's cache, reference outputs, reference cache, inputs, original cache): q/k/v in the cache's
+    dtype (vLLM's bf16 caches come with bf16 activations), one spare slot column per sequence (never written), the
+    first sequence resuming from column 0 (no token accepted)."""
+    args, state = random_gdn_spec_inputs(
+        generator, lengths, columns=max(lengths) + 1, heads=SPEC_HEADS, dtype=state_dtype,
+        state_dtype=state_dtype, index_dtype=index_dtype,
+    )  # fmt: skip
+    args["num_accepted_tokens"][0] = 0
+    args.update(step)
+    expected_o, expected_cache = gdn_spec_step_reference(initial_state_source=state, **args)
+    cache = state.clone()
+    o = gdn_spec_step(initial_state_source=cache, **args)
+    return o, cache, expected_o, expected_cache, args, state
+
+
+@pytest.mark.parametrize("lengths", [[4], [3, 3, 3], [4, 2, 1, 3], [1], [6, 5], [1, 6]])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_spec_step_matches_the_token_recurrence(generator, lengths, state_dtype, index_dtype):
+    o, cache, expected_o, expected_cache, args, state = spec_step_both(generator, lengths, state_dtype, index_dtype)
+    assert o.shape == args["v"].shape and o.dtype == args["v"].dtype
+    # bf16: both compute in float32 and round each output and stored state once (one bf16 ulp apart at most).
+    exact = state_dtype == torch.float32
+    torch.testing.assert_close(o.float(), expected_o, rtol=1e-4 if exact else 2**-7, atol=1e-5)
+    torch.testing.assert_close(cache.float(), expected_cache.float(), rtol=1e-5 if exact else 2**-7, atol=1e-6)
+    written = torch.zeros(state.shape[0], dtype=torch.bool)
+    for s, length in enumerate(lengths):
+        written[args["spec_state_indices"][s, :length].long()] = True
+    assert torch.equal(cache[~written], state[~written])  # the spare columns and every other slot untouched
+    assert not torch.equal(cache[written], state[written])
+
+
+def test_spec_step_gates_follow_softplus_beta_and_threshold(generator):
+    """Large a + dt_bias takes softplus' linear branch (x beta > threshold) for some gates and log1p(exp) for others;
+    and a power check: the default beta and threshold give other outputs."""
+    args, _ = random_gdn_spec_inputs(generator, [5, 5], heads=SPEC_HEADS, dtype=torch.float32)
+    a = args["a"] * 4
+    o, cache, expected_o, expected_cache, args, state = spec_step_both(
+        generator, [5, 5], a=a, softplus_beta=2.0, softplus_threshold=3.0
+    )
+    x = (a + args["dt_bias"]) * 2.0
+    assert (x > 3.0).any() and (x <= 3.0).any()
+    torch.testing.assert_close(o, expected_o, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(cache, expected_cache, rtol=1e-5, atol=1e-6)
+    default = gdn_spec_step(**{**args, "softplus_beta": 1.0, "softplus_threshold": 20.0}, initial_state_source=state)
+    assert not torch.allclose(default, o, rtol=1e-3, atol=1e-4)
+
+
+def test_spec_step_empty_batches(generator):
+    args, state = random_gdn_spec_inputs(generator, [3], heads=SPEC_HEADS, dtype=torch.float32)
+    for empty in ({"cu_seqlens": torch.tensor([0], dtype=torch.int32)},):
+        cache = state.clone()
+        no_tokens = {name: t[:0] for name, t in args.items() if name in ("q", "k", "v", "a", "b")}
+        o = gdn_spec_step(**{**args, **no_tokens, **empty}, initial_state_source=cache)
+        assert o.shape == (0, *args["v"].shape[1:]) and torch.equal(cache, state)
+
+
+def test_spec_step_errors(generator):
+    args, state = random_gdn_spec_inputs(generator, [3, 2], heads=SPEC_HEADS, dtype=torch.float32)
+    args["num_accepted_tokens"] = torch.tensor([1, 1], dtype=torch.int32)  # start slots in column 0: the slot cases
+
+    def call(**changes):
+        cache = changes.pop("initial_state_source", state.clone())
+        gdn_spec_step(**{**args, **changes}, initial_state_source=cache)
+
+    with pytest.raises(
+        RuntimeError, match=r"gdn_spec_step: cu_seqlens must run from 0 to the 5 tokens of q, got 0 \.\. 4"
+    ):
+        call(cu_seqlens=torch.tensor([0, 3, 4], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match=r"gdn_spec_step: cu_seqlens must not decrease, got 6 then 5 at 2"):
+        call(cu_seqlens=torch.tensor([0, 6, 5], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match=r"num_accepted_tokens\[1\] = 4 exceeds the 3 slot columns"):
+        call(num_accepted_tokens=torch.tensor([1, 4], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match=r"a sequence of 3 tokens needs as many slot columns, .* has 2"):
+        call(spec_state_indices=args["spec_state_indices"][:, :2])
+    with pytest.raises(RuntimeError, match=r"need a row for each of the 2 sequences"):
+        call(num_accepted_tokens=args["num_accepted_tokens"][:1])
+    with pytest.raises(RuntimeError, match=r"gdn_spec_step: a and b must have the same dtype"):
+        call(b=args["b"].bfloat16())
+    with pytest.raises(RuntimeError, match=r"gdn_spec_step: spec_state_indices must be int32 or int64"):
+        call(spec_state_indices=args["spec_state_indices"].float())
+    with pytest.raises(RuntimeError, match=r"gdn_spec_step: A_log must have shape \[HV\]"):
+        call(A_log=args["A_log"][:2])
+    with pytest.raises(RuntimeError, match=r"gdn_spec_step: q must be 3-D"):
+        call(q=args["q"][None])
+    # The slot rules are gdn_tree_verify_slots': two sequences writing one slot, a slot out of the cache.
+    shared = args["spec_state_indices"].clone()
+    shared[1, 1] = shared[0, 2]
+    with pytest.raises(RuntimeError, match=r"state_slots other than -1 must be distinct"):
+        call(spec_state_indices=shared)
+    kept = state.clone()
+    outside = args["spec_state_indices"].clone()
+    outside[0, 1] = state.shape[0]
+    with pytest.raises(RuntimeError, match=rf"state_slots must be in \[-1, {state.shape[0]}\)"):
+        call(spec_state_indices=outside, initial_state_source=kept)
+    assert torch.equal(kept, state)  # an error leaves the cache as it was
+    with pytest.raises(RuntimeError, match=r"state_cache must be float32 or q's dtype"):
+        call(initial_state_source=state.double())
+
+
+def test_spec_step_opcheck_and_fake(generator):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args, state = random_gdn_spec_inputs(generator, [3, 3], heads=SPEC_HEADS, dtype=torch.float32)
+    torch.library.opcheck(torch.ops.peagle.gdn_spec_step.default, (), {**args, "initial_state_source": state.clone()})
+    with FakeTensorMode() as mode:
+        fake = {name: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for name, t in args.items()}
+        o = gdn_spec_step(**fake, initial_state_source=mode.from_tensor(state))
+        assert o.shape == args["v"].shape and o.dtype == args["v"].dtype
 
 
 ISA_SCRIPT = """

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from peagle.cli import main
-from testkit import fresh_seed, tiny_chat_jsonl, tiny_qwen3_next, tiny_tokenizer
+from testkit import fresh_seed, random_gdn_spec_inputs, tiny_chat_jsonl, tiny_qwen3_next, tiny_tokenizer
 
 vllm_ops = pytest.importorskip("vllm._custom_ops")
 if not hasattr(vllm_ops, "fused_sigmoid_gating_delta_rule_update_spec_cpu"):
@@ -21,46 +21,20 @@ if not hasattr(vllm_ops, "fused_sigmoid_gating_delta_rule_update_spec_cpu"):
 
 from vllm_runner import acceptance_length, run_vllm  # noqa: E402
 
-from peagle.vllm.gdn import spec_gdn_update  # noqa: E402 (after the vLLM check)
+from peagle.ops import gdn_spec_step  # noqa: E402 (after the vLLM check)
 
 K = 3
 ANSWER_TOKENS = 40
-
-
-def random_spec_batch(generator: torch.Generator, lengths: list[int], state_dtype: torch.dtype, columns: int):
-    heads, value_heads, key_dim, value_dim = 2, 4, 64, 64
-    tokens, seqs = sum(lengths), len(lengths)
-    slots = seqs * columns + 3
-
-    def randn(*shape, scale=1.0, dtype=torch.bfloat16):
-        return (torch.randn(*shape, generator=generator) * scale).to(dtype)
-
-    accepted = [int(torch.randint(1, columns + 1, (), generator=generator)) for _ in lengths]
-    args = {
-        "A_log": randn(value_heads, scale=0.5),
-        "dt_bias": randn(value_heads),
-        "q": randn(tokens, heads, key_dim),
-        "k": randn(tokens, heads, key_dim),
-        "v": randn(tokens, value_heads, value_dim),
-        "a": randn(tokens, value_heads),
-        "b": randn(tokens, value_heads),
-        "spec_state_indices": torch.randperm(slots, generator=generator)[: seqs * columns].view(seqs, columns).int(),
-        "num_accepted_tokens": torch.tensor(accepted, dtype=torch.int32),
-        "cu_seqlens": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
-        "use_qk_l2norm_in_kernel": True,
-    }
-    state = randn(slots, value_heads, key_dim, value_dim, scale=0.1, dtype=state_dtype)
-    return args, state
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lengths", [[4], [4, 4, 4], [4, 2, 1, 3], [1, 1], [6, 5]])
 def test_peagle_step_equals_vllm_op(generator, state_dtype, lengths):
     columns = max(lengths)
-    args, state = random_spec_batch(generator, lengths, state_dtype, columns)
+    args, state = random_gdn_spec_inputs(generator, lengths, columns=columns, state_dtype=state_dtype)
     state_vllm, state_peagle = state.clone(), state.clone()
     out_vllm = vllm_ops.fused_sigmoid_gating_delta_rule_update_spec_cpu(initial_state_source=state_vllm, **args)
-    out_peagle = spec_gdn_update(initial_state_source=state_peagle, **args)
+    out_peagle = gdn_spec_step(initial_state_source=state_peagle, **args)
     assert out_peagle.shape == out_vllm.shape and out_peagle.dtype == out_vllm.dtype
     # bf16 outputs: one rounding apart with fp32 states, i.e. one bf16 ulp, which is up to 2^-7 of a value at the
     # bottom of its binade (2^-8 failed about 1 seed in 200). With bf16 states the two kernels round the states at

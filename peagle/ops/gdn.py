@@ -22,6 +22,7 @@ The references below (sequential recurrence along each root-to-node path) are th
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -36,6 +37,8 @@ __all__ = [
     "gdn_commit",
     "gdn_commit_reference",
     "gdn_recurrence_reference",
+    "gdn_spec_step",
+    "gdn_spec_step_reference",
     "gdn_tree_verify",
     "gdn_tree_verify_reference",
     "gdn_tree_verify_slots",
@@ -138,6 +141,45 @@ def gdn_tree_verify_slots(
     )
 
 
+def gdn_spec_step(
+    A_log: Tensor,  # vLLM's argument names: the vLLM plugin installs this op in place of vLLM's by keyword
+    dt_bias: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    a: Tensor,
+    b: Tensor,
+    initial_state_source: Tensor,
+    spec_state_indices: Tensor,
+    num_accepted_tokens: Tensor,
+    cu_seqlens: Tensor,
+    use_qk_l2norm_in_kernel: bool,
+    softplus_beta: float = 1.0,
+    softplus_threshold: float = 20.0,
+) -> Tensor:
+    """vLLM's speculative GDN step (sigmoid gating, one state slot per draft position) in one op.
+
+    Args:
+        A_log, dt_bias: [HV]; the gates are ``g = -exp(A_log) softplus(a + dt_bias)`` (torch's softplus with
+            ``softplus_beta`` and ``softplus_threshold``) and ``beta = sigmoid(b)``, in float32.
+        q, k: [T, H, K]; v: [T, HV, V]; a, b: [T, HV] (same dtype): the T tokens of all sequences, flattened.
+        initial_state_source: [P, HV, K, V], float32 or q's dtype, updated in place (vLLM's state cache).
+        spec_state_indices: [>= S, >= n] int: the slots of each sequence's positions.
+        num_accepted_tokens: [>= S] int: sequence s starts from slot
+            ``spec_state_indices[s, num_accepted_tokens[s] - 1]`` (column 0 when it is 0).
+        cu_seqlens: [S + 1] int, 0 .. T: sequence s is tokens ``cu_seqlens[s] .. cu_seqlens[s + 1]`` (read on the
+            host: the chain length n is a shape); the state after its token t goes to slot ``spec_state_indices[s, t]``.
+        use_qk_l2norm_in_kernel: L2-normalise q and k (scale K^-0.5 either way).
+
+    One :func:`gdn_tree_verify_slots` over the chains (no gathered copy of the states, no loop over positions); the slot
+    rules are its own (written slots distinct, none another sequence's start slot). Returns o [T, HV, V] in v's dtype.
+    """
+    return torch.ops.peagle.gdn_spec_step(
+        A_log, dt_bias, q, k, v, a, b, initial_state_source, spec_state_indices, num_accepted_tokens, cu_seqlens,
+        use_qk_l2norm_in_kernel, softplus_beta, softplus_threshold,
+    )  # fmt: skip
+
+
 def gdn_commit(
     k: Tensor,
     g: Tensor,
@@ -220,6 +262,14 @@ def _gdn_tree_verify_fake(
 def _gdn_tree_verify_slots_fake(
     q, k, v, g, beta, parent, state_cache, start_slots, state_slots, scale=None, use_qk_l2norm=False, validate=True
 ):
+    return v.new_empty(v.shape)
+
+
+@torch.library.register_fake("peagle::gdn_spec_step")
+def _gdn_spec_step_fake(
+    A_log, dt_bias, q, k, v, a, b, initial_state_source, spec_state_indices, num_accepted_tokens, cu_seqlens,
+    use_qk_l2norm_in_kernel, softplus_beta=1.0, softplus_threshold=20.0,
+):  # fmt: skip
     return v.new_empty(v.shape)
 
 
@@ -350,6 +400,47 @@ def gdn_tree_verify_slots_reference(
             o[b, i] = out[-1]
             if int(state_slots[b, i]) >= 0:
                 cache[int(state_slots[b, i])] = state.to(cache.dtype)
+    return o, cache
+
+
+def gdn_spec_step_reference(
+    A_log: Tensor,
+    dt_bias: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    a: Tensor,
+    b: Tensor,
+    initial_state_source: Tensor,
+    spec_state_indices: Tensor,
+    num_accepted_tokens: Tensor,
+    cu_seqlens: Tensor,
+    use_qk_l2norm_in_kernel: bool,
+    softplus_beta: float = 1.0,
+    softplus_threshold: float = 20.0,
+) -> tuple[Tensor, Tensor]:
+    """(o [T, HV, V] float32, new state cache): each sequence by the sequential recurrence from its start slot, token by
+    token, the state after token t stored (in the cache's dtype) into a copy of the cache at its slot."""
+    gate = -A_log.float().exp() * torch.nn.functional.softplus(
+        a.float() + dt_bias.float(), beta=softplus_beta, threshold=softplus_threshold
+    )
+    beta = b.float().sigmoid()
+    o = torch.zeros(v.shape, dtype=torch.float32)
+    cache = initial_state_source.clone()
+    bounds = [int(x) for x in cu_seqlens]
+    starts = [
+        initial_state_source[int(spec_state_indices[s, max(int(num_accepted_tokens[s]) - 1, 0)])].float()
+        for s in range(len(bounds) - 1)
+    ]
+    for s, (begin, end) in enumerate(itertools.pairwise(bounds)):
+        state = starts[s]
+        for t in range(end - begin):
+            token = slice(begin + t, begin + t + 1)
+            out, state = gdn_recurrence_reference(
+                q[token], k[token], v[token], gate[token], beta[token], state, None, use_qk_l2norm_in_kernel
+            )
+            o[begin + t] = out[-1]
+            cache[int(spec_state_indices[s, t])] = state.to(cache.dtype)
     return o, cache
 
 

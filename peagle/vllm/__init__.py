@@ -163,10 +163,12 @@ def _patch_gdn_spec_step() -> None:
     if original is None or getattr(original, "_peagle", False):
         return
 
-    from peagle.vllm.gdn import spec_gdn_update, state_layout_matches
+    import torch
 
-    signature = inspect.signature(spec_gdn_update)
-    if not _signature_matches("GDN speculative step", original, tuple(signature.parameters)):
+    from peagle.ops import gdn_spec_step
+    from peagle.vllm.gdn import state_layout_matches
+
+    if not _signature_matches("GDN speculative step", original, tuple(inspect.signature(gdn_spec_step).parameters)):
         return
     try:
         matches, why = state_layout_matches(original)
@@ -177,12 +179,16 @@ def _patch_gdn_spec_step() -> None:
                      "leaving it untouched", why)  # fmt: skip
         return
 
+    # The op itself takes vLLM's arguments by vLLM's names: no Python between vLLM and the kernels beyond this
+    # wrapper (each GDN layer of each step calls it, and in serving it runs with the caches cold).
+    step = torch.ops.peagle.gdn_spec_step
+
     def peagle_gdn_spec_step(*args, **kwargs):
         if not _enabled():
             return original(*args, **kwargs)
-        call = signature.bind(*args, **kwargs).arguments
-        out = spec_gdn_update(**call)
-        _log_call(f"gdn sequences={call['cu_seqlens'].numel() - 1} tokens={call['q'].shape[0]}")
+        out = step(*args, **kwargs)
+        if os.environ.get(CALL_LOG_ENV):
+            _log_call(f"gdn tokens={out.shape[0]}")
         return out
 
     peagle_gdn_spec_step._peagle = True
