@@ -15,12 +15,14 @@ from peagle.ops import (
     deferred_checks,
     gdn_commit,
     gdn_recurrence_reference,
+    gdn_spec_step,
+    gdn_spec_step_reference,
     gdn_tree_verify,
     gdn_tree_verify_reference,
     gdn_tree_verify_slots,
 )
 from peagle.ops.gdn import tree_path
-from testkit import gdn_inputs_to, random_gdn_inputs, random_tree, strided_gdn_inputs
+from testkit import gdn_inputs_to, random_gdn_inputs, random_gdn_spec_inputs, random_tree, strided_gdn_inputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -422,6 +424,23 @@ def test_verify_slots_cuda_equals_cpu(generator, kind, dtype, state, heads):
     assert_same_bits(o_cuda, o, kind, dtype, state)
     assert_same_bits(cuda_cache, cpu_cache, kind, dtype, state)
     assert not torch.equal(cpu_cache, cache)
+
+
+@pytest.mark.parametrize("lengths", [[4, 4, 4], [4, 2, 1, 3]])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_spec_step_cuda_matches_the_token_recurrence(generator, lengths, state_dtype):
+    """vLLM's speculative step in one op on CUDA (gates and start slots as tensor ops, equal and ragged chains)
+    against the token-by-token recurrence, as the CPU op is tested."""
+    args, state = random_gdn_spec_inputs(
+        generator, lengths, columns=max(lengths) + 1, heads=(2, 4, 64, 32), dtype=state_dtype, state_dtype=state_dtype
+    )
+    expected_o, expected_cache = gdn_spec_step_reference(initial_state_source=state, **args)
+    cache = state.cuda()
+    moved = {name: t.cuda() if isinstance(t, torch.Tensor) else t for name, t in args.items()}
+    o = gdn_spec_step(initial_state_source=cache, **moved)
+    exact = state_dtype == torch.float32
+    torch.testing.assert_close(o.float().cpu(), expected_o, rtol=1e-4 if exact else 2**-7, atol=1e-5)
+    torch.testing.assert_close(cache.float().cpu(), expected_cache.float(), rtol=1e-5 if exact else 2**-7, atol=1e-6)
 
 
 def test_verify_slots_strided_cache_cuda(generator):
