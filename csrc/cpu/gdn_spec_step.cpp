@@ -90,26 +90,49 @@ std::pair<at::Tensor, at::Tensor> gates(const at::Tensor& a, const at::Tensor& b
   return {g, beta};
 }
 
-// start[s] = indices[s, max(num_accepted[s] - 1, 0)]: the slot of the request's last accepted token.
-at::Tensor start_slots(const at::Tensor& indices, const at::Tensor& num_accepted) {
-  const int64_t S = indices.size(0), width = indices.size(1);
-  if (!indices.is_cpu()) {
-    return indices.gather(1, (num_accepted.to(at::kLong).unsqueeze(1) - 1).clamp_min(0)).view({S});
-  }
-  at::Tensor start = at::empty({S}, indices.options().dtype(at::kLong));
-  int64_t* start_ptr = start.data_ptr<int64_t>();
-  const std::vector<int64_t> counts = index_values(num_accepted);
-  const int64_t* count_ptr = counts.data();
-  AT_DISPATCH_INDEX_TYPES(indices.scalar_type(), kOp, [&] {
-    const index_t* index_ptr = indices.data_ptr<index_t>();
+// The chains' layout, computed on the host: start[s] = indices[s, max(num_accepted[s] - 1, 0)] (the slot of the
+// request's last accepted token; its column comes from the previous step's chain, which may be longer than any of
+// this step's), dest[s, i] = indices[s, i] for the sequence's tokens and -1 for padding, token[s, i] = the flattened
+// token of position i (padding repeats the sequence's first token), parent[s, i] = i - 1, and rows [T]: the flat
+// positions of the real tokens, in token order.
+struct ChainLayout {
+  at::Tensor start, dest, token, parent, rows;
+};
+
+ChainLayout chain_layout(const at::Tensor& indices, const at::Tensor& num_accepted, const std::vector<int64_t>& bounds,
+                         int64_t n) {
+  const int64_t S = static_cast<int64_t>(bounds.size()) - 1, width = indices.size(1);
+  const at::Tensor host = indices.is_cpu() ? indices : indices.narrow(0, 0, S).cpu();
+  const std::vector<int64_t> counts = index_values(num_accepted.is_cpu() ? num_accepted : num_accepted.cpu());
+  const auto options = at::TensorOptions().dtype(at::kLong);
+  ChainLayout out{at::empty({S}, options), at::empty({S, n}, options), at::empty({S, n}, options),
+                  at::empty({S, n}, options), at::empty({bounds.back()}, options)};
+  int64_t* start = out.start.data_ptr<int64_t>();
+  int64_t* dest = out.dest.data_ptr<int64_t>();
+  int64_t* token = out.token.data_ptr<int64_t>();
+  int64_t* parent = out.parent.data_ptr<int64_t>();
+  int64_t* rows = out.rows.data_ptr<int64_t>();
+  AT_DISPATCH_INDEX_TYPES(host.scalar_type(), kOp, [&] {
+    const index_t* index_ptr = host.data_ptr<index_t>();
+    const auto at = [&](int64_t s, int64_t column) { return index_ptr[s * host.stride(0) + column * host.stride(1)]; };
     for (int64_t s = 0; s < S; ++s) {
-      const int64_t column = std::max<int64_t>(count_ptr[s] - 1, 0);
-      TORCH_CHECK(column < width, "peagle.", kOp, ": num_accepted_tokens[", s, "] = ", count_ptr[s], " exceeds the ",
+      const int64_t column = std::max<int64_t>(counts[s] - 1, 0);
+      TORCH_CHECK(column < width, "peagle.", kOp, ": num_accepted_tokens[", s, "] = ", counts[s], " exceeds the ",
                   width, " slot columns of spec_state_indices");
-      start_ptr[s] = index_ptr[s * indices.stride(0) + column * indices.stride(1)];
+      start[s] = at(s, column);
+      const int64_t length = bounds[s + 1] - bounds[s];
+      for (int64_t i = 0; i < n; ++i) {
+        dest[s * n + i] = i < length ? at(s, i) : -1;
+        token[s * n + i] = bounds[s] + (i < length ? i : 0);
+        parent[s * n + i] = i - 1;
+        if (i < length) rows[bounds[s] + i] = s * n + i;
+      }
     }
   });
-  return start;
+  if (!indices.is_cpu()) {
+    for (at::Tensor* t : {&out.start, &out.dest, &out.token, &out.parent, &out.rows}) *t = t->to(indices.device());
+  }
+  return out;
 }
 
 // The sequence bounds on the host, checked: 0 = cu[0] <= cu[1] <= ... <= cu[S] = tokens.
@@ -168,38 +191,24 @@ at::Tensor gdn_spec_step(const at::Tensor& A_log, const at::Tensor& dt_bias, con
               " tokens needs as many slot columns, spec_state_indices has ", spec_state_indices.size(1));
 
   const auto [g, beta] = gates(a, b, A_log, dt_bias, softplus_beta, softplus_threshold);
-  const at::Tensor columns = spec_state_indices.narrow(0, 0, S).narrow(1, 0, n);
-  // The start slot's column comes from the previous step's chain, which may be longer than any of this step's.
-  const at::Tensor start = start_slots(spec_state_indices.narrow(0, 0, S), num_accepted_tokens.narrow(0, 0, S));
-  at::Tensor parent = at::empty({S, n}, q.options().dtype(at::kLong).device(at::kCPU));  // chains: i - 1
-  for (int64_t i = 0; i < S * n; ++i) parent.data_ptr<int64_t>()[i] = i % n - 1;
-  if (!q.is_cpu()) parent = parent.to(q.device());
+  const ChainLayout chains = chain_layout(spec_state_indices, num_accepted_tokens, bounds, n);
   const int64_t H = q.size(1);
   if (T == S * n) {  // every sequence has n tokens (vLLM's usual batch): views, no gathers
-    const at::Tensor o = verify_slots(q.view({S, n, H, q.size(2)}), k.view({S, n, H, k.size(2)}),
-                                      v.view({S, n, HV, v.size(2)}), g.view({S, n, HV}), beta.view({S, n, HV}), parent,
-                                      initial_state_source, start, columns, use_qk_l2norm_in_kernel);
+    const at::Tensor o = verify_slots(
+        q.view({S, n, H, q.size(2)}), k.view({S, n, H, k.size(2)}), v.view({S, n, HV, v.size(2)}), g.view({S, n, HV}),
+        beta.view({S, n, HV}), chains.parent, initial_state_source, chains.start, chains.dest, use_qk_l2norm_in_kernel);
     return o.view(v.sizes());
   }
-  // Flattened tokens -> padded [S, n] chains: padding positions repeat token 0 of their sequence, write no slot and
-  // are never read back.
-  const auto long_options = q.options().dtype(at::kLong);
-  const at::Tensor cu = at::tensor(bounds, at::kLong).to(q.device());
-  const at::Tensor begin = cu.narrow(0, 0, S).unsqueeze(1);
-  const at::Tensor position = at::arange(n, long_options).unsqueeze(0);
-  const at::Tensor valid = position < (cu.narrow(0, 1, S) - cu.narrow(0, 0, S)).unsqueeze(1);
-  const at::Tensor token = at::where(valid, begin + position, begin).view({S * n});
+  // Flattened tokens -> padded [S, n] chains: padding positions write no slot and are never read back.
+  const at::Tensor token = chains.token.view({S * n});
   const auto gather = [&](const at::Tensor& t) {
     std::vector<int64_t> shape{S, n};
     shape.insert(shape.end(), t.sizes().begin() + 1, t.sizes().end());
     return t.index_select(0, token).view(shape);
   };
-  const at::Tensor o =
-      verify_slots(gather(q), gather(k), gather(v), gather(g), gather(beta), parent, initial_state_source, start,
-                   at::where(valid, columns.to(at::kLong), -1), use_qk_l2norm_in_kernel);
-  const at::Tensor rows = valid.view({S * n}).nonzero().view({-1});
-  return at::zeros(v.sizes(), v.options())
-      .index_copy_(0, token.index_select(0, rows), o.view({S * n, HV, v.size(2)}).index_select(0, rows));
+  const at::Tensor o = verify_slots(gather(q), gather(k), gather(v), gather(g), gather(beta), chains.parent,
+                                    initial_state_source, chains.start, chains.dest, use_qk_l2norm_in_kernel);
+  return o.view({S * n, HV, v.size(2)}).index_select(0, chains.rows);
 }
 
 }  // namespace
