@@ -64,6 +64,22 @@ def _check_engine_rows(report: dict, accepted: bool = True) -> None:
     assert all(check["rejected"] for check in report["lossless_power"])
 
 
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads Linux's /proc/stat")
+def test_demo_threads_follow_the_cores_busy_now():
+    """The demo's threads come from the cores other processes keep busy now, not from the load average, which still
+    counts a build that just ended: a process spinning on one core shows as about one busy core while it runs."""
+    from peagle.demo.pipeline import _busy_cores
+
+    before = _busy_cores(0.5)
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        busy = _busy_cores(0.5)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert busy - before > 0.7, (before, busy)
+
+
 def test_demo_quick_end_to_end(tmp_path):
     pytest.importorskip("vllm")
     cmd = [sys.executable, "-m", "peagle.cli", "demo", "--quick", "--quiet", "--workdir", str(tmp_path)]
