@@ -4,9 +4,9 @@
 // Why one op: the same composition in Python cost about 80 us a call at batch 1 on a Xeon (a third of vLLM's whole
 // step) and 0.35-0.45 ms with cold caches, as in serving, where every other layer runs between two steps of one layer:
 // the interpreter's and the dispatcher's paths through a dozen small tensor ops miss the caches as the states do.
-// One implementation for both backends; only the gates and the start slots differ: plain loops on the CPU (no tensor
-// op at all), tensor ops on CUDA (kernels, no host synchronisation). The chain lengths are shapes, so cu_seqlens is
-// read on the host, as vLLM's own step does.
+// One implementation for both backends; only the gates differ: a plain loop on the CPU (no tensor op at all), tensor
+// ops on CUDA. The chain lengths are shapes, so cu_seqlens is read on the host (as vLLM's own step does), and the
+// chains' layout (start and written slots, padding) is computed there with it, then handed over as int64.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
