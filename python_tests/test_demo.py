@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -65,19 +66,30 @@ def _check_engine_rows(report: dict, accepted: bool = True) -> None:
 
 
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads Linux's /proc/stat")
-def test_demo_threads_follow_the_cores_busy_now():
-    """The demo's threads come from the cores other processes keep busy now, not from the load average, which still
-    counts a build that just ended: a process spinning on one core shows as about one busy core while it runs."""
-    from peagle.demo.pipeline import _busy_cores
+def test_machine_counts_other_processes_not_this_one():
+    """The demo's threads and its rows' noise mark come from the cores busy now, not from the load average, which
+    lags (it still counts a build that just ended) and counts this process's own threads: a process spinning on one
+    core shows as about one busy core and as another process's; this process spinning shows as none of the others'
+    (the power check: by the load average alone, a row's own threads made it noisy)."""
+    from peagle.demo.machine import MachineClock, busy_cores
 
-    before = _busy_cores(0.5)
+    clock = MachineClock.start()
+    idle_others = clock.others_busy()
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        busy = _busy_cores(0.5)
+        clock = MachineClock.start()
+        busy = busy_cores(0.5)
+        others = clock.others_busy()
     finally:
         spinner.kill()
         spinner.wait()
-    assert busy - before > 0.7, (before, busy)
+    assert busy > 0.7 and others > 0.7, (busy, others)
+    clock = MachineClock.start()
+    end = time.monotonic() + 0.5
+    while time.monotonic() < end:  # this process keeps a core busy
+        pass
+    own_spin_others = clock.others_busy()
+    assert own_spin_others is not None and own_spin_others < 0.5 + (idle_others or 0), own_spin_others
 
 
 def test_demo_quick_end_to_end(tmp_path):

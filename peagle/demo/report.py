@@ -290,7 +290,9 @@ def _engine_lines(engine: dict[str, Any] | None, rows: list[dict[str, Any]]) -> 
         "prompts, several seeds, decoded in batches and not timed). Lossless: greedy, the output equals the target "
         f"alone's for every prompt; sampled, a two-sample test of the first tokens ({s.get('lossless_draws', 0)} "
         "draws per prompt) against the target alone's passes (p >= 0.001). Load: the 1-minute load average before "
-        "and after the row's calls; **noisy** above the core count (no headline figure).",
+        "and after the row's calls, and in brackets the cores other processes kept busy meanwhile (the machine's busy "
+        "time less this process's, which the load average counts too); **noisy** above a quarter of a core (no "
+        "headline figure).",
         "",
         format_table(rows),
     ]

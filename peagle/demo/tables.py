@@ -44,19 +44,24 @@ def _lossless_cell(r: dict[str, Any]) -> str:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of the rows (with their category, temperature and batch size when they have one). AL: tokens
-    emitted per target forward, +- its 95% interval; noisy: measured with the load average above the core count."""
+    emitted per target forward, +- its 95% interval; load: the 1-minute load average before / after, and the cores
+    other processes kept busy meanwhile; noisy: more than a quarter of a core (peagle.demo.machine)."""
     grouped = any("category" in r for r in rows)
     head = "| Config | category | T | batch " if grouped else "| Config "
     lines = [
-        head + "| tokens/s | AL (95%) | Pos 1..K | draft / verify / other | speedup | lossless | load before / after |",
+        head + "| tokens/s | AL (95%) | Pos 1..K | draft / verify / other | speedup | lossless | load before / after "
+        "(others' cores) |",
         "|---" * (4 if grouped else 1) + "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         split = r.get("split")
         shares = " / ".join(f"{100 * split[k]:.0f}%" for k in ("draft", "verify", "other")) if split else "-"
         positions = " ".join(f"{v:.2f}" for v in r.get("conditional_acceptance", [])) or "-"
+        others = r.get("others_busy_cores")
         load = (
-            f"{r['load_before'][0]:.1f} / {r['load_after'][0]:.1f}" + (" **noisy**" if r.get("noisy") else "")
+            f"{r['load_before'][0]:.1f} / {r['load_after'][0]:.1f}"
+            + (f" ({others:.2f})" if others is not None else "")
+            + (" **noisy**" if r.get("noisy") else "")
             if "load_before" in r
             else "-"
         )
