@@ -29,7 +29,7 @@ from peagle.ops import (
     gdn_tree_verify,
     gdn_tree_verify_reference,
 )
-from testkit import random_gdn_inputs, random_tree
+from testkit import random_gdn_inputs, random_gdn_spec_inputs, random_tree
 
 SMOKE = os.environ.get("PEAGLE_BENCH_SMOKE", "0") not in ("", "0")
 # batch, nodes, H, HV, K, V
@@ -210,27 +210,9 @@ def state_floor(state: torch.Tensor, batch: int, nodes: int, rounds: int, cold: 
 
 
 def vllm_spec_batch(batch: int, tokens_per_seq: int, state_dtype: torch.dtype):
-    heads, value_heads, key_dim, value_dim = VLLM_SHAPE
+    """vLLM's batch: ``batch`` chains of ``tokens_per_seq`` tokens at Qwen3-Next's GDN shapes, bf16 activations."""
     gen = torch.Generator().manual_seed(batch * 13 + tokens_per_seq)
-    tokens, slots = batch * tokens_per_seq, batch * tokens_per_seq + 3
-
-    def randn(*shape, scale=1.0, dtype=torch.bfloat16):
-        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
-
-    args = {
-        "A_log": randn(value_heads, scale=0.5),
-        "dt_bias": randn(value_heads),
-        "q": randn(tokens, heads, key_dim),
-        "k": randn(tokens, heads, key_dim),
-        "v": randn(tokens, value_heads, value_dim),
-        "a": randn(tokens, value_heads),
-        "b": randn(tokens, value_heads),
-        "spec_state_indices": torch.randperm(slots, generator=gen)[:tokens].view(batch, tokens_per_seq).int(),
-        "num_accepted_tokens": torch.randint(1, tokens_per_seq + 1, (batch,), generator=gen, dtype=torch.int32),
-        "cu_seqlens": torch.arange(0, tokens + 1, tokens_per_seq, dtype=torch.int32),
-        "use_qk_l2norm_in_kernel": True,
-    }
-    return args, randn(slots, value_heads, key_dim, value_dim, scale=0.1, dtype=state_dtype)
+    return random_gdn_spec_inputs(gen, [tokens_per_seq] * batch, heads=VLLM_SHAPE, state_dtype=state_dtype)
 
 
 @pytest.mark.parametrize("caches", ["interleaved", "cold"])
