@@ -702,13 +702,13 @@ def test_spec_step_gates_follow_softplus_beta_and_threshold(generator):
     assert not torch.allclose(default, o, rtol=1e-3, atol=1e-4)
 
 
-def test_spec_step_empty_batches(generator):
+@pytest.mark.parametrize("bounds", [[0], [0, 0]], ids=["no-sequence", "a-sequence-of-no-token"])
+def test_spec_step_empty_batches(generator, bounds):
     args, state = random_gdn_spec_inputs(generator, [3], heads=SPEC_HEADS, dtype=torch.float32)
-    for empty in ({"cu_seqlens": torch.tensor([0], dtype=torch.int32)},):
-        cache = state.clone()
-        no_tokens = {name: t[:0] for name, t in args.items() if name in ("q", "k", "v", "a", "b")}
-        o = gdn_spec_step(**{**args, **no_tokens, **empty}, initial_state_source=cache)
-        assert o.shape == (0, *args["v"].shape[1:]) and torch.equal(cache, state)
+    no_tokens = {name: t[:0] for name, t in args.items() if name in ("q", "k", "v", "a", "b")}
+    cache = state.clone()
+    o = gdn_spec_step(**{**args, **no_tokens, "cu_seqlens": torch.tensor(bounds)}, initial_state_source=cache)
+    assert o.shape == (0, *args["v"].shape[1:]) and torch.equal(cache, state)
 
 
 def test_spec_step_errors(generator):
