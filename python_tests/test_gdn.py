@@ -669,7 +669,7 @@ def spec_step_both(generator, lengths, state_dtype=torch.float32, index_dtype=to
     return o, cache, expected_o, expected_cache, args, state
 
 
-@pytest.mark.parametrize("lengths", [[4], [3, 3, 3], [4, 2, 1, 3], [1], [6, 5], [1, 6]])
+@pytest.mark.parametrize("lengths", [[4], [3, 3, 3], [4, 2, 1, 3], [1], [6, 5], [1, 6], [3, 0, 2], [2, 0]])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 def test_spec_step_matches_the_token_recurrence(generator, lengths, state_dtype, index_dtype):

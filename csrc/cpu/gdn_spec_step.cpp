@@ -93,8 +93,8 @@ std::pair<at::Tensor, at::Tensor> gates(const at::Tensor& a, const at::Tensor& b
 // The chains' layout, computed on the host: start[s] = indices[s, max(num_accepted[s] - 1, 0)] (the slot of the
 // request's last accepted token; its column comes from the previous step's chain, which may be longer than any of
 // this step's), dest[s, i] = indices[s, i] for the sequence's tokens and -1 for padding, token[s, i] = the flattened
-// token of position i (padding repeats the sequence's first token), parent[s, i] = i - 1, and rows [T]: the flat
-// positions of the real tokens, in token order.
+// token of position i (padding reads token 0: any real token serves, as nothing of it is kept), parent[s, i] = i - 1,
+// and rows [T]: the flat positions of the real tokens, in token order.
 struct ChainLayout {
   at::Tensor start, dest, token, parent, rows;
 };
@@ -114,16 +114,18 @@ ChainLayout chain_layout(const at::Tensor& indices, const at::Tensor& num_accept
   int64_t* rows = out.rows.data_ptr<int64_t>();
   AT_DISPATCH_INDEX_TYPES(host.scalar_type(), kOp, [&] {
     const index_t* index_ptr = host.data_ptr<index_t>();
-    const auto at = [&](int64_t s, int64_t column) { return index_ptr[s * host.stride(0) + column * host.stride(1)]; };
+    const auto slot = [&](int64_t s, int64_t column) {
+      return index_ptr[s * host.stride(0) + column * host.stride(1)];
+    };
     for (int64_t s = 0; s < S; ++s) {
       const int64_t column = std::max<int64_t>(counts[s] - 1, 0);
       TORCH_CHECK(column < width, "peagle.", kOp, ": num_accepted_tokens[", s, "] = ", counts[s], " exceeds the ",
                   width, " slot columns of spec_state_indices");
-      start[s] = at(s, column);
+      start[s] = slot(s, column);
       const int64_t length = bounds[s + 1] - bounds[s];
       for (int64_t i = 0; i < n; ++i) {
-        dest[s * n + i] = i < length ? at(s, i) : -1;
-        token[s * n + i] = bounds[s] + (i < length ? i : 0);
+        dest[s * n + i] = i < length ? slot(s, i) : -1;
+        token[s * n + i] = i < length ? bounds[s] + i : 0;
         parent[s * n + i] = i - 1;
         if (i < length) rows[bounds[s] + i] = s * n + i;
       }
