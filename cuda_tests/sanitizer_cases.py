@@ -21,6 +21,7 @@ from testkit import (
     gdn_inputs_to,
     random_edge_case,
     random_gdn_inputs,
+    random_gdn_spec_inputs,
     random_packed_row,
     random_tree_batch,
     random_tree_probs,
@@ -89,6 +90,18 @@ def gdn_slots(generator):
         if DEVICE.type == "cuda":  # the CPU validates every call: the conflict would raise there
             dest[1, 2] = 3
             OPS.gdn_tree_verify_slots(*dev(*x[:6]), cache, start, dest, None, True, False)
+
+
+@case("gdn_spec_step")
+def gdn_spec(generator):
+    # vLLM's step: equal chains (views) and ragged ones with an empty last sequence (padded gathers), bf16 and fp32
+    # caches.
+    for lengths, state_dtype in [([4, 4], torch.bfloat16), ([3, 1, 0], torch.float32)]:
+        args, state = random_gdn_spec_inputs(generator, lengths, heads=(2, 4, 24, 40), state_dtype=state_dtype)
+        if state_dtype == torch.float32:
+            args = {**args, **{name: args[name].float() for name in ("q", "k", "v", "a", "b")}}
+        moved = {name: t.to(DEVICE) if isinstance(t, torch.Tensor) else t for name, t in args.items()}
+        OPS.gdn_spec_step(initial_state_source=state.to(DEVICE), **moved)
 
 
 @case("gdn_tree_verify", "gdn_commit", "causal_conv1d_tree", "causal_conv1d_commit")

@@ -124,6 +124,9 @@ std::tuple<at::Tensor, at::Tensor> efficient_lm_head_cpu(const at::Tensor& hidde
   float* out_logits = logits.data_ptr<float>();
   // One parallel region: each thread scores and rescores its own rows (its BLAS calls run single-threaded inside).
   at::parallel_for(0, d.rows, 1, [&](int64_t begin, int64_t end) {
+    // The kernel runs below autograd on the calling thread only: a worker thread's tensor ops (mm_out of inputs that
+    // require grad) would reach autograd and be refused without this.
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
     switch (weight.scalar_type()) {
       case at::kFloat:
         rows_task<float>(d, z, up_c, weight_c, h32, rows, begin, end, out_ids, out_logits);
