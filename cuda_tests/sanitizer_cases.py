@@ -97,9 +97,9 @@ def gdn_spec(generator):
     # vLLM's step: equal chains (views) and ragged ones with an empty last sequence (padded gathers), bf16 and fp32
     # caches.
     for lengths, state_dtype in [([4, 4], torch.bfloat16), ([3, 1, 0], torch.float32)]:
-        args, state = random_gdn_spec_inputs(generator, lengths, heads=(2, 4, 24, 40), state_dtype=state_dtype)
-        if state_dtype == torch.float32:
-            args = {**args, **{name: args[name].float() for name in ("q", "k", "v", "a", "b")}}
+        args, state = random_gdn_spec_inputs(
+            generator, lengths, heads=(2, 4, 24, 40), dtype=state_dtype, state_dtype=state_dtype
+        )
         moved = {name: t.to(DEVICE) if isinstance(t, torch.Tensor) else t for name, t in args.items()}
         OPS.gdn_spec_step(initial_state_source=state.to(DEVICE), **moved)
 

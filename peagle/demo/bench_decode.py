@@ -45,7 +45,7 @@ import torch
 
 from peagle.decode import GenerateMetrics, RequestStats, SpeculativeDecoder
 from peagle.decode.harness import CostTable
-from peagle.demo.machine import MachineClock
+from peagle.demo.machine import MachineClock, usable_cores
 from peagle.demo.tables import HARNESS, format_report, plot_groups, served_acceptance
 from peagle.demo.workload import check_categories, check_sampling
 from peagle.io import atomic_write_bytes, atomic_write_json
@@ -390,15 +390,11 @@ def _run_vllm(
     return rows
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def _machine(clock: MachineClock) -> dict[str, Any]:
     """What a row records of the machine (:meth:`peagle.demo.machine.MachineClock.row`): the load average before and
     after its calls, the cores other processes took meanwhile, torch's threads, the cores, and whether it is noisy
     (other processes took the cores the row was timed on)."""
-    return clock.row(torch.get_num_threads(), _cores())
+    return clock.row(torch.get_num_threads(), usable_cores())
 
 
 def acceptance_pass(
@@ -717,7 +713,7 @@ class BenchSettings:
     categories: list[str] = field(default_factory=list)
     acceptance_requests: int = 0
     lossless_draws: int = 0
-    cores: int = field(default_factory=_cores)
+    cores: int = field(default_factory=usable_cores)
 
 
 def _category_prompts(prompts, num_prompts: int, vocab: int, categories) -> dict[str, list[list[int]]]:

@@ -13,12 +13,17 @@ import os
 import time
 from dataclasses import dataclass
 
-__all__ = ["OTHERS_NOISY_CORES", "MachineClock", "busy_cores", "load_average"]
+__all__ = ["OTHERS_NOISY_CORES", "MachineClock", "busy_cores", "load_average", "usable_cores"]
 
 # A row is noisy when other processes kept more than this many cores busy on average while it ran: on 2 cores, a
 # quarter of a core taken from a two-thread op stalls its other thread (measured 3x slower target steps when every
 # core had a thread and other processes also ran).
 OTHERS_NOISY_CORES = 0.25
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS tells it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def load_average() -> list[float]:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from peagle.demo.machine import busy_cores
+from peagle.demo.machine import busy_cores, usable_cores
 from peagle.demo.target import (
     QUICK_TARGET,
     TargetSpec,
@@ -203,7 +203,7 @@ class Stages:
 def _threads() -> int:
     """Intra-op threads: the free cores. On a small shared machine, a thread per core while other processes also run
     makes every op wait for a descheduled thread (measured 3x slower target steps here than one thread)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     return max(1, min(cores, cores - round(busy_cores())))
 
 
