@@ -474,7 +474,7 @@ def step_states(x, u, cache, start, dest, l2norm):
     return out
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "chains"])  # chains: the CPU kernel's register path, with several roots
 @pytest.mark.parametrize("l2norm", [False, True])
 def test_verify_slots_matches_reference_and_the_verify_commit_path(generator, kind, l2norm):
     batch, nodes = 3, 9
@@ -509,17 +509,19 @@ def test_verify_slots_half_cache_rounds_the_fp32_states(generator, dtype):
     assert torch.equal(half, full.to(dtype)) and not torch.equal(full, half.float())  # rounding happened
 
 
+@pytest.mark.parametrize("stores", ["streamed", "cached"])
 @pytest.mark.parametrize("kind", ["chain", "random"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_verify_slots_large_calls_write_the_same_bits(generator, kind, dtype):
-    """A call that writes more states than a cache holds (18 MiB here; the CPU kernel writes over 16 MiB with
-    streaming stores) leaves the same outputs and cache as its requests verified one call each (2.3 MiB or less)."""
+def test_verify_slots_large_calls_write_the_same_bits(generator, monkeypatch, kind, dtype, stores):
+    """A call that writes many states (18 MiB here), with streaming stores or cached ones (the CPU kernel picks by
+    the bytes written; PEAGLE_CPU_STREAMING_BYTES forces either), leaves the same outputs and cache as its requests
+    verified one call each (2.3 MiB or less, below any threshold)."""
+    monkeypatch.setenv("PEAGLE_CPU_STREAMING_BYTES", str(4 << 20) if stores == "streamed" else str(1 << 40))
     batch, nodes = 8 if dtype == torch.float32 else 16, 9
     x = random_gdn_inputs(generator, batch, nodes, 2, 4, 128, 128, kind=kind, dtype=dtype)
     slots = torch.randperm(batch * (nodes + 1), generator=generator)
     start, dest = slots[:batch], slots[batch:].view(batch, nodes)  # every node written
     cache = (torch.randn(batch * (nodes + 1), 4, 128, 128, generator=generator) * 0.3).to(dtype)
-    assert dest.numel() * 4 * 128 * 128 * cache.element_size() > 16 << 20
     whole, parts = cache.clone(), cache.clone()
     o = gdn_tree_verify_slots(x.q, x.k, x.v, x.g, x.beta, x.parent, whole, start, dest, use_qk_l2norm=True)
     for b in range(batch):

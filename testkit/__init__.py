@@ -56,7 +56,8 @@ def random_tree(generator: torch.Generator, nodes: int, kind: str = "random") ->
 
     kind: "chain" (parent = i - 1), "star" (every node hangs off the root), "deep" (parent among the last 2 nodes,
     so depth grows ~ n / 1.5), "random" (parent uniform among earlier nodes), "forest" (like random, but some nodes
-    start from the committed state again: parent -1, as padding nodes do).
+    start from the committed state again: parent -1, as padding nodes do), "chains" (a forest of chains: parent i - 1,
+    or -1 for about a third of the nodes after the first).
     """
     if kind == "chain":
         return torch.arange(nodes, dtype=torch.long) - 1
@@ -71,6 +72,8 @@ def random_tree(generator: torch.Generator, nodes: int, kind: str = "random") ->
             parent[i] = int(torch.randint(0, i, (), generator=generator))
         elif kind == "forest":
             parent[i] = int(torch.randint(-1, i, (), generator=generator))
+        elif kind == "chains":
+            parent[i] = -1 if int(torch.randint(0, 3, (), generator=generator)) == 0 else i - 1
         else:
             raise ValueError(f"unknown tree kind {kind!r}")
     return parent

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -14,6 +15,7 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+#include <unistd.h>
 
 #include "checks/gdn.h"
 #include "isa.h"
@@ -90,10 +92,11 @@ void load_head(const state_t* head, int64_t row_stride, int64_t K, int64_t V, fl
 }
 
 template <typename state_t>
-void node_states(const float* s0, int64_t n, const int64_t* parent, const char* needed, const float* decay,
-                 const float* row_coef, const float* u, state_t* const* dest, int64_t row_stride, int64_t K, int64_t V,
-                 float* rows, bool stream) {
-  PEAGLE_GDN_DISPATCH(node_states(s0, n, parent, needed, decay, row_coef, u, dest, row_stride, K, V, rows, stream))
+void node_states(const float* s0, int64_t s0_stride, int64_t n, const int64_t* parent, const char* needed,
+                 const float* decay, const float* row_coef, const float* u, state_t* const* dest, int64_t row_stride,
+                 int64_t K, int64_t V, float* rows, bool stream, const state_t* next_start) {
+  PEAGLE_GDN_DISPATCH(node_states(s0, s0_stride, n, parent, needed, decay, row_coef, u, dest, row_stride, K, V, rows,
+                                  stream, next_start))
 }
 
 // Raw fp32 rows of q and k of one (request, q/k head), their factors and normalised Gram matrices (peagle/gdn.h):
@@ -281,6 +284,26 @@ std::tuple<at::Tensor, at::Tensor> gdn_tree_verify_cpu(const at::Tensor& q, cons
   return {o, u};
 }
 
+// The bytes of states a gdn_tree_verify_slots call must write before it streams them: an eighth of the last-level
+// cache as the OS reports it, at least 16 MiB (the size tuned on an AMD EPYC whose L3 slices are 32 MiB). On a Xeon
+// with 480 MB of L3, B = 8 K = 3 bf16 (32 MiB written) was 1.1x vLLM's step with cached stores, and streamed 1.0x
+// (interleaved with it) to 1.4x (caches evicted); B = 1 K = 8 float32 (18 MiB) 1.0-1.1x cached, 0.75x streamed when
+// interleaved; 64 MiB and more went faster streamed either way. PEAGLE_CPU_STREAMING_BYTES overrides it (tests take
+// both store paths).
+int64_t streaming_threshold_bytes() {
+  if (const char* forced = std::getenv("PEAGLE_CPU_STREAMING_BYTES")) return std::atoll(forced);
+  static const int64_t threshold = [] {
+    constexpr int64_t kLeast = int64_t{16} << 20;
+    int64_t last_level = -1;
+#if defined(_SC_LEVEL3_CACHE_SIZE)
+    last_level = sysconf(_SC_LEVEL3_CACHE_SIZE);
+    if (last_level <= 0) last_level = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+    return std::max(kLeast, last_level / 8);
+  }();
+  return threshold;
+}
+
 // Whether gdn_tree_verify_slots' values pass check_slots_values (checks/gdn.h), in loops: parents in [-1, i), start
 // slots in [0, pool), written slots in [-1, pool), distinct, and none another request's start slot.
 bool slots_values_valid(const int64_t* parent, const int64_t* start, const int64_t* dest, int64_t batch, int64_t nodes,
@@ -354,11 +377,22 @@ at::Tensor gdn_tree_verify_slots_cpu(const at::Tensor& q, const at::Tensor& k, c
       if (mark && parent_ptr[b * n + i] >= 0) needed[b * n + parent_ptr[b * n + i]] = 1;
     }
   }
-  // Streaming stores (no read for ownership) pay off when the written states do not fit in a cache, and cost when
-  // they do (the next step would find them there): only calls writing more than kStreamBytes use them.
-  constexpr int64_t kStreamBytes = int64_t{16} << 20;
+  // start_read_in_place[b]: request b's start state is read from the cache directly (float32 caches), unless a node
+  // other than node 0 starts from it after it was overwritten (see the value-head loop below).
+  std::vector<char> start_read_in_place(B, 1);
+  for (int64_t b = 0; b < B; ++b) {
+    bool overwritten = false, later_root = false;
+    for (int64_t i = 0; i < n; ++i) {
+      overwritten = overwritten || dest_ptr[b * n + i] == start_ptr[b];
+      later_root = later_root || (i > 0 && parent_ptr[b * n + i] < 0);
+    }
+    start_read_in_place[b] = !(overwritten && later_root);
+  }
+  // Streaming stores (no read for ownership) pay off when the written states would not stay in the last-level cache
+  // for their next reader, and cost when they would: see streaming_threshold_bytes.
   const int64_t written = std::count_if(dest_ptr, dest_ptr + B * n, [](int64_t slot) { return slot >= 0; });
-  const bool stream = written * HV * K * V * static_cast<int64_t>(state_cache.element_size()) > kStreamBytes;
+  const bool stream =
+      written * HV * K * V * static_cast<int64_t>(state_cache.element_size()) > streaming_threshold_bytes();
   const int64_t group = HV / H;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "gdn_tree_verify_slots_cpu", [&] {
     using qkv_t = scalar_t;
@@ -371,6 +405,12 @@ at::Tensor gdn_tree_verify_slots_cpu(const at::Tensor& q, const at::Tensor& k, c
         VerifyScratch w(n, K, V);
         std::vector<float> s0(K * V), rows((n + 1) * V), decay(n), row_coef(n * K);
         std::vector<state_t*> dest(n);
+        // The start state of the value head this thread verifies after (task, hv), if any.
+        const auto next_head = [&](int64_t task, int64_t hv) -> const state_t* {
+          if (hv + 1 < (task % H + 1) * group) return cache + cs.at(start_ptr[task / H], hv + 1, 0);
+          if (task + 1 < end) return cache + cs.at(start_ptr[(task + 1) / H], (task + 1) % H * group, 0);
+          return nullptr;
+        };
         for (int64_t task = begin; task < end; ++task) {
           const int64_t b = task / H, h = task % H;
           load_qk<qkv_t>(qc, kc, qs, ks, parent_ptr + b * n, b, h, n, K, use_qk_l2norm, q_scale, w.p);
@@ -378,18 +418,33 @@ at::Tensor gdn_tree_verify_slots_cpu(const at::Tensor& q, const at::Tensor& k, c
             for (int64_t r = 0; r < K; ++r) row_coef[i * K + r] = gdn::mul_rn(w.p.fk[i], w.p.k[i * K + r]);
           }
           for (int64_t hv = h * group; hv < (h + 1) * group; ++hv) {
-            // The start state, read before any node state of this head is written (it may go to the start slot).
-            load_head(cache + cs.at(start_ptr[b], hv, 0), cs.inner, K, V, s0.data());
-            verify_value_head(w, v_ptr, vs, gc.data_ptr<float>(), bc.data_ptr<float>(), parent_ptr + b * n, s0.data(),
-                              V, b, hv, n, HV, K, V);
+            // The start state: a float32 cache's rows are read where they are, others converted first. A node state
+            // may go to the start slot (vLLM's, when one token was accepted): node_states reads each start row before
+            // it writes that row, but a chain's later root would read it after, so those requests take the copy.
+            const state_t* head = cache + cs.at(start_ptr[b], hv, 0);
+            const float* start = nullptr;
+            int64_t start_stride = V;
+            if constexpr (std::is_same_v<state_t, float>) {
+              if (start_read_in_place[b]) {
+                start = head;
+                start_stride = cs.inner;
+              }
+            }
+            if (start == nullptr) {
+              load_head(head, cs.inner, K, V, s0.data());
+              start = s0.data();
+            }
+            verify_value_head(w, v_ptr, vs, gc.data_ptr<float>(), bc.data_ptr<float>(), parent_ptr + b * n, start,
+                              start_stride, b, hv, n, HV, K, V);
             store_outputs(w, o_ptr, b, hv, n, HV, V);
             for (int64_t i = 0; i < n; ++i) {
               decay[i] = gdn::node_decay(w.gate[i]);
               const int64_t slot = dest_ptr[b * n + i];
               dest[i] = slot < 0 ? nullptr : cache + cs.at(slot, hv, 0);
             }
-            node_states(s0.data(), n, parent_ptr + b * n, needed.data() + b * n, decay.data(), row_coef.data(),
-                        w.uf.data(), dest.data(), cs.inner, K, V, rows.data(), stream);
+            node_states(start, start_stride, n, parent_ptr + b * n, needed.data() + b * n, decay.data(),
+                        row_coef.data(), w.uf.data(), dest.data(), cs.inner, K, V, rows.data(), stream,
+                        next_head(task, hv));
           }
         }
       });

@@ -18,8 +18,8 @@ enum class Isa { kGeneric, kAvx2, kAvx512, kAvx512Bf16 };
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define PEAGLE_CPU_X86 1
 #define PEAGLE_CPU_AVX2 __attribute__((target("avx2,fma")))
-#define PEAGLE_CPU_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
-#define PEAGLE_CPU_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+#define PEAGLE_CPU_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,prfchw")))
+#define PEAGLE_CPU_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,prfchw")))
 #endif
 
 inline Isa detect_isa() {
