@@ -7,6 +7,31 @@
 // target attribute could be shared by the linker with code that runs on any CPU. No include guard: included on purpose
 // once per instruction set.
 
+// project_kq for M nodes over one whole block of kCols columns (s0, out_k and out_q at the block's first column):
+// constant trip counts, so that the 2 M kCols accumulators stay in vector registers.
+template <int64_t M, int64_t kCols>
+static inline PEAGLE_GDN_TARGET void project_nodes(const float* k, const float* fk, const float* q, const float* fq,
+                                                   const float* s0, int64_t row_stride, int64_t K, int64_t V,
+                                                   float* out_k, float* out_q) {
+  float acc_k[M][kCols] = {}, acc_q[M][kCols] = {};
+  for (int64_t r = 0; r < K; ++r) {
+    const float* srow = s0 + r * row_stride;
+    for (int64_t m = 0; m < M; ++m) {
+      const float kr = k[m * K + r], qr = q[m * K + r];
+      for (int64_t j = 0; j < kCols; ++j) {
+        acc_k[m][j] = gdn::state_mac(acc_k[m][j], kr, srow[j]);
+        acc_q[m][j] = gdn::state_mac(acc_q[m][j], qr, srow[j]);
+      }
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t j = 0; j < kCols; ++j) {
+      out_k[m * V + j] = gdn::mul_rn(acc_k[m][j], fk[m]);
+      out_q[m * V + j] = gdn::mul_rn(acc_q[m][j], fq[m]);
+    }
+  }
+}
+
 // out_k[i, c] = (sum_r k[i, r] S0[r, c]) f^k_i and out_q[i, c] = (sum_r q[i, r] S0[r, c]) f^q_i, every sum in
 // increasing r (as gdn.h's projections); S0 rows row_stride apart.
 static PEAGLE_GDN_TARGET void project_kq(const float* k, const float* fk, const float* q, const float* fq,
@@ -29,40 +54,51 @@ static PEAGLE_GDN_TARGET void project_kq(const float* k, const float* fk, const 
     }
     return;
   }
-  // Wide vectors: kNodes nodes at a time over blocks of kCols columns, so that each S0 row segment loaded serves
-  // 2 kNodes accumulator rows (2 kNodes kCols floats: half the vector registers).
-  constexpr int64_t kNodes = 4;
+  // Wide vectors: up to kNodes nodes at a time over blocks of kCols columns, so that each S0 row segment loaded
+  // serves 2 kNodes accumulator rows (2 kNodes kCols floats: three quarters of AVX-512's vector registers, half of
+  // AVX2's).
+  constexpr int64_t kNodes = kBlock == 64 ? 6 : 4;
   constexpr int64_t kCols = kBlock > 0 ? kBlock / 2 : 1;
   for (int64_t i0 = 0; i0 < n; i0 += kNodes) {
     const int64_t nodes = n - i0 < kNodes ? n - i0 : kNodes;
     const float* ki = k + i0 * K;
     const float* qi = q + i0 * K;
     for (int64_t c0 = 0; c0 < V; c0 += kCols) {
-      const int64_t width = c0 + kCols <= V ? kCols : V - c0;
-      float acc_k[kNodes][kCols], acc_q[kNodes][kCols];
-      for (int64_t m = 0; m < kNodes; ++m) {
-        for (int64_t j = 0; j < kCols; ++j) acc_k[m][j] = acc_q[m][j] = 0.0f;
-      }
-      if (nodes == kNodes && width == kCols) {  // constant trip counts: the accumulators stay in registers
-        for (int64_t r = 0; r < K; ++r) {
-          const float* srow = s0 + r * row_stride + c0;
-          for (int64_t m = 0; m < kNodes; ++m) {
-            const float kr = ki[m * K + r], qr = qi[m * K + r];
-            for (int64_t j = 0; j < kCols; ++j) {
-              acc_k[m][j] = gdn::state_mac(acc_k[m][j], kr, srow[j]);
-              acc_q[m][j] = gdn::state_mac(acc_q[m][j], qr, srow[j]);
-            }
-          }
+      const auto whole = [&](auto count) {
+        project_nodes<decltype(count)::value, kCols>(ki, fk + i0, qi, fq + i0, s0 + c0, row_stride, K, V,
+                                                     out_k + i0 * V + c0, out_q + i0 * V + c0);
+      };
+      if (c0 + kCols <= V) {  // constant trip counts: the accumulators stay in registers
+        switch (nodes) {
+          case 1:
+            whole(std::integral_constant<int64_t, 1>{});
+            continue;
+          case 2:
+            whole(std::integral_constant<int64_t, 2>{});
+            continue;
+          case 3:
+            whole(std::integral_constant<int64_t, 3>{});
+            continue;
+          case 4:
+            whole(std::integral_constant<int64_t, 4>{});
+            continue;
+          case 5:
+            whole(std::integral_constant < int64_t, kNodes<5 ? 1 : 5>{});
+            continue;
+          default:
+            whole(std::integral_constant<int64_t, kNodes>{});
+            continue;
         }
-      } else {
-        for (int64_t r = 0; r < K; ++r) {
-          const float* srow = s0 + r * row_stride + c0;
-          for (int64_t m = 0; m < nodes; ++m) {
-            const float kr = ki[m * K + r], qr = qi[m * K + r];
-            for (int64_t j = 0; j < width; ++j) {
-              acc_k[m][j] = gdn::state_mac(acc_k[m][j], kr, srow[j]);
-              acc_q[m][j] = gdn::state_mac(acc_q[m][j], qr, srow[j]);
-            }
+      }
+      const int64_t width = V - c0;
+      float acc_k[kNodes][kCols] = {}, acc_q[kNodes][kCols] = {};
+      for (int64_t r = 0; r < K; ++r) {
+        const float* srow = s0 + r * row_stride + c0;
+        for (int64_t m = 0; m < nodes; ++m) {
+          const float kr = ki[m * K + r], qr = qi[m * K + r];
+          for (int64_t j = 0; j < width; ++j) {
+            acc_k[m][j] = gdn::state_mac(acc_k[m][j], kr, srow[j]);
+            acc_q[m][j] = gdn::state_mac(acc_q[m][j], qr, srow[j]);
           }
         }
       }
