@@ -58,6 +58,7 @@ static PEAGLE_GDN_TARGET void project_kq(const float* k, const float* fk, const 
   // serves 2 kNodes accumulator rows (2 kNodes kCols floats: three quarters of AVX-512's vector registers, half of
   // AVX2's).
   constexpr int64_t kNodes = kBlock == 64 ? 6 : 4;
+  constexpr int64_t kFiveNodes = kNodes < 5 ? kNodes : 5;  // (unreachable when kNodes < 5)
   constexpr int64_t kCols = kBlock > 0 ? kBlock / 2 : 1;
   for (int64_t i0 = 0; i0 < n; i0 += kNodes) {
     const int64_t nodes = n - i0 < kNodes ? n - i0 : kNodes;
@@ -83,7 +84,7 @@ static PEAGLE_GDN_TARGET void project_kq(const float* k, const float* fk, const 
             whole(std::integral_constant<int64_t, 4>{});
             continue;
           case 5:
-            whole(std::integral_constant < int64_t, kNodes<5 ? 1 : 5>{});
+            whole(std::integral_constant<int64_t, kFiveNodes>{});
             continue;
           default:
             whole(std::integral_constant<int64_t, kNodes>{});
@@ -357,8 +358,9 @@ static PEAGLE_GDN_TARGET void chain_states(const float* s0, int64_t s0_stride, i
 
 // The node states of one value head, row by row (gdn::state_step from the parent's row; the start state's row for a
 // root), for the nodes marked `needed`; node i's row goes to dest[i] + r * row_stride when dest[i] is not null.
-// row_coef [n, K] = f^k_i k_i[r]; u [n, V]; rows: (n + 1) x V floats of scratch; stream: see store_state_row. Chains
-// take chain_states.
+// s0: the start state's K rows, s0_stride apart (a float32 cache's own rows, or a converted copy); each row is read
+// before that row of any node is written. row_coef [n, K] = f^k_i k_i[r]; u [n, V]; rows: (n + 1) x V floats of
+// scratch; stream: see store_state_row; next_start: see prefetch_rows. Chains take chain_states.
 template <typename state_t>
 static PEAGLE_GDN_TARGET void node_states(const float* s0, int64_t s0_stride, int64_t n, const int64_t* parent,
                                           const char* needed, const float* decay, const float* row_coef, const float* u,
