@@ -28,14 +28,14 @@ inline void check_same_device(const char* op, const char* name, const at::Tensor
               ref.device(), "), got ", t.device());
 }
 
-// Document ids, one rule for every op (cod_sample, mask_dense, mask_block): -1 marks padding and every other id is a
-// document, so ids below -1 are an error (they were padding for cod_sample but a document for the mask ops).
 // t in `dtype` and contiguous: t itself when it already is, with no dispatch (`.to(dtype).contiguous()` passes through
 // the dispatcher twice even then, which costs microseconds per call with cold caches).
 inline at::Tensor contiguous_as(const at::Tensor& t, at::ScalarType dtype) {
   return t.scalar_type() == dtype && t.is_contiguous() ? t : t.to(dtype).contiguous();
 }
 
+// Document ids, one rule for every op (cod_sample, mask_dense, mask_block): -1 marks padding and every other id is a
+// document, so ids below -1 are an error (they were padding for cod_sample but a document for the mask ops).
 [[noreturn]] inline void raise_document_ids(const char* op, int64_t lowest) {
   TORCH_CHECK(false, "peagle.", op, ": document_ids must be >= -1 (-1 = padding), got ", lowest);
 }

@@ -66,7 +66,8 @@ at::Tensor split_rows(const at::Tensor& t, int64_t S, int64_t n) {
   return alias(t, std::move(sizes), std::move(strides), t.storage_offset());
 }
 
-// t [S, n, ...] (rows S and n apart as a split of one dimension) as [S * n, ...].
+// t [S, n, ...] as [S * n, ...]; its first two dimensions must merge (stride(0) = n stride(1), as split_rows makes
+// them and as a fresh output has them).
 at::Tensor merge_rows(const at::Tensor& t) {
   std::vector<int64_t> sizes{t.size(0) * t.size(1)}, strides{t.stride(1)};
   sizes.insert(sizes.end(), t.sizes().begin() + 2, t.sizes().end());
