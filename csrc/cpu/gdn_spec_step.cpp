@@ -145,9 +145,13 @@ ChainLayout chain_layout(const at::Tensor& indices, const at::Tensor& num_accept
   const at::Tensor host = indices.is_cpu() ? indices : indices.narrow(0, 0, S).cpu();
   const std::vector<int64_t> counts = index_values(num_accepted.is_cpu() ? num_accepted : num_accepted.cpu());
   const int64_t T = bounds.back();
-  at::Tensor all = at::empty({S + 3 * S * n + T}, at::TensorOptions().dtype(at::kLong));
-  ChainLayout out{block(all, {S}, 0), block(all, {S, n}, S), block(all, {S, n}, S + S * n),
-                  block(all, {S, n}, S + 2 * S * n), block(all, {T}, S + 3 * S * n)};
+  // The five tensors as blocks of one buffer, in the order of ChainLayout.
+  const auto blocks = [&](const at::Tensor& all) {
+    return ChainLayout{block(all, {S}, 0), block(all, {S, n}, S), block(all, {S, n}, S + S * n),
+                       block(all, {S, n}, S + 2 * S * n), block(all, {T}, S + 3 * S * n)};
+  };
+  const at::Tensor all = at::empty({S + 3 * S * n + T}, at::TensorOptions().dtype(at::kLong));
+  ChainLayout out = blocks(all);
   int64_t* start = out.start.data_ptr<int64_t>();
   int64_t* dest = out.dest.data_ptr<int64_t>();
   int64_t* token = out.token.data_ptr<int64_t>();
@@ -172,12 +176,7 @@ ChainLayout chain_layout(const at::Tensor& indices, const at::Tensor& num_accept
       }
     }
   });
-  if (!indices.is_cpu()) {  // one copy to the device, then the same blocks of it
-    all = all.to(indices.device());
-    out = {block(all, {S}, 0), block(all, {S, n}, S), block(all, {S, n}, S + S * n), block(all, {S, n}, S + 2 * S * n),
-           block(all, {T}, S + 3 * S * n)};
-  }
-  return out;
+  return indices.is_cpu() ? out : blocks(all.to(indices.device()));  // one copy to the device
 }
 
 // The sequence bounds on the host, checked: 0 = cu[0] <= cu[1] <= ... <= cu[S] = tokens.
