@@ -57,6 +57,10 @@ TORCH_LIBRARY(peagle, m) {
       "gdn_spec_step(Tensor A_log, Tensor dt_bias, Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, "
       "Tensor(a!) initial_state_source, Tensor spec_state_indices, Tensor num_accepted_tokens, Tensor cu_seqlens, "
       "bool use_qk_l2norm_in_kernel, float softplus_beta=1.0, float softplus_threshold=20.0) -> Tensor");
+  // set_gdn_cache_layers: how many GDN layers' state caches one serving step writes (the CPU kernels stream the
+  // states they write past the caches when that many calls' states would not fit the last-level cache). Returns the
+  // previous value (2 until set).
+  m.def("set_gdn_cache_layers(int layers) -> int");
   m.def(
       "gdn_commit(Tensor k, Tensor g, Tensor u, Tensor parent, Tensor last_accepted, Tensor(a!) state_pool, "
       "Tensor slots, bool use_qk_l2norm=False, bool validate=True) -> ()");

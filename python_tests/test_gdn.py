@@ -20,6 +20,7 @@ from peagle.ops import (
     gdn_tree_verify_reference,
     gdn_tree_verify_slots,
     gdn_tree_verify_slots_reference,
+    set_gdn_cache_layers,
 )
 from peagle.ops.gdn import tree_path
 from testkit import random_gdn_inputs, random_gdn_spec_inputs, random_tree, strided_gdn_inputs
@@ -509,14 +510,35 @@ def test_verify_slots_half_cache_rounds_the_fp32_states(generator, dtype):
     assert torch.equal(half, full.to(dtype)) and not torch.equal(full, half.float())  # rounding happened
 
 
-@pytest.mark.parametrize("stores", ["streamed", "cached"])
+@pytest.fixture
+def cache_layers():
+    """set_gdn_cache_layers at its default (2) during the test, and back to the process's value after it."""
+    previous = set_gdn_cache_layers(2)
+    yield
+    set_gdn_cache_layers(previous)
+
+
+def test_set_gdn_cache_layers_returns_the_previous_count_and_refuses_fewer_than_one(cache_layers):
+    assert set_gdn_cache_layers(36) == 2
+    assert set_gdn_cache_layers(1) == 36
+    with pytest.raises(RuntimeError, match=r"layers must be >= 1 .*got 0"):
+        set_gdn_cache_layers(0)
+    assert set_gdn_cache_layers(2) == 1  # the refused call changed nothing
+
+
+@pytest.mark.parametrize("stores", ["streamed", "cached", "many layers"])
 @pytest.mark.parametrize("kind", ["chain", "random"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_verify_slots_large_calls_write_the_same_bits(generator, monkeypatch, kind, dtype, stores):
+def test_verify_slots_large_calls_write_the_same_bits(generator, monkeypatch, cache_layers, kind, dtype, stores):
     """A call that writes many states (18 MiB here), with streaming stores or cached ones (the CPU kernel picks by
-    the bytes written; PEAGLE_CPU_STREAMING_BYTES forces either), leaves the same outputs and cache as its requests
-    verified one call each (2.3 MiB or less, below any threshold)."""
-    monkeypatch.setenv("PEAGLE_CPU_STREAMING_BYTES", str(4 << 20) if stores == "streamed" else str(1 << 40))
+    the bytes written times set_gdn_cache_layers; PEAGLE_CPU_STREAMING_BYTES forces either), leaves the same outputs
+    and cache as its requests verified one call each (2.3 MiB or less, below the forced threshold; streamed too with
+    a million layers)."""
+    if stores == "many layers":
+        monkeypatch.delenv("PEAGLE_CPU_STREAMING_BYTES", raising=False)
+        set_gdn_cache_layers(10**6)
+    else:
+        monkeypatch.setenv("PEAGLE_CPU_STREAMING_BYTES", str(4 << 20) if stores == "streamed" else str(1 << 40))
     batch, nodes = 8 if dtype == torch.float32 else 16, 9
     x = random_gdn_inputs(generator, batch, nodes, 2, 4, 128, 128, kind=kind, dtype=dtype)
     slots = torch.randperm(batch * (nodes + 1), generator=generator)

