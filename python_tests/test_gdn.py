@@ -497,11 +497,13 @@ def test_verify_slots_matches_reference_and_the_verify_commit_path(generator, ki
     assert torch.equal(written, step_states(x, u, cache, start, dest, l2norm))
 
 
+@pytest.mark.parametrize("kind", ["random", "chain", "chains"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_verify_slots_half_cache_rounds_the_fp32_states(generator, dtype):
-    """A cache in q's dtype: the start state is read exactly and each written state is the fp32 result rounded to
-    nearest even (as .to(dtype) rounds it)."""
-    x, cache, start, dest = slots_case(generator, 4, 7, "random", dtype=dtype)
+def test_verify_slots_half_cache_rounds_the_fp32_states(generator, dtype, kind):
+    """A cache in q's dtype: the start state is read exactly (a bfloat16 one where it is, converted in registers; a
+    forest of chains whose later root starts from a slot node 0 overwrote, from a copy) and each written state is the
+    fp32 result rounded to nearest even (as .to(dtype) rounds it)."""
+    x, cache, start, dest = slots_case(generator, 4, 7, kind, dtype=dtype)
     cache = cache.to(dtype)
     half, full = cache.clone(), cache.float()
     o_half = gdn_tree_verify_slots(x.q, x.k, x.v, x.g, x.beta, x.parent, half, start, dest, use_qk_l2norm=True)

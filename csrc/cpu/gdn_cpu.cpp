@@ -78,7 +78,8 @@ namespace rows_avx512_bf16 {
 
 #define PEAGLE_GDN_DISPATCH(call) PEAGLE_CPU_DISPATCH(rows_generic, rows_avx2, rows_avx512, rows_avx512_bf16, call)
 
-void project_kq(const float* k, const float* fk, const float* q, const float* fq, const float* s0, int64_t row_stride,
+template <typename start_t>
+void project_kq(const float* k, const float* fk, const float* q, const float* fq, const start_t* s0, int64_t row_stride,
                 int64_t n, int64_t K, int64_t V, float* out_k, float* out_q) {
   PEAGLE_GDN_DISPATCH(project_kq(k, fk, q, fq, s0, row_stride, n, K, V, out_k, out_q))
 }
@@ -93,7 +94,12 @@ void load_head(const state_t* head, int64_t row_stride, int64_t K, int64_t V, fl
 }
 
 template <typename state_t>
-void node_states(const float* s0, int64_t s0_stride, int64_t n, const int64_t* parent, const char* needed,
+void prefetch_head(const state_t* head, int64_t row_stride, int64_t K, int64_t V) {
+  PEAGLE_GDN_DISPATCH(prefetch_head(head, row_stride, K, V))
+}
+
+template <typename state_t, typename start_t>
+void node_states(const start_t* s0, int64_t s0_stride, int64_t n, const int64_t* parent, const char* needed,
                  const float* decay, const float* row_coef, const float* u, state_t* const* dest, int64_t row_stride,
                  int64_t K, int64_t V, float* rows, bool stream, const state_t* next_start) {
   PEAGLE_GDN_DISPATCH(node_states(s0, s0_stride, n, parent, needed, decay, row_coef, u, dest, row_stride, K, V, rows,
@@ -207,9 +213,9 @@ void load_qk(const at::Tensor& q, const at::Tensor& k, gdn::RowStrides qs, gdn::
 
 // Delta values (w.uf) and outputs (w.of) of value head hv of request b from its committed state s0 (K rows of V floats,
 // row_stride apart); w.gate holds the head's raw log decays afterwards.
-template <typename scalar_t>
+template <typename scalar_t, typename start_t>
 void verify_value_head(VerifyScratch& w, const scalar_t* v, gdn::RowStrides vs, const float* g, const float* beta,
-                       const int64_t* parent, const float* s0, int64_t row_stride, int64_t b, int64_t hv, int64_t n,
+                       const int64_t* parent, const start_t* s0, int64_t row_stride, int64_t b, int64_t hv, int64_t n,
                        int64_t HV, int64_t K, int64_t V) {
   QkProducts& p = w.p;
   for (int64_t i = 0; i < n; ++i) {
@@ -392,7 +398,7 @@ at::Tensor gdn_tree_verify_slots_cpu(const at::Tensor& q, const at::Tensor& k, c
       if (mark && parent_ptr[b * n + i] >= 0) needed[b * n + parent_ptr[b * n + i]] = 1;
     }
   }
-  // start_read_in_place[b]: request b's start state is read from the cache directly (float32 caches), unless a node
+  // start_read_in_place[b]: request b's start state is read from the cache directly (float32, bfloat16), unless a node
   // other than node 0 starts from it after it was overwritten (see the value-head loop below).
   std::vector<char> start_read_in_place(B, 1);
   for (int64_t b = 0; b < B; ++b) {
@@ -433,33 +439,33 @@ at::Tensor gdn_tree_verify_slots_cpu(const at::Tensor& q, const at::Tensor& k, c
             for (int64_t r = 0; r < K; ++r) row_coef[i * K + r] = gdn::mul_rn(w.p.fk[i], w.p.k[i * K + r]);
           }
           for (int64_t hv = h * group; hv < (h + 1) * group; ++hv) {
-            // The start state: a float32 cache's rows are read where they are, others converted first. A node state
-            // may go to the start slot (vLLM's, when one token was accepted): node_states reads each start row before
-            // it writes that row, but a chain's later root would read it after, so those requests take the copy.
+            const auto verify_from = [&](const auto* start, int64_t start_stride) {
+              verify_value_head(w, v_ptr, vs, gc.data_ptr<float>(), bc.data_ptr<float>(), parent_ptr + b * n, start,
+                                start_stride, b, hv, n, HV, K, V);
+              store_outputs(w, o_ptr, b, hv, n, HV, V);
+              for (int64_t i = 0; i < n; ++i) {
+                decay[i] = gdn::node_decay(w.gate[i]);
+                const int64_t slot = dest_ptr[b * n + i];
+                dest[i] = slot < 0 ? nullptr : cache + cs.at(slot, hv, 0);
+              }
+              node_states(start, start_stride, n, parent_ptr + b * n, needed.data() + b * n, decay.data(),
+                          row_coef.data(), w.uf.data(), dest.data(), cs.inner, K, V, rows.data(), stream,
+                          next_head(task, hv));
+            };
+            // The start state: a float32 or bfloat16 cache's rows are read where they are (converted in registers),
+            // float16 ones converted first. A node state may go to the start slot (vLLM's, when one token was
+            // accepted): node_states reads each start row before it writes that row, but a chain's later root would
+            // read it after, so those requests take the copy.
             const state_t* head = cache + cs.at(start_ptr[b], hv, 0);
-            const float* start = nullptr;
-            int64_t start_stride = V;
-            if constexpr (std::is_same_v<state_t, float>) {
+            if constexpr (!std::is_same_v<state_t, c10::Half>) {
               if (start_read_in_place[b]) {
-                start = head;
-                start_stride = cs.inner;
+                prefetch_head(head, cs.inner, K, V);
+                verify_from(head, cs.inner);
+                continue;
               }
             }
-            if (start == nullptr) {
-              load_head(head, cs.inner, K, V, s0.data());
-              start = s0.data();
-            }
-            verify_value_head(w, v_ptr, vs, gc.data_ptr<float>(), bc.data_ptr<float>(), parent_ptr + b * n, start,
-                              start_stride, b, hv, n, HV, K, V);
-            store_outputs(w, o_ptr, b, hv, n, HV, V);
-            for (int64_t i = 0; i < n; ++i) {
-              decay[i] = gdn::node_decay(w.gate[i]);
-              const int64_t slot = dest_ptr[b * n + i];
-              dest[i] = slot < 0 ? nullptr : cache + cs.at(slot, hv, 0);
-            }
-            node_states(start, start_stride, n, parent_ptr + b * n, needed.data() + b * n, decay.data(),
-                        row_coef.data(), w.uf.data(), dest.data(), cs.inner, K, V, rows.data(), stream,
-                        next_head(task, hv));
+            load_head(head, cs.inner, K, V, s0.data());
+            verify_from(static_cast<const float*>(s0.data()), V);
           }
         }
       });
