@@ -534,11 +534,11 @@ def test_set_gdn_cache_layers_returns_the_previous_count_and_refuses_fewer_than_
 def test_verify_slots_large_calls_write_the_same_bits(generator, monkeypatch, cache_layers, kind, dtype, stores):
     """A call that writes many states (18 MiB here), with streaming stores or cached ones (the CPU kernel picks by
     the bytes written times set_gdn_cache_layers; PEAGLE_CPU_STREAMING_BYTES forces either), leaves the same outputs
-    and cache as its requests verified one call each (2.3 MiB or less, below the forced threshold; streamed too with
-    a million layers)."""
+    and cache as its requests verified one call each (2.3 MiB or less, below the forced threshold; streamed too when
+    told 2^62 layers, whose byte count must not overflow)."""
     if stores == "many layers":
         monkeypatch.delenv("PEAGLE_CPU_STREAMING_BYTES", raising=False)
-        set_gdn_cache_layers(10**6)
+        set_gdn_cache_layers(2**62)
     else:
         monkeypatch.setenv("PEAGLE_CPU_STREAMING_BYTES", str(4 << 20) if stores == "streamed" else str(1 << 40))
     batch, nodes = 8 if dtype == torch.float32 else 16, 9

@@ -412,8 +412,8 @@ at::Tensor gdn_tree_verify_slots_cpu(const at::Tensor& q, const at::Tensor& k, c
   // Streaming stores (no read for ownership) pay off when the written states would not stay in the last-level cache
   // for their next reader, and cost when they would: see gdn_cache_layers and streaming_threshold_bytes.
   const int64_t written = std::count_if(dest_ptr, dest_ptr + B * n, [](int64_t slot) { return slot >= 0; });
-  const bool stream = written * HV * K * V * static_cast<int64_t>(state_cache.element_size()) * gdn_cache_layers >
-                      streaming_threshold_bytes();
+  const double step_bytes = static_cast<double>(written * HV * K * V * state_cache.element_size()) * gdn_cache_layers;
+  const bool stream = step_bytes > static_cast<double>(streaming_threshold_bytes());  // (any layer count, no overflow)
   const int64_t group = HV / H;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "gdn_tree_verify_slots_cpu", [&] {
     using qkv_t = scalar_t;
