@@ -134,15 +134,10 @@ static PEAGLE_GDN_TARGET void commit_rows(float* s, int64_t row_stride, float co
   }
 }
 
-static PEAGLE_GDN_TARGET void to_float_row(const float* src, int64_t V, float* dst) {
-  for (int64_t c = 0; c < V; ++c) dst[c] = src[c];
-}
-
-// bf16 -> fp32 from the bits: exact.
-static PEAGLE_GDN_TARGET void to_float_row(const c10::BFloat16* src, int64_t V, float* dst) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);  // c10::BFloat16 is its 16 bits
-  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
-  for (int64_t c = 0; c < V; ++c) out[c] = static_cast<uint32_t>(bits[c]) << 16;
+// float32 and bf16 rows as start_value converts them (bf16 from the bits: exact).
+template <typename state_t>
+static PEAGLE_GDN_TARGET void to_float_row(const state_t* src, int64_t V, float* dst) {
+  for (int64_t c = 0; c < V; ++c) dst[c] = start_value(src + c);
 }
 
 static PEAGLE_GDN_TARGET void to_float_row(const c10::Half* src, int64_t V, float* dst) {

@@ -80,8 +80,9 @@ class CacheLayerCounter:
         """Records one call on ``state_cache``."""
         key = state_cache.data_ptr()
         previous = self._last_call.get(key)
+        layers = None if previous is None else self.calls - previous  # this call and the ones since the last on it
         self._last_call[key] = self.calls
         self.calls += 1
-        if previous is not None and self.calls - 1 - previous != self.layers:
-            self.layers = self.calls - 1 - previous
-            set_gdn_cache_layers(self.layers)
+        if layers is not None and layers != self.layers:
+            self.layers = layers
+            set_gdn_cache_layers(layers)
