@@ -103,7 +103,7 @@ def read_located_records(source: str) -> Iterator[tuple[str, dict[str, Any]]]:
                 raise ValueError(
                     f"{where}: not UTF-8 text (byte {raw[err.start]:#04x} at column {err.start + 1})"
                 ) from None
-            if not line.strip():
+            if not raw.strip():  # ASCII whitespace only: str.strip would also drop a line of control characters (\x1c)
                 continue
             try:
                 record = json.loads(line)
